@@ -1,0 +1,49 @@
+"""colab_par: interactive distributed training of PyTorch models from a Jupyter notebook.
+
+Names are imported lazily so that ``import colab_par`` stays cheap and the pure-Python parts
+(Layout, planner, picker) work in a kernel with no cluster and no torch.distributed.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Cluster": "colab_par.cluster",
+    "EngineError": "colab_par.cluster",
+    "Layout": "colab_par.layout",
+    "LayoutError": "colab_par.layout",
+    "parallelize": "colab_par.parallel",
+    "memory_report": "colab_par.parallel",
+    "ParallelModel": "colab_par.parallel",
+    "plan": "colab_par.planner",
+    "Plan": "colab_par.planner",
+    "LayoutPicker": "colab_par.widgets",
+    "Trainer": "colab_par.train",
+    "save": "colab_par.checkpoint",
+    "load": "colab_par.checkpoint",
+}
+
+__all__ = sorted(_EXPORTS) + ["load_ipython_extension", "unload_ipython_extension"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'colab_par' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext colab_par`` registers ``%colossal`` and ``%%colossal``."""
+    from colab_par.magics import ColossalMagics
+
+    ipython.register_magics(ColossalMagics(ipython))
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    from colab_par.magics import shutdown_default_cluster
+
+    shutdown_default_cluster()

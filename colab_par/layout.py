@@ -1,0 +1,284 @@
+"""The parallel layout: one small frozen value that names every parallelism degree and option.
+
+Pure Python on purpose (no torch.distributed import): the widget, the planner and the magics
+validate layouts in a notebook kernel that has no cluster. Every validation rule lives here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+__all__ = ["Layout", "LayoutError"]
+
+CP_MODES = ("ring", "ulysses")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
+PRECISIONS = ("fp32", "bf16")
+CHECKPOINTING = ("none", "selective", "full")
+DEGREES = ("dp", "tp", "pp", "cp")
+
+
+class LayoutError(ValueError):
+    """An impossible layout; the message names the broken rule and a valid alternative."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one model is spread over `world_size` ranks.
+
+    Mesh order (outermost first) is pp, dp, cp, tp: tensor parallel ranks are neighbours, so on a
+    multi-GPU node they share the fastest links.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero: int = 0
+    offload: bool = False
+    sequence_parallel: bool = False
+    cp_mode: str = "ring"
+    pp_schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual_stages: int = 1
+    precision: str = "fp32"
+    checkpointing: str = "none"
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    # ---- compact string form -------------------------------------------------------------------
+    def __str__(self) -> str:
+        parts = [f"{name}{getattr(self, name)}" for name in DEGREES if getattr(self, name) != 1]
+        if not parts:
+            parts = ["dp1"]
+        if self.zero:
+            parts.append(f"zero{self.zero}")
+        if self.offload:
+            parts.append("offload")
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.cp > 1 and self.cp_mode != "ring":
+            parts.append(self.cp_mode)
+        if self.pp > 1:
+            parts.append(self.pp_schedule)
+        if self.microbatches != 1:
+            parts.append(f"mb{self.microbatches}")
+        if self.virtual_stages != 1:
+            parts.append(f"v{self.virtual_stages}")
+        if self.precision != "fp32":
+            parts.append(self.precision)
+        if self.checkpointing != "none":
+            parts.append(f"ac-{self.checkpointing}")
+        return " ".join(parts)
+
+    @classmethod
+    def parse(cls, text: "str | Layout") -> "Layout":
+        """Parse the compact form, e.g. ``"dp2 tp2 zero3"`` or ``"pp2 interleaved mb4 v2 bf16"``."""
+        if isinstance(text, Layout):
+            return text
+        if not isinstance(text, str):
+            raise LayoutError(f"a layout is a string like 'dp2 tp2 zero3' or a Layout, not {type(text).__name__}")
+        fields: dict[str, Any] = {}
+        for token in text.replace(",", " ").split():
+            fields.update(_parse_token(token.lower()))
+        return cls(**fields)
+
+    def replace(self, **changes: Any) -> "Layout":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ---- validation ----------------------------------------------------------------------------
+    def validate(self, world_size: int | None = None, model_config: Any = None, *,
+                 device: str | None = None) -> "Layout":
+        """Raise `LayoutError` for the first broken rule; return self when the layout is possible.
+
+        `model_config` may be a GPTConfig, a Hugging Face config or a mapping with n_layer/n_head/
+        n_kv_head/seq_len (any of the usual spellings). `device` ("cpu", "cuda", or a catalogue name)
+        lets the bf16 rule apply.
+        """
+        for rule in _RULES:
+            rule(self, world_size, _model_sizes(model_config), device)
+        return self
+
+
+# ---- parsing helpers ---------------------------------------------------------------------------
+_TOKEN_PATTERNS: list[tuple[str, Any]] = [
+    (r"(dp|tp|pp|cp)(\d+)", lambda m: {m[1]: int(m[2])}),
+    (r"zero(\d+)", lambda m: {"zero": int(m[1])}),
+    (r"mb(\d+)", lambda m: {"microbatches": int(m[1])}),
+    (r"v(\d+)", lambda m: {"virtual_stages": int(m[1])}),
+    (r"offload", lambda m: {"offload": True}),
+    (r"sp", lambda m: {"sequence_parallel": True}),
+    (r"(ring|ulysses)", lambda m: {"cp_mode": m[1]}),
+    (r"(gpipe|1f1b|interleaved|zbv)", lambda m: {"pp_schedule": m[1]}),
+    (r"(fp32|bf16)", lambda m: {"precision": m[1]}),
+    (r"ac-(none|selective|full)", lambda m: {"checkpointing": m[1]}),
+]
+
+
+def _parse_token(token: str) -> dict[str, Any]:
+    for pattern, build in _TOKEN_PATTERNS:
+        match = re.fullmatch(pattern, token)
+        if match:
+            return build(match)
+    raise LayoutError(
+        f"unknown layout token {token!r}; use degrees like 'dp2 tp2 pp2 cp2', 'zero0'..'zero3', "
+        "'offload', 'sp', 'ring'/'ulysses', 'gpipe'/'1f1b'/'interleaved'/'zbv', 'mb4', 'v2', "
+        "'fp32'/'bf16', 'ac-selective'/'ac-full'")
+
+
+# ---- model sizes from any config ---------------------------------------------------------------
+_SIZE_NAMES = {
+    "n_layer": ("n_layer", "num_hidden_layers", "n_layers", "num_layers"),
+    "n_head": ("n_head", "num_attention_heads", "n_heads"),
+    "n_kv_head": ("n_kv_head", "num_key_value_heads", "n_kv_heads"),
+    "seq_len": ("seq_len", "max_position_embeddings", "block_size"),
+}
+
+
+def _model_sizes(config: Any) -> dict[str, int]:
+    if config is None:
+        return {}
+    get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
+    sizes: dict[str, int] = {}
+    for key, spellings in _SIZE_NAMES.items():
+        for name in spellings:
+            value = get(name, None)
+            if value is not None:
+                sizes[key] = int(value)
+                break
+    if "n_kv_head" not in sizes and "n_head" in sizes:
+        sizes["n_kv_head"] = sizes["n_head"]
+    return sizes
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _suggest(n: int, what: str) -> str:
+    options = [str(d) for d in _divisors(n) if d > 1] or ["1"]
+    return f"try {what}=" + " or ".join(options[:4])
+
+
+# ---- the rules, checked in order ---------------------------------------------------------------
+def _check_names(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
+    choices = {"cp_mode": CP_MODES, "pp_schedule": PP_SCHEDULES, "precision": PRECISIONS,
+               "checkpointing": CHECKPOINTING}
+    for field, allowed in choices.items():
+        value = getattr(layout, field)
+        if value not in allowed:
+            raise LayoutError(f"{field}={value!r} is unknown; choose one of {', '.join(allowed)}")
+    if layout.zero not in (0, 1, 2, 3):
+        raise LayoutError(f"zero={layout.zero} is unknown; choose 0 (DDP), 1, 2 or 3")
+
+
+def _check_degrees(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
+    for name in DEGREES + ("microbatches", "virtual_stages"):
+        value = getattr(layout, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise LayoutError(f"{name}={value!r} must be a positive integer; use 1 to turn it off")
+
+
+def _check_world(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
+    if world is None or layout.world_size == world:
+        return
+    if world % (layout.tp * layout.pp * layout.cp) == 0:
+        hint = f"try dp={world // (layout.tp * layout.pp * layout.cp)}"
+    else:
+        hint = f"choose degrees whose product is {world}, e.g. dp={world}"
+    raise LayoutError(
+        f"dp·tp·pp·cp = {layout.dp}·{layout.tp}·{layout.pp}·{layout.cp} = {layout.world_size} "
+        f"but the world has {world} ranks; {hint}")
+
+
+def _check_zero(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
+    if layout.zero > 0 and layout.dp == 1:
+        raise LayoutError(f"zero={layout.zero} shards over data parallel ranks but dp=1; "
+                          "set dp>1 or zero=0")
+    if layout.offload and layout.zero < 2:
+        raise LayoutError("offload moves FSDP-sharded state to the CPU and needs zero=2 or zero=3 "
+                          f"(got zero={layout.zero}); set zero=3")
+    if layout.zero == 1 and (layout.tp > 1 or layout.pp > 1 or layout.cp > 1):
+        raise LayoutError("zero=1 (ZeroRedundancyOptimizer) works with plain data parallel only; "
+                          "with tp/pp/cp use zero=2 or zero=3")
+    if layout.zero in (0, 1) and layout.tp > 1 and layout.dp > 1:
+        raise LayoutError("DDP does not wrap tensor-parallel (DTensor) modules; with dp>1 and tp>1 "
+                          "use zero=2 or zero=3")
+
+
+def _check_sequence_parallel(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
+    if layout.sequence_parallel and layout.tp == 1:
+        raise LayoutError("sequence_parallel (Megatron SP) splits activations over tensor-parallel "
+                          "ranks and needs tp>1; set tp=2 or sequence_parallel=False")
+
+
+def _check_pipeline(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
+    if layout.pp == 1:
+        return
+    schedule = layout.pp_schedule
+    multi_stage = schedule in ("interleaved", "zbv")
+    if schedule == "zbv" and layout.virtual_stages != 2:
+        raise LayoutError(f"pp_schedule='zbv' places exactly 2 stages per rank (V shape) but "
+                          f"virtual_stages={layout.virtual_stages}; set virtual_stages=2")
+    if schedule == "interleaved" and layout.virtual_stages < 2:
+        raise LayoutError("pp_schedule='interleaved' needs virtual_stages>=2 stages per rank; "
+                          "set virtual_stages=2 or use pp_schedule='1f1b'")
+    if not multi_stage and layout.virtual_stages != 1:
+        raise LayoutError(f"pp_schedule={schedule!r} runs one stage per rank; set virtual_stages=1 "
+                          "or use pp_schedule='interleaved'")
+    if schedule in ("1f1b", "interleaved", "zbv") and layout.microbatches < layout.pp:
+        raise LayoutError(f"pp_schedule={schedule!r} needs microbatches >= pp ({layout.pp}) to fill "
+                          f"the pipeline, got microbatches={layout.microbatches}; "
+                          f"set microbatches={layout.pp} or more")
+    if schedule == "interleaved" and layout.microbatches % layout.pp:
+        raise LayoutError(f"pp_schedule='interleaved' needs microbatches divisible by pp={layout.pp}, "
+                          f"got {layout.microbatches}; try microbatches={2 * layout.pp}")
+
+
+def _check_model(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
+    heads, kv_heads = sizes.get("n_head"), sizes.get("n_kv_head")
+    if heads and heads % layout.tp:
+        raise LayoutError(f"tp={layout.tp} does not divide {heads} heads; {_suggest(heads, 'tp')}")
+    if kv_heads and kv_heads % layout.tp:
+        raise LayoutError(f"tp={layout.tp} does not divide {kv_heads} kv-heads; "
+                          f"{_suggest(kv_heads, 'tp')}")
+    if heads and layout.cp > 1 and layout.cp_mode == "ulysses":
+        local_heads, local_kv = heads // layout.tp, (kv_heads or heads) // layout.tp
+        if local_heads % layout.cp or local_kv % layout.cp:
+            raise LayoutError(f"ulysses context parallel splits heads: cp={layout.cp} does not divide "
+                              f"{local_heads} heads / {local_kv} kv-heads per tp rank; "
+                              "use cp_mode='ring' or a cp that divides the heads")
+    layers = sizes.get("n_layer")
+    stages = layout.pp * layout.virtual_stages
+    if layers and layers % stages:
+        raise LayoutError(f"{layers} layers do not split into pp·virtual_stages = {stages} equal "
+                          f"stages; {_suggest(layers, 'pp·virtual_stages')}")
+    seq = sizes.get("seq_len")
+    if seq and layout.cp > 1:
+        chunks = 2 * layout.cp if layout.cp_mode == "ring" else layout.cp
+        if seq % chunks:
+            raise LayoutError(f"seq_len={seq} is not divisible by {chunks} "
+                              f"({'2·cp for load-balanced ring' if layout.cp_mode == 'ring' else 'cp'}); "
+                              f"use a sequence length that is a multiple of {chunks}")
+    if seq and layout.sequence_parallel and seq % layout.tp:
+        raise LayoutError(f"sequence parallel splits seq_len={seq} over tp={layout.tp}; "
+                          f"use a sequence length that is a multiple of {layout.tp}")
+
+
+def _check_precision(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
+    if layout.precision != "bf16" or device is None:
+        return
+    no_bf16 = ("t4", "v100", "p100", "k80")
+    if any(name in device.lower() for name in no_bf16):
+        raise LayoutError(f"precision='bf16' needs a GPU with bfloat16 (Ampere or newer); {device} "
+                          "has none; use precision='fp32'")
+
+
+_RULES = (_check_names, _check_degrees, _check_world, _check_zero, _check_sequence_parallel,
+          _check_pipeline, _check_model, _check_precision)

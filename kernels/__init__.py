@@ -1,0 +1,1 @@
+"""Triton fused kernels for the training path (installed as colab_par.kernels)."""
