@@ -1,0 +1,185 @@
+"""``%colossal`` / ``%%colossal``: argument parsing and IPython registration only.
+
+Everything here is a thin layer over `colab_par.Cluster` and `colab_par.ship`, so a Python user
+can do the same without magics.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+
+from colab_par.cluster import Cluster
+from colab_par.ship import names_assigned, values_to_ship
+
+__all__ = ["ColossalMagics", "default_cluster", "use_cluster", "shutdown_default_cluster", "parse_ranks"]
+
+_default: Cluster | None = None
+_NOT_STARTED = ("No engines are running. Start them first with `%colossal start` "
+                "(e.g. `%colossal start -n 2`).")
+
+
+def default_cluster() -> Cluster | None:
+    """The cluster `%colossal start` made in this kernel, if any."""
+    return _default
+
+
+def use_cluster(cluster: Cluster) -> None:
+    """Adopt a running `Cluster` made in Python as the one `%%colossal` cells run on."""
+    global _default
+    if not cluster.running:
+        raise ValueError("that cluster is not running; call cluster.start() first")
+    _default = cluster
+
+
+def shutdown_default_cluster() -> None:
+    global _default
+    if _default is not None:
+        _default.stop()
+        _default = None
+
+
+def parse_ranks(text: str, world: int) -> list[int]:
+    """``"0,2"``, ``"1-3"``, ``"all"`` -> rank list, each checked against the world size."""
+    if text == "all":
+        return list(range(world))
+    ranks: list[int] = []
+    for part in text.split(","):
+        try:
+            low, _, high = part.partition("-")
+            ranks.extend(range(int(low), int(high or low) + 1))
+        except ValueError:
+            raise UsageError(f"--targets {text!r} is not a rank list; use e.g. 0 or 0,1 or 0-3 or all") from None
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise UsageError(f"--targets names rank(s) {bad} but ranks are 0..{world - 1}")
+    return ranks
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors as IPython UsageError instead of exiting the kernel."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message}\n{self.format_usage()}")
+
+
+def _line_parser() -> _Parser:
+    parser = _Parser(prog="%colossal", add_help=False)
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    start = sub.add_parser("start", add_help=False)
+    start.add_argument("-n", type=int, default=None, help="engines (default: one per GPU, or 2 on CPU)")
+    start.add_argument("--backend", choices=["nccl", "gloo"], default=None)
+    start.add_argument("--launcher", choices=["local", "mpi", "slurm", "ssh"], default="local")
+    start.add_argument("--timeout", type=float, default=300.0)
+    for name in ("status", "stop", "restart"):
+        sub.add_parser(name, add_help=False)
+    relayout = sub.add_parser("relayout", add_help=False)
+    relayout.add_argument("layout", help='new layout, e.g. "tp2"')
+    relayout.add_argument("--model", default="pm", help="engine variable holding the ParallelModel")
+    return parser
+
+
+def _cell_parser() -> _Parser:
+    parser = _Parser(prog="%%colossal", add_help=False)
+    parser.add_argument("--targets", default="all", help="ranks to run on: 0 | 0,1 | 0-3 | all")
+    parser.add_argument("--all-output", action="store_true", help="show every rank's output")
+    parser.add_argument("--layout", default=None,
+                        help="notebook variable holding a LayoutPicker, a Layout or a layout string")
+    return parser
+
+
+@magics_class
+class ColossalMagics(Magics):
+    """`%colossal start|status|stop|restart|relayout` and the `%%colossal` cell magic."""
+
+    def __init__(self, shell: Any):
+        super().__init__(shell)
+        self._engine_names: set[str] = set()
+        self._generation = 0
+
+    @line_cell_magic
+    def colossal(self, line: str, cell: str | None = None) -> None:
+        if cell is None:
+            return self._line(line)
+        return self._cell(line, cell)
+
+    # ---- line magic -----------------------------------------------------------------------------
+    def _line(self, line: str) -> None:
+        global _default
+        args = _line_parser().parse_args(shlex.split(line))
+        if args.command is None:
+            raise UsageError("usage: %colossal start [-n N] [--backend B] [--launcher L] | status | "
+                             "stop | restart | relayout LAYOUT")
+        if args.command == "start":
+            if _default is None or not _default.running:
+                _default = Cluster(args.n, backend=args.backend, launcher=args.launcher,
+                                   timeout=args.timeout)
+            _default.start()
+            print(f"colab_par: {_default.n} engines ready ({_default.backend}, "
+                  f"devices {', '.join(_default.devices)})")
+            return
+        cluster = self._cluster()
+        if args.command == "stop":
+            shutdown_default_cluster()
+            print("colab_par: engines stopped")
+        elif args.command == "restart":
+            cluster.restart()
+            print(f"colab_par: {cluster.n} fresh engines ready; engine variables were cleared")
+        elif args.command == "status":
+            _print_status(cluster.status())
+        elif args.command == "relayout":
+            from colab_par.layout import Layout
+
+            layout = Layout.parse(args.layout).validate(cluster.n)
+            cluster.execute(f"import colab_par.checkpoint as _cp\n"
+                            f"{args.model} = _cp.relayout({args.model}, {str(layout)!r})\n"
+                            f"if rank == 0: print('colab_par: {args.model} now runs as', {args.model}.layout)")
+
+    # ---- cell magic -----------------------------------------------------------------------------
+    def _cell(self, line: str, cell: str) -> None:
+        args = _cell_parser().parse_args(shlex.split(line))
+        cluster = self._cluster()
+        if cluster.generation != self._generation:  # fresh engines know none of the old names
+            self._engine_names, self._generation = set(), cluster.generation
+        targets = parse_ranks(args.targets, cluster.n)
+        user_ns = self.shell.user_ns
+        namespace = values_to_ship(cell, user_ns, self._engine_names, on_skip=_warn_skipped)
+        if args.layout is not None:
+            namespace["layout"] = _resolve_layout(args.layout, user_ns, cluster.n)
+        try:
+            cluster.execute(cell, targets=targets, all_output=args.all_output, namespace=namespace)
+        finally:
+            self._engine_names |= names_assigned(cell)
+
+    def _cluster(self) -> Cluster:
+        if _default is None or not _default.running:
+            raise UsageError(_NOT_STARTED)
+        return _default
+
+
+def _resolve_layout(name: str, user_ns: dict[str, Any], world: int) -> Any:
+    """A picker, a Layout or a layout string -> a Layout validated for this world, in the notebook."""
+    from colab_par.layout import Layout
+
+    if name in user_ns:
+        value = user_ns[name]
+        layout = value.layout if hasattr(value, "layout") and not isinstance(value, Layout) else value
+    else:
+        layout = name  # a literal like --layout "dp2 zero3"
+    return Layout.parse(layout).validate(world)
+
+
+def _warn_skipped(name: str, reason: str) -> None:
+    print(f"colab_par: not shipping {name!r} to the engines (cannot be pickled: {reason})")
+
+
+def _print_status(rows: list[dict[str, Any]]) -> None:
+    print(f"{'rank':>4} {'host':<16} {'pid':>8} {'device':<8} {'alive':<6} {'memory':>10}")
+    for row in rows:
+        memory = "busy" if row.get("busy") else (
+            f"{row['memory_bytes'] / 2**20:.0f} MiB" if row["memory_bytes"] is not None else "-")
+        print(f"{row['rank']:>4} {row['host'][:16]:<16} {row['pid']:>8} {row['device']:<8} "
+              f"{'yes' if row['alive'] else 'DEAD':<6} {memory:>10}")

@@ -1,0 +1,29 @@
+"""Shared real clusters: starting ipyparallel engines costs seconds, so tests reuse them.
+
+Tests that break engines on purpose (kill, stuck collectives) start their own cluster instead.
+"""
+from __future__ import annotations
+
+import pytest
+
+from colab_par import Cluster
+
+
+def _started(n: int):
+    cluster = Cluster(n=n, backend="gloo", timeout=120.0, dashboard=False)
+    cluster.start()
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def cluster2():
+    cluster = _started(2)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster4():
+    cluster = _started(4)
+    yield cluster
+    cluster.stop()

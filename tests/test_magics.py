@@ -1,0 +1,104 @@
+"""%colossal / %%colossal through a real IPython shell on a real 2-engine gloo cluster."""
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import get_ipython
+
+from colab_par import magics
+from colab_par.cluster import EngineError
+
+
+@pytest.fixture(scope="module")
+def shell():
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "colab_par")
+    return ip
+
+
+@pytest.fixture
+def on_cluster(shell, cluster2):
+    magics.use_cluster(cluster2)
+    yield shell
+    magics._default = None  # the session fixture owns the cluster's lifetime
+
+
+def test_cell_before_start_says_how_to_start(shell):
+    magics._default = None
+    with pytest.raises(UsageError, match="%colossal start"):
+        shell.run_cell_magic("colossal", "", "print(1)")
+
+
+def test_notebook_class_and_closure_are_shipped(on_cluster, capsys):
+    on_cluster.run_cell("class Counter:\n    def __init__(self, start):\n        self.value = start * 3\n")
+    on_cluster.run_cell("def make_adder(k):\n    def add(x):\n        return x + k\n    return add\n"
+                        "add5 = make_adder(5)\nscale = 100")
+    on_cluster.run_cell_magic("colossal", "", "result = Counter(rank).value + add5(scale)\nprint('result', result)")
+    out = capsys.readouterr().out
+    assert "result 105" in out  # rank 0: 0*3 + 105
+    assert "[rank 1] result 108" in out  # differs from rank 0, so shown with its prefix
+
+
+def test_names_defined_on_engines_stay_there(on_cluster, capsys):
+    on_cluster.run_cell_magic("colossal", "", "kept = rank * 7")
+    on_cluster.run_cell_magic("colossal", "--all-output", "print('kept', kept)")
+    out = capsys.readouterr().out
+    assert "kept 0" in out and "[rank 1] kept 7" in out
+
+
+def test_all_reduce_in_a_cell(on_cluster, capsys):
+    on_cluster.run_cell_magic("colossal", "", "import torch, torch.distributed as dist\n"
+                              "t = torch.tensor([rank + 1.0])\ndist.all_reduce(t)\nprint('sum', t.item())")
+    out = capsys.readouterr().out
+    assert out.count("sum 3.0") == 1  # identical on both ranks: printed once, by rank 0
+
+
+def test_targets_run_only_the_named_ranks(on_cluster, capsys):
+    on_cluster.run_cell_magic("colossal", "--targets 1", "print('only', rank)")
+    assert capsys.readouterr().out.strip() == "only 1"
+    with pytest.raises(UsageError, match="ranks are 0..1"):
+        on_cluster.run_cell_magic("colossal", "--targets 5", "pass")
+
+
+def test_identical_errors_are_grouped_with_user_line_numbers(on_cluster):
+    with pytest.raises(EngineError) as info:
+        on_cluster.run_cell_magic("colossal", "", "x = 1\ny = x / 0\n")
+    groups = info.value.groups
+    assert len(groups) == 1 and groups[0][0] == [0, 1] and groups[0][1] == "ZeroDivisionError"
+    rendered = "\n".join(info.value._render_traceback_())
+    assert "[ranks 0,1] ZeroDivisionError" in rendered and "line 2" in rendered
+
+
+def test_distinct_errors_are_listed_per_rank_group(on_cluster):
+    with pytest.raises(EngineError) as info:
+        on_cluster.run_cell_magic("colossal", "", "raise ValueError(f'bad rank {rank}')")
+    assert sorted((g[0], g[2]) for g in info.value.groups) == [([0], "bad rank 0"), ([1], "bad rank 1")]
+
+
+def test_cell_error_fails_the_notebook_cell(on_cluster):
+    result = on_cluster.run_cell("%%colossal\nraise KeyError('missing')\n")
+    assert isinstance(result.error_in_exec, EngineError)
+
+
+def test_layout_option_passes_a_validated_layout(on_cluster, capsys):
+    on_cluster.run_cell("chosen = 'dp2 zero3'")
+    on_cluster.run_cell_magic("colossal", "--layout chosen", "print(type(layout).__name__, layout)")
+    assert "Layout dp2 zero3" in capsys.readouterr().out
+    from colab_par.layout import LayoutError
+    on_cluster.run_cell("wrong = 'dp4'")
+    with pytest.raises(LayoutError, match="world has 2 ranks"):
+        on_cluster.run_cell_magic("colossal", "--layout wrong", "pass")
+
+
+def test_unpicklable_values_are_skipped_with_a_note(on_cluster, capsys):
+    on_cluster.run_cell("import threading\nlock = threading.Lock()")
+    on_cluster.run_cell_magic("colossal", "", "try:\n    lock\n    found = True\nexcept NameError:\n"
+                              "    found = False\nprint('has lock', found)")
+    out = capsys.readouterr().out
+    assert "not shipping 'lock'" in out and "has lock False" in out
+
+
+def test_status_line_magic(on_cluster, capsys):
+    on_cluster.run_line_magic("colossal", "status")
+    out = capsys.readouterr().out
+    assert out.count("yes") == 2 and "cpu" in out
