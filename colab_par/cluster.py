@@ -176,8 +176,10 @@ class Cluster:
 
     def stop(self) -> None:
         """Stop controller and engines and make sure no process of theirs is left."""
-        started = self._pids | {info["pid"] for info in self._hosts if self._is_local(info)}
+        engine_pids = {info["pid"] for info in self._hosts if self._is_local(info)}
+        started = self._pids | engine_pids
         if self._client is not None:
+            self._shutdown_engines(engine_pids)
             self._client.close()
         if self._ipp is not None:
             try:
@@ -189,6 +191,23 @@ class Cluster:
         self._ipp, self._client, self._ids, self._hosts, self._pids = None, None, [], [], set()
         self.devices = []
         _LIVE.discard(self)
+
+    def _shutdown_engines(self, engine_pids: set[int]) -> None:
+        """Ask engines to exit through ipyparallel first: much faster than the launcher's SIGTERM.
+
+        Engines holding a process group can take seconds to die from SIGTERM, and ipyparallel
+        then waits 5 s per engine set before escalating; a shutdown request ends them at once.
+        """
+        live = self._live_ids()
+        if not live:
+            return
+        try:
+            self._client.shutdown(targets=live, hub=False, block=False)
+        except Exception:  # noqa: BLE001 - the stop path below still cleans up
+            return
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(_pid_alive(p) for p in engine_pids):
+            time.sleep(0.05)
 
     def restart(self) -> "Cluster":
         """Fresh engines and a fresh process group (after a dead rank or a stuck collective)."""
