@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["Layout", "LayoutError"]
+__all__ = ["Layout", "LayoutError", "model_sizes"]
 
 CP_MODES = ("ring", "ulysses")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
@@ -60,9 +60,9 @@ class Layout:
             parts.append("offload")
         if self.sequence_parallel:
             parts.append("sp")
-        if self.cp > 1 and self.cp_mode != "ring":
+        if self.cp_mode != "ring":
             parts.append(self.cp_mode)
-        if self.pp > 1:
+        if self.pp > 1 or self.pp_schedule != "1f1b":
             parts.append(self.pp_schedule)
         if self.microbatches != 1:
             parts.append(f"mb{self.microbatches}")
@@ -80,10 +80,15 @@ class Layout:
         if isinstance(text, Layout):
             return text
         if not isinstance(text, str):
-            raise LayoutError(f"a layout is a string like 'dp2 tp2 zero3' or a Layout, not {type(text).__name__}")
+            raise LayoutError("a layout is a string like 'dp2 tp2 zero3' or a Layout, "
+                              f"not {type(text).__name__}")
         fields: dict[str, Any] = {}
         for token in text.replace(",", " ").split():
-            fields.update(_parse_token(token.lower()))
+            for name, value in _parse_token(token.lower()).items():
+                if name in fields and fields[name] != value:
+                    raise LayoutError(f"layout {text!r} sets {name} twice ({fields[name]!r} and "
+                                      f"{value!r}); keep one of them")
+                fields[name] = value
         return cls(**fields)
 
     def replace(self, **changes: Any) -> "Layout":
@@ -94,15 +99,22 @@ class Layout:
 
     # ---- validation ----------------------------------------------------------------------------
     def validate(self, world_size: int | None = None, model_config: Any = None, *,
-                 device: str | None = None) -> "Layout":
+                 device: str | None = None, global_batch: int | None = None) -> "Layout":
         """Raise `LayoutError` for the first broken rule; return self when the layout is possible.
 
         `model_config` may be a GPTConfig, a Hugging Face config or a mapping with n_layer/n_head/
-        n_kv_head/seq_len (any of the usual spellings). `device` ("cpu", "cuda", or a catalogue name)
-        lets the bf16 rule apply.
+        n_kv_head/seq_len/ffn_hidden (any of the usual spellings). `device` ("cpu", "cuda", or a
+        planner catalogue name such as "T4") lets the bf16 rule apply; `global_batch` lets the
+        batch-splitting rules apply.
         """
+        sizes = model_sizes(model_config)
+        if getattr(model_config, "model_type", None) or (isinstance(model_config, Mapping)
+                                                         and model_config.get("hugging_face")):
+            sizes["hugging_face"] = 1  # a Hugging Face config
+        if global_batch is not None:
+            sizes["global_batch"] = global_batch
         for rule in _RULES:
-            rule(self, world_size, _model_sizes(model_config), device)
+            rule(self, world_size, sizes, device)
         return self
 
 
@@ -134,14 +146,19 @@ def _parse_token(token: str) -> dict[str, Any]:
 
 # ---- model sizes from any config ---------------------------------------------------------------
 _SIZE_NAMES = {
+    "d_model": ("d_model", "hidden_size", "n_embd", "dim"),
+    "vocab_size": ("vocab_size",),
     "n_layer": ("n_layer", "num_hidden_layers", "n_layers", "num_layers"),
     "n_head": ("n_head", "num_attention_heads", "n_heads"),
     "n_kv_head": ("n_kv_head", "num_key_value_heads", "n_kv_heads"),
     "seq_len": ("seq_len", "max_position_embeddings", "block_size"),
+    "ffn_hidden": ("ffn_hidden", "intermediate_size", "n_inner"),
 }
 
 
-def _model_sizes(config: Any) -> dict[str, int]:
+def model_sizes(config: Any) -> dict[str, int]:
+    """The sizes the rules (and the planner) need, from a GPTConfig, a Hugging Face config or a
+    mapping, whatever the spelling; missing sizes are simply absent."""
     if config is None:
         return {}
     get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
@@ -174,7 +191,10 @@ def _check_names(layout: Layout, world: int | None, sizes: dict, device: str | N
         value = getattr(layout, field)
         if value not in allowed:
             raise LayoutError(f"{field}={value!r} is unknown; choose one of {', '.join(allowed)}")
-    if layout.zero not in (0, 1, 2, 3):
+    for field in ("offload", "sequence_parallel"):
+        if not isinstance(getattr(layout, field), bool):
+            raise LayoutError(f"{field}={getattr(layout, field)!r} must be True or False")
+    if layout.zero not in (0, 1, 2, 3) or isinstance(layout.zero, bool):
         raise LayoutError(f"zero={layout.zero} is unknown; choose 0 (DDP), 1, 2 or 3")
 
 
@@ -186,7 +206,12 @@ def _check_degrees(layout: Layout, world: int | None, sizes: dict, device: str |
 
 
 def _check_world(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
-    if world is None or layout.world_size == world:
+    if world is None:
+        return
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise LayoutError(f"world_size={world!r} must be a positive integer (the number of ranks), "
+                          "e.g. world_size=2")
+    if layout.world_size == world:
         return
     if world % (layout.tp * layout.pp * layout.cp) == 0:
         hint = f"try dp={world // (layout.tp * layout.pp * layout.cp)}"
@@ -219,7 +244,16 @@ def _check_sequence_parallel(layout: Layout, world: int | None, sizes: dict, dev
 
 
 def _check_pipeline(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
+    if layout.pp > 1 and layout.cp > 1:
+        raise LayoutError("pipeline parallel with context parallel is not supported yet; use pp "
+                          "with dp/tp, or cp without pp")
+    if layout.pp > 1 and layout.sequence_parallel:
+        raise LayoutError("sequence_parallel inside pipeline stages is not supported yet; drop "
+                          "'sp' or set pp=1")
     if layout.pp == 1:
+        if layout.virtual_stages != 1:
+            raise LayoutError(f"virtual_stages={layout.virtual_stages} splits pipeline stages but "
+                              "pp=1; set pp=2 or more, or virtual_stages=1")
         return
     schedule = layout.pp_schedule
     multi_stage = schedule in ("interleaved", "zbv")
@@ -266,9 +300,34 @@ def _check_model(layout: Layout, world: int | None, sizes: dict, device: str | N
             raise LayoutError(f"seq_len={seq} is not divisible by {chunks} "
                               f"({'2·cp for load-balanced ring' if layout.cp_mode == 'ring' else 'cp'}); "
                               f"use a sequence length that is a multiple of {chunks}")
-    if seq and layout.sequence_parallel and seq % layout.tp:
-        raise LayoutError(f"sequence parallel splits seq_len={seq} over tp={layout.tp}; "
-                          f"use a sequence length that is a multiple of {layout.tp}")
+    if seq and layout.sequence_parallel and seq % (layout.cp * layout.tp):
+        raise LayoutError(f"sequence parallel splits the local sequence (seq_len={seq} / cp={layout.cp}) "
+                          f"over tp={layout.tp}; use a sequence length that is a multiple of "
+                          f"{layout.cp * layout.tp}")
+    if sizes.get("hugging_face") and layout.cp > 1:
+        raise LayoutError("context parallel needs colab_par's GPT (its swappable attention); use "
+                          "cp=1 for Hugging Face models")
+    if sizes.get("hugging_face") and layout.sequence_parallel:
+        raise LayoutError("sequence_parallel has no plan for Hugging Face models; drop 'sp'")
+    ffn = sizes.get("ffn_hidden")
+    if ffn and ffn % layout.tp:
+        raise LayoutError(f"tp={layout.tp} does not divide the feed-forward width {ffn}; "
+                          f"{_suggest(ffn, 'tp')}")
+
+
+def _check_batch(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
+    batch = sizes.get("global_batch")
+    if batch is None:
+        return
+    if batch % layout.dp:
+        raise LayoutError(f"global_batch={batch} does not split over dp={layout.dp} data-parallel "
+                          f"ranks; use a global batch that is a multiple of {layout.dp}, or "
+                          f"{_suggest(batch, 'dp')}")
+    local = batch // layout.dp
+    if local % layout.microbatches:
+        raise LayoutError(f"the per-rank batch {local} (global_batch={batch} / dp={layout.dp}) does "
+                          f"not split into microbatches={layout.microbatches}; "
+                          f"{_suggest(local, 'microbatches')}")
 
 
 def _check_precision(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
@@ -281,4 +340,4 @@ def _check_precision(layout: Layout, world: int | None, sizes: dict, device: str
 
 
 _RULES = (_check_names, _check_degrees, _check_world, _check_zero, _check_sequence_parallel,
-          _check_pipeline, _check_model, _check_precision)
+          _check_pipeline, _check_model, _check_batch, _check_precision)

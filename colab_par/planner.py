@@ -1,0 +1,666 @@
+"""Analytic memory / communication / time model of a `Layout`, and the `plan()` search over layouts.
+
+Pure Python and arithmetic (torch is imported only to measure the CPU): the picker and the planner
+work in a notebook kernel with no cluster. The formulas, with their sources, are in docs/planner.md:
+model state from the ZeRO paper (Rajbhandari et al. 2020, Table 1), activations from Korthikanti et
+al. 2022, collective volumes from the ring algorithms, the pipeline bubble from Narayanan et al.
+2021 and compute from 6Ψ FLOPs per token plus attention.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from colab_par.layout import Layout, LayoutError, model_sizes
+
+__all__ = ["MemoryBreakdown", "ModelSpec", "DeviceSpec", "Plan", "DEVICES", "GiB", "model_state_bytes",
+           "activation_bytes_per_layer", "pipeline_bubble", "get_device", "measure_cpu_device",
+           "cpu_device", "cpu_compute_costs", "estimate", "candidate_layouts", "plan"]
+
+GiB = 2 ** 30
+
+
+# ---- model state (ZeRO paper) --------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per device; ``host_*`` is what CPU offload keeps in host memory instead."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float = 0.0
+    host_params: float = 0.0
+    host_grads: float = 0.0
+    host_optimizer: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    @property
+    def host_total(self) -> float:
+        return self.host_params + self.host_grads + self.host_optimizer
+
+
+# bytes per parameter: (parameters, gradients, optimizer states). "mixed" is the ZeRO paper's
+# 2 + 2 + K with K = 12 for Adam (fp32 master weights, momentum, variance).
+_STATE_BYTES = {
+    ("mixed", "adam"): (2, 2, 12), ("fp32", "adam"): (4, 4, 8),
+    ("mixed", "sgd"): (2, 2, 8), ("fp32", "sgd"): (4, 4, 4),
+}
+
+
+def model_state_bytes(n_params: float, *, zero: int, dp: int, precision: str = "mixed",
+                      optimizer: str = "adam", offload: bool = False) -> MemoryBreakdown:
+    """Per-device bytes of parameters, gradients and optimizer states under ZeRO stage `zero`.
+
+    Stage 1 shards the optimizer states over `dp`, 2 the gradients too, 3 the parameters too.
+    `offload` moves every sharded part (and the optimizer states) to host memory; what stays
+    replicated stays on the device, as in ZeRO-Offload and FSDP's CPUOffloadPolicy.
+    """
+    if (precision, optimizer) not in _STATE_BYTES:
+        raise ValueError(f"precision={precision!r}, optimizer={optimizer!r} is not modelled; use "
+                         "precision 'mixed' or 'fp32' and optimizer 'adam' or 'sgd'")
+    if zero not in (0, 1, 2, 3) or dp < 1:
+        raise ValueError(f"zero={zero}, dp={dp}: zero is 0..3 and dp a positive integer")
+    per_param = _STATE_BYTES[precision, optimizer]
+    sharded = (zero >= 3, zero >= 2, zero >= 1)
+    device, host = [], []
+    for bytes_, is_sharded, is_optimizer in zip(per_param, sharded, (False, False, True)):
+        amount = n_params * bytes_ / (dp if is_sharded else 1)
+        moved = offload and (is_sharded or is_optimizer)
+        device.append(0.0 if moved else amount)
+        host.append(amount if moved else 0.0)
+    return MemoryBreakdown(*device, host_params=host[0], host_grads=host[1], host_optimizer=host[2])
+
+
+# ---- activations (Korthikanti et al. 2022) -------------------------------------------------------
+def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *, tp: int = 1,
+                               sp: bool = False, recompute: str = "none",
+                               dtype_bytes: int = 2) -> float:
+    """Activation bytes one transformer layer keeps for backward, 16-bit activations.
+
+    none: sbh(34 + 5as/h); tensor parallel: sbh(10 + 24/t + 5as/(ht)); with sequence parallel:
+    (sbh/t)(34 + 5as/h); selective recompute drops the 5as/h attention term; full recompute keeps
+    only the layer input, 2sbh (÷t with SP). `dtype_bytes=4` (fp32 CPU runs) scales every term by 2,
+    1-byte dropout masks included (an upper bound: the reference GPT has no dropout).
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r}; choose 'none', 'selective' or 'full'")
+    s, b, h, a, t = seq, batch, hidden, heads, tp
+    scale = dtype_bytes / 2
+    if recompute == "full":
+        return scale * 2 * s * b * h / (t if sp else 1)
+    attention = 0.0 if recompute == "selective" else 5 * a * s / h
+    if sp:
+        return scale * s * b * h / t * (34 + attention)
+    return scale * s * b * h * (10 + 24 / t + attention / t)
+
+
+def pipeline_bubble(pp: int, microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1) -> float:
+    """Idle fraction of a pipeline step: (p−1)/(m·v + p − 1) (v = 1 for GPipe and 1F1B).
+
+    ZB-V splits the weight-gradient pass off the backward pass and fills the bubble with it; we
+    model a third of the interleaved bubble, the saving the zero-bubble paper reports for ZB-H1.
+    """
+    if pp == 1:
+        return 0.0
+    v = virtual_stages if schedule in ("interleaved", "zbv") else 1
+    bubble = (pp - 1) / (microbatches * v + pp - 1)
+    return bubble / 3 if schedule == "zbv" else bubble
+
+
+# ---- models --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelSpec:
+    """The sizes of a Llama-style decoder (the reference GPT, or a Hugging Face config)."""
+
+    n_layer: int
+    d_model: int
+    n_head: int
+    vocab_size: int
+    n_kv_head: int = 0
+    ffn_hidden: int = 0
+    seq_len: int = 0
+    tied_embeddings: bool = False
+    hugging_face: bool = False  # no context parallel / sequence parallel plan for those
+
+    def __post_init__(self) -> None:
+        if not self.n_kv_head:
+            object.__setattr__(self, "n_kv_head", self.n_head)
+        if not self.ffn_hidden:  # the reference GPT's SwiGLU width
+            object.__setattr__(self, "ffn_hidden", 4 * self.d_model * 2 // 3 // 8 * 8 or 8)
+
+    @classmethod
+    def of(cls, model: Any) -> "ModelSpec":
+        """From a ModelSpec, GPTConfig, GPT module, Hugging Face config/model or a mapping."""
+        if isinstance(model, ModelSpec):
+            return model
+        if not isinstance(model, Mapping) and hasattr(model, "config") and not hasattr(model, "d_model"):
+            model = model.config
+        sizes = model_sizes(model)
+        missing = [k for k in ("n_layer", "d_model", "n_head", "vocab_size") if k not in sizes]
+        if missing:
+            raise ValueError(f"model sizes {', '.join(missing)} are missing; pass a GPTConfig, a "
+                             "Hugging Face config, or a dict like {'n_layer': 12, 'd_model': 768, "
+                             "'n_head': 12, 'vocab_size': 50257}")
+        get = model.get if isinstance(model, Mapping) else lambda k, d=None: getattr(model, k, d)
+        return cls(n_layer=sizes["n_layer"], d_model=sizes["d_model"], n_head=sizes["n_head"],
+                   vocab_size=sizes["vocab_size"], n_kv_head=sizes.get("n_kv_head", 0),
+                   ffn_hidden=sizes.get("ffn_hidden", 0), seq_len=sizes.get("seq_len", 0),
+                   tied_embeddings=bool(get("tie_word_embeddings", False)),
+                   hugging_face=bool(getattr(model, "model_type", None)))
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def layer_matrix_params(self) -> int:
+        d, hd = self.d_model, self.head_dim
+        return 2 * d * self.n_head * hd + 2 * d * self.n_kv_head * hd + 3 * d * self.ffn_hidden
+
+    @property
+    def n_params(self) -> int:
+        embeddings = self.vocab_size * self.d_model * (1 if self.tied_embeddings else 2)
+        return embeddings + self.n_layer * (self.layer_matrix_params + 2 * self.d_model) + self.d_model
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters that take part in matmuls (all but the embedding lookup and the norms)."""
+        return self.n_layer * self.layer_matrix_params + self.vocab_size * self.d_model
+
+    def config(self, seq_len: int) -> dict[str, int]:
+        sizes = {"n_layer": self.n_layer, "n_head": self.n_head, "n_kv_head": self.n_kv_head,
+                 "ffn_hidden": self.ffn_hidden, "seq_len": seq_len}
+        return {**sizes, "hugging_face": 1} if self.hugging_face else sizes
+
+
+# ---- devices -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Published peaks (dense, no sparsity) and link bandwidths per device, bytes/s one direction.
+
+    `latency` is the cost of one hop of a collective (a ring all-reduce over n ranks takes 2(n−1)
+    hops, an all-gather, reduce-scatter or all-to-all n−1, a send 1); `efficiency` is the fraction
+    of peak large training matmuls reach; `half_tokens` the
+    microbatch token count at which they reach half of that; `overlap` the fraction of backward
+    compute that can hide data-parallel communication; `layer_overhead` the host time to run one
+    layer's forward and backward ops for one microbatch (kernel launches, framework), hidden
+    behind the device's work when launches are asynchronous (GPUs), added to it on a CPU;
+    `wrapper_overhead` the extra host time per layer pass of each wrapper that is on ("tp":
+    DTensor tensor parallel, "fsdp": zero 2/3, "cp": ring / Ulysses attention);
+    `core_share` < 1 when more CPU engines than cores take turns (an idle rank lends its core).
+    """
+
+    name: str
+    memory: float
+    peak_flops: Mapping[str, float]
+    hbm_bandwidth: float
+    intra_bandwidth: float
+    inter_bandwidth: float
+    host_bandwidth: float
+    latency: float = 5e-6
+    efficiency: float = 0.6
+    half_tokens: int = 256
+    overlap: float = 0.9
+    layer_overhead: float = 100e-6
+    wrapper_overhead: Mapping[str, float] = field(default_factory=dict)
+    async_launch: bool = True
+    core_share: float = 1.0
+
+    @property
+    def bf16(self) -> bool:
+        return "bf16" in self.peak_flops
+
+
+DEVICES: dict[str, DeviceSpec] = {d.name: d for d in (
+    DeviceSpec("H100-80GB", 80 * GiB, {"bf16": 989e12, "fp32": 67e12}, 3.35e12, 450e9, 50e9, 64e9),
+    DeviceSpec("H200", 141e9, {"bf16": 989e12, "fp32": 67e12}, 4.8e12, 450e9, 50e9, 64e9),
+    DeviceSpec("A100-40GB", 40 * GiB, {"bf16": 312e12, "fp32": 19.5e12}, 1.555e12, 300e9, 25e9, 32e9),
+    DeviceSpec("A100-80GB", 80 * GiB, {"bf16": 312e12, "fp32": 19.5e12}, 2.039e12, 300e9, 25e9, 32e9),
+    DeviceSpec("L4", 24 * GiB, {"bf16": 121e12, "fp32": 30.3e12}, 300e9, 32e9, 12.5e9, 32e9),
+    DeviceSpec("T4", 16 * GiB, {"fp32": 8.1e12}, 320e9, 16e9, 12.5e9, 16e9),
+)}
+_ALIASES = {"h100": "H100-80GB", "a100": "A100-80GB", "cuda": "H100-80GB"}
+
+
+@functools.lru_cache(maxsize=None)
+def measure_cpu_device(engines: int = 1) -> DeviceSpec:
+    """The CPU as `engines` single-threaded engines see it: measured matmul peak, layer cost and
+    loopback TCP bandwidth / latency (what gloo uses), the cores shared between the engines;
+    memory is the machine's RAM divided by them. Cached: measuring takes about a second."""
+    return cpu_device(engines, cores=os.cpu_count() or 1, **_cpu_measurements())
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_measurements() -> dict[str, float]:
+    bandwidth, latency = _loopback_bandwidth()
+    return dict(cpu_compute_costs(), bandwidth=bandwidth, latency=latency)
+
+
+# Extra host time per layer pass of each wrapper on a CPU, in plain layer passes: measured on 4
+# gloo engines sharing 2 cores by benchmarks/planner.py (2026-11-22, three runs on a loaded
+# machine: tp 15.7-22.3, fsdp 1.9-5.6, cp 4.3-5.3), which measures them afresh on the engines it
+# runs on. Measuring needs a process group, so the notebook-side `measure_cpu_device` takes these.
+CPU_WRAPPER_COST = {"tp": 22.0, "fsdp": 5.6, "cp": 5.3}
+
+
+def cpu_device(engines: int, *, cores: int, peak_flops: float, efficiency: float, layer_overhead: float,
+               bandwidth: float, latency: float) -> DeviceSpec:
+    """A DeviceSpec for `engines` engines sharing `cores` cores, from single-core measurements."""
+    share = min(1.0, cores / max(engines, 1))  # a core's share per engine when they take turns
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(engines, 1)
+    return DeviceSpec("CPU", memory, {"fp32": peak_flops * share}, 10e9 * share, bandwidth * share,
+                      bandwidth * share, math.inf, latency=latency / share, efficiency=efficiency,
+                      half_tokens=0, overlap=share / 2, layer_overhead=layer_overhead / share,
+                      wrapper_overhead={k: v * layer_overhead / share for k, v in CPU_WRAPPER_COST.items()},
+                      async_launch=False, core_share=share)
+
+
+def cpu_compute_costs() -> dict[str, float]:
+    """Single-thread matmul peak (FLOP/s), the fixed cost of one layer's forward + backward
+    (seconds, from a tiny layer) and the efficiency a mid-sized layer reaches on top of it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.randn(256, 256)
+        peak = 2 * 256 ** 3 / _seconds_per_call(lambda: a @ a)
+        overhead = _seconds_per_call(_layer_step(16, 8, 1)[0])
+        step, flops = _layer_step(128, 128, 2)
+        rate = flops / max(_seconds_per_call(step) - overhead, 1e-9)
+    finally:
+        torch.set_num_threads(threads)
+    return {"peak_flops": peak, "layer_overhead": overhead, "efficiency": min(1.0, rate / peak)}
+
+
+def _seconds_per_call(fn: Any, budget: float = 0.15) -> float:
+    fn()
+    start, count = time.perf_counter(), 0
+    while time.perf_counter() - start < budget:
+        fn()
+        count += 1
+    return (time.perf_counter() - start) / count
+
+
+def _layer_step(d: int, seq: int, batch: int) -> tuple[Any, float]:
+    """Forward + backward of one Llama-style layer (2 heads) and its FLOPs as the planner counts."""
+    import torch
+    import torch.nn.functional as F
+
+    ffn = 4 * d * 2 // 3 // 8 * 8 or 8
+    x = torch.randn(batch, seq, d, requires_grad=True)
+    attention = [torch.randn(d, d, requires_grad=True) for _ in range(4)]
+    gate_up = [torch.randn(ffn, d, requires_grad=True) for _ in range(2)]
+    down = torch.randn(d, ffn, requires_grad=True)
+    norm = torch.ones(d, requires_grad=True)
+
+    def step() -> None:
+        h = F.rms_norm(x, (d,), norm)
+        q, k, v = (F.linear(h, w).view(batch, seq, 2, d // 2).transpose(1, 2) for w in attention[:3])
+        mixed = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        h = x + F.linear(mixed.reshape(batch, seq, d), attention[3])
+        g = F.rms_norm(h, (d,), norm)
+        out = h + F.linear(F.silu(F.linear(g, gate_up[0])) * F.linear(g, gate_up[1]), down)
+        out.sum().backward()
+
+    tokens = batch * seq
+    return step, 6 * tokens * (4 * d * d + 3 * d * ffn) + 12 * d * seq * tokens
+
+
+_ECHO_PEER = """
+import socket, sys
+peer = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+total, received = int(sys.argv[2]), 0
+while received < total:
+    received += len(peer.recv(1 << 20))
+peer.sendall(b"k")
+while True:
+    byte = peer.recv(1)
+    if not byte:
+        break
+    peer.sendall(byte)
+"""
+
+
+def _loopback_bandwidth(total: int = 32 * 2 ** 20, chunk: int = 2 ** 20) -> tuple[float, float]:
+    """Bytes/s and one-way latency over local TCP to another process (what gloo goes through)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(30)
+    peer = subprocess.Popen([sys.executable, "-c", _ECHO_PEER, str(server.getsockname()[1]), str(total)])
+    try:
+        connection, _ = server.accept()
+        connection.settimeout(30)
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        payload = b"\0" * chunk
+        start = time.perf_counter()
+        for _ in range(total // chunk):
+            connection.sendall(payload)
+        connection.recv(1)
+        bandwidth = total / (time.perf_counter() - start)
+        start = time.perf_counter()
+        for _ in range(50):
+            connection.sendall(b"x")
+            connection.recv(1)
+        latency = (time.perf_counter() - start) / 100
+        connection.close()
+    finally:
+        server.close()
+        try:
+            peer.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            peer.kill()
+            peer.wait()
+    return bandwidth, latency
+
+
+def get_device(device: "str | DeviceSpec", engines: int = 1) -> DeviceSpec:
+    """A catalogue entry by name (case-insensitive, "cpu" = measured), or the DeviceSpec given."""
+    if isinstance(device, DeviceSpec):
+        return device
+    key = str(device).lower()
+    if key.startswith("cpu"):
+        return measure_cpu_device(engines)
+    by_lower = {name.lower(): name for name in DEVICES}
+    name = by_lower.get(key) or _ALIASES.get(key)
+    if name is None:
+        raise ValueError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)} or 'cpu' "
+                         "(measured), or pass a DeviceSpec")
+    return DEVICES[name]
+
+
+# ---- one layout ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    """The estimate for one layout: per-device peak memory, step time (s), MFU and whether it fits.
+
+    `resting` is the model state between steps (what `memory_report` measures); `times` splits the
+    step into compute, bubble and exposed communication seconds.
+    """
+
+    layout: Layout
+    memory: MemoryBreakdown
+    step_time: float
+    mfu: float
+    fits: bool
+    tokens_per_s: float = 0.0
+    capacity: float = 0.0
+    resting: MemoryBreakdown | None = None
+    times: Mapping[str, float] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return (f"{str(self.layout):<32} {self.memory.total / GiB:8.2f} GiB  "
+                f"{self.step_time * 1e3:9.1f} ms  {self.tokens_per_s:11.0f} tok/s  "
+                f"MFU {self.mfu:6.1%}  {'fits' if self.fits else 'OOM'}")
+
+
+def _local_params(spec: ModelSpec, layout: Layout) -> tuple[float, float]:
+    """(parameters on the fullest rank, one transformer layer's share) after TP and PP splits.
+
+    Matrices are split over tp (vocabulary too); norm weights are replicated. With pp > 1 the
+    fullest rank holds the first stage (embedding) or the last (final norm and output head).
+    """
+    t, d = layout.tp, spec.d_model
+    layer = spec.layer_matrix_params / t + 2 * d
+    layers = spec.n_layer / layout.pp * layer
+    embedding = spec.vocab_size * d / t
+    head = 0 if spec.tied_embeddings and layout.pp == 1 else embedding
+    if layout.pp == 1 or layout.pp_schedule == "zbv":  # ZB-V: rank 0 holds the first and last stage
+        return layers + embedding + head + d, layer
+    return layers + max(embedding, head + d), layer
+
+
+def _spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
+    return size > 1 and stride * size > gpus_per_node
+
+
+def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", global_batch: int,
+             seq_len: int, gpus_per_node: int = 8, optimizer: str = "adam",
+             validate: bool = True) -> Plan:
+    """Predict memory and step time of `layout` for `model` (raises LayoutError if impossible)."""
+    layout = Layout.parse(layout)
+    spec = ModelSpec.of(model)
+    dev = get_device(device, layout.world_size)
+    if validate:
+        layout.validate(layout.world_size, spec.config(seq_len), device=dev.name, global_batch=global_batch)
+    precision = layout.precision if layout.precision in dev.peak_flops else "fp32"
+    act_bytes = 2 if precision == "bf16" else 4
+    shard = layout.dp * layout.cp if layout.zero >= 2 else layout.dp
+    local, layer_params = _local_params(spec, layout)
+
+    # model state: the ZeRO accounting; zero=2 is FSDP with reshard_after_forward=False, which keeps
+    # the gathered parameters from forward to backward (peak = ZeRO-2) and reshards after backward
+    # (at rest = ZeRO-3).
+    state_precision = "mixed" if precision == "bf16" else "fp32"
+    state = model_state_bytes(local, zero=layout.zero, dp=shard, precision=state_precision,
+                              optimizer=optimizer, offload=layout.offload)
+    resting = model_state_bytes(local, zero=3 if layout.zero == 2 else layout.zero, dp=shard,
+                                precision=state_precision, optimizer=optimizer, offload=layout.offload)
+    gathered = 2 * layer_params * act_bytes if layout.zero == 3 else 0.0  # current + prefetched layer
+
+    # activations of the fullest rank: the first stage holds the most microbatches in flight
+    local_batch = global_batch // layout.dp
+    micro = local_batch // layout.microbatches
+    s_local = seq_len // layout.cp
+    per_layer = activation_bytes_per_layer(s_local, micro, spec.d_model, spec.n_head, tp=layout.tp,
+                                           sp=layout.sequence_parallel,
+                                           recompute=layout.checkpointing, dtype_bytes=act_bytes)
+    in_flight = _microbatches_in_flight(layout)
+    logits = micro * s_local * spec.vocab_size * (act_bytes + 4)  # gathered logits + fp32 loss
+    activations = spec.n_layer / layout.pp * per_layer * in_flight + logits
+    memory = MemoryBreakdown(state.params + gathered, state.grads, state.optimizer, activations,
+                             state.host_params, state.host_grads, state.host_optimizer)
+
+    times = _step_times(spec, layout, dev, precision, global_batch, seq_len, gpus_per_node,
+                        local, act_bytes, resting)
+    step = sum(times.values())
+    tokens = global_batch * seq_len
+    model_flops = tokens * _flops_per_token(spec, seq_len, "none")
+    mfu = model_flops / (step * layout.world_size * dev.peak_flops[precision])
+    capacity = 0.9 * dev.memory  # allocator fragmentation, CUDA context, NCCL buffers
+    return Plan(layout, memory, step, mfu, memory.total <= capacity, tokens / step, capacity,
+                resting, times)
+
+
+def _microbatches_in_flight(layout: Layout) -> float:
+    p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
+    if p == 1:
+        return 1.0
+    if layout.pp_schedule == "gpipe":
+        return float(m)
+    if layout.pp_schedule == "interleaved":
+        return min(m, p * (1 + (p - 1) / (p * v)))
+    return float(min(m, p))
+
+
+def _flops_per_token(spec: ModelSpec, seq_len: int, recompute: str) -> float:
+    """6Ψ (forward + backward matmuls) + 12·L·h·s attention; recompute repeats (part of) forward."""
+    dense, attention = 6 * spec.matmul_params, 12 * spec.n_layer * spec.d_model * seq_len
+    if recompute == "full":
+        return (dense + attention) * 4 / 3
+    if recompute == "selective":
+        return dense + attention * 4 / 3
+    return dense + attention
+
+
+def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str, global_batch: int,
+                seq_len: int, gpus_per_node: int, local_params: float, act_bytes: int,
+                resting: MemoryBreakdown) -> dict[str, float]:
+    """Seconds per step: compute, pipeline bubble, exposed communication, optimizer, offload."""
+    t, p, c, dp, m = layout.tp, layout.pp, layout.cp, layout.dp, layout.microbatches
+    micro = global_batch // dp // m
+    s_local = seq_len // c
+    micro_tokens = micro * s_local
+    flops = global_batch * seq_len * _flops_per_token(spec, seq_len, layout.checkpointing)
+    rate = dev.peak_flops[precision] * dev.efficiency * micro_tokens / (micro_tokens + dev.half_tokens)
+    compute = flops / layout.world_size / rate
+    passes = {"none": 1.0, "selective": 1.1, "full": 1.5}[layout.checkpointing]
+    wrappers = {"tp": t > 1, "fsdp": layout.zero >= 2, "cp": c > 1}
+    per_pass = dev.layer_overhead + sum(dev.wrapper_overhead.get(k, 0.0) for k, on in wrappers.items() if on)
+    launches = m * spec.n_layer / p * per_pass * passes
+    compute = max(compute, launches) if dev.async_launch else compute + launches
+    bubble = pipeline_bubble(p, m, layout.pp_schedule, layout.virtual_stages)
+    # a rank waiting in the bubble lends its core to the others: with core_share < 1 the critical
+    # path runs at full core speed and only its excess over the shared time shows
+    critical = compute * dev.core_share / (1 - bubble)
+    times = {"compute": compute, "bubble": max(0.0, critical - compute)}
+
+    def bandwidth(stride: int, size: int) -> float:
+        return dev.inter_bandwidth if _spans_nodes(stride, size, gpus_per_node) else dev.intra_bandwidth
+
+    layers = spec.n_layer / p
+    activation = micro_tokens * spec.d_model * act_bytes
+    # tensor parallel: 2 all-reduces forward + 2 backward per layer (an all-gather/reduce-scatter
+    # pair each with SP, same volume), 1 more forward pair under full recompute; embedding all-reduce
+    # and logits all-gather.
+    if t > 1:
+        per_layer = 6 if layout.checkpointing == "full" else 4
+        volume = m * (layers * per_layer * 2 * activation + 2 * activation
+                      + micro_tokens * spec.vocab_size * act_bytes) * (t - 1) / t
+        hops = m * (layers * per_layer + 2) * 2 * (t - 1)  # a ring all-reduce takes 2(t−1) hops
+        times["tp"] = volume / bandwidth(1, t) + hops * dev.latency
+    # context parallel: ring passes K,V around (backward passes K,V and dK,dV: 3x forward), hidden
+    # behind the attention compute; Ulysses: 4 all-to-alls forward, 4 backward, exposed.
+    if c > 1:
+        kv = micro_tokens * 2 * spec.n_kv_head * spec.head_dim / t * act_bytes
+        if layout.cp_mode == "ring":
+            volume, hops = 3 * m * layers * (c - 1) * kv, 3 * m * layers * (c - 1)
+            attention_time = compute * 12 * spec.d_model * seq_len / (6 * spec.matmul_params / spec.n_layer
+                                                                       + 12 * spec.d_model * seq_len)
+            comm = volume / bandwidth(t, c) + hops * dev.latency
+            times["cp"] = max(0.0, comm - attention_time)
+        else:
+            qkvo = micro_tokens * 2 * (spec.n_head + spec.n_kv_head) * spec.head_dim / t * act_bytes
+            volume, hops = 2 * m * layers * qkvo * (c - 1) / c, 8 * m * layers * (c - 1)
+            times["cp"] = volume / bandwidth(t, c) + hops * dev.latency
+    # data parallel over dp·cp: DDP all-reduce 2Ψ(N−1)/N; ZeRO-1 (ZeroRedundancyOptimizer) adds
+    # the all-gather of updated parameters, 3Ψ; FSDP zero2 gathers once and reduce-scatters, 2Ψ;
+    # zero3 gathers again for backward, 3Ψ. Hidden behind compute as far as the device allows:
+    # DDP's bucketed all-reduce behind backward only, FSDP's prefetched gathers behind forward too.
+    n = dp * c
+    if n > 1:
+        grad_bytes = 4  # fp32 gradient reduction (MixedPrecisionPolicy reduce_dtype) and fp32 runs
+        if layout.zero >= 2:
+            gathers = 2 if layout.zero == 3 else 1
+            volume = local_params * (gathers * act_bytes + grad_bytes) * (n - 1) / n
+            hops = (gathers + 1) * (layers + 1) * (n - 1)  # per block and the root module
+        else:
+            buckets = 1 + local_params * grad_bytes / 25e6  # DDP's 25 MB buckets
+            volume = local_params * (2 * grad_bytes + (4 if layout.zero == 1 else 0)) * (n - 1) / n
+            hops = buckets * 2 * (n - 1) + (n - 1 if layout.zero == 1 else 0)
+        comm = volume / bandwidth(t, n) + hops * dev.latency
+        window = compute if layout.zero >= 2 else compute * 2 / 3
+        times["dp"] = max(0.0, comm - dev.overlap * window)
+    # pipeline: each microbatch crosses each of this rank's stage boundaries forward and backward
+    if p > 1:
+        hidden = activation / (t if layout.sequence_parallel else 1)
+        sends = 2 * m * layout.virtual_stages
+        times["pp"] = sends * (hidden / bandwidth(t * c * dp, p) + dev.latency)
+    # optimizer: read and write the (sharded) states once, memory bound; offload adds the PCIe trip
+    state_bytes = resting.total + resting.host_total
+    times["optimizer"] = 2 * state_bytes / dev.hbm_bandwidth
+    if layout.offload:
+        times["offload"] = 2 * local_params / n * act_bytes / dev.host_bandwidth
+    return times
+
+
+# ---- the search ----------------------------------------------------------------------------------
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(spec: ModelSpec, world_size: int, *, global_batch: int, seq_len: int,
+                      bf16: bool, gpus_per_node: int = 8) -> Iterable[Layout]:
+    """Layouts worth estimating, without activation checkpointing (`plan` adds it when needed).
+
+    Left out because a candidate kept is never worse in this model: tp across nodes, tp without
+    sequence parallel (same traffic, more memory; SP is off inside pipeline stages), GPipe and
+    interleaved 1F1B where ZB-V or 1F1B runs (smaller bubble, no more memory), recompute or
+    offload where the layout fits without.
+    """
+    precision = "bf16" if bf16 else "fp32"
+    divisors = _divisors(world_size)
+    for tp, cp, pp in itertools.product(divisors, divisors, divisors):
+        if world_size % (tp * cp * pp) or tp > gpus_per_node or spec.n_head % tp or spec.n_layer % pp:
+            continue
+        dp = world_size // (tp * cp * pp)
+        if global_batch % dp or (cp > 1 and seq_len % (2 * cp) and spec.n_head % (tp * cp)):
+            continue
+        if pp > 1 and cp > 1:  # not supported by parallelize (Layout.validate says so)
+            continue
+        zeros = [0] if dp * cp == 1 else [0, 1, 2, 3] if tp == pp == cp == 1 else [0, 2, 3]
+        modes = ["ring", "ulysses"] if cp > 1 else ["ring"]
+        for zero, mode in itertools.product(zeros, modes):
+            sp = tp > 1 and pp == 1 and not spec.hugging_face
+            base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, sequence_parallel=sp,
+                          cp_mode=mode, precision=precision)
+            yield from _pipeline_variants(base, global_batch // dp, spec.n_layer)
+
+
+def _pipeline_variants(base: Layout, local_batch: int, n_layer: int) -> Iterable[Layout]:
+    p = base.pp
+    if p == 1:
+        yield base
+        return
+    counts = {m for m in (p, 2 * p, 4 * p, 8 * p, local_batch) if m <= local_batch and local_batch % m == 0}
+    if not counts:
+        yield base.replace(pp_schedule="gpipe", microbatches=local_batch)
+    for m in sorted(counts):
+        if n_layer % (2 * p) == 0:
+            yield base.replace(pp_schedule="zbv", microbatches=m, virtual_stages=2)
+        else:
+            yield base.replace(pp_schedule="1f1b", microbatches=m)
+
+
+def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batch: int, seq_len: int,
+         gpus_per_node: int = 8, top: int | None = 10, optimizer: str = "adam") -> list[Plan]:
+    """Valid layouts for `model` on `world_size` devices, best first: fitting before not fitting,
+    then by predicted step time, then fewer parallel dimensions, then less memory.
+    `model` is a GPTConfig, a Hugging Face config, or a dict of sizes."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive integer, e.g. 8")
+    if global_batch < 1 or seq_len < 1:
+        raise ValueError(f"global_batch={global_batch} and seq_len={seq_len} must be positive")
+    spec = ModelSpec.of(model)
+    dev = get_device(device, world_size)
+    config = spec.config(seq_len)
+    options = dict(device=dev, global_batch=global_batch, seq_len=seq_len,
+                   gpus_per_node=gpus_per_node, optimizer=optimizer, validate=False)
+    plans = []
+    for layout in candidate_layouts(spec, world_size, global_batch=global_batch, seq_len=seq_len,
+                                    bf16=dev.bf16, gpus_per_node=gpus_per_node):
+        try:
+            layout.validate(world_size, config, device=dev.name, global_batch=global_batch)
+        except LayoutError:
+            continue
+        plans.append(_cheapest_fitting(spec, layout, options))
+    if not plans:
+        raise LayoutError(f"no valid layout for this model on {world_size} devices with "
+                          f"global_batch={global_batch}, seq_len={seq_len}; try a global batch "
+                          f"that is a multiple of {world_size}")
+    plans.sort(key=lambda option: (not option.fits, round(option.step_time, 9),
+                                   sum(getattr(option.layout, d) > 1 for d in ("tp", "pp", "cp")),
+                                   option.memory.total))
+    return plans[:top] if top else plans
+
+
+def _cheapest_fitting(spec: ModelSpec, layout: Layout, options: dict[str, Any]) -> Plan:
+    """The first of: as is, selective then full recompute, each also offloaded (zero >= 2), that
+    fits; the last tried if none does."""
+    for checkpointing in ("none", "selective", "full"):
+        for offload in ((False, True) if layout.zero >= 2 else (False,)):
+            option = estimate(spec, layout.replace(checkpointing=checkpointing, offload=offload), **options)
+            if option.fits:
+                return option
+    return option

@@ -1,0 +1,214 @@
+"""`LayoutPicker`: choose a parallel layout in the notebook with live validation and estimates.
+
+Core ipywidgets only (Dropdown, Checkbox, HTML, Button, boxes), so it renders in JupyterLab,
+VS Code and Colab without extensions. The widget holds no rules and no numbers of its own: every
+message comes from `Layout.validate`, every estimate from `colab_par.planner`.
+"""
+from __future__ import annotations
+
+import html
+from typing import Any
+
+import ipywidgets as w
+
+from colab_par.layout import (CHECKPOINTING, CP_MODES, DEGREES, PP_SCHEDULES, PRECISIONS, Layout,
+                              LayoutError)
+from colab_par.planner import GiB, DeviceSpec, ModelSpec, Plan, estimate, get_device, plan
+
+__all__ = ["LayoutPicker"]
+
+_PARTS = (("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868"),
+          ("activations", "#c44e52"))
+
+
+class LayoutPicker:
+    """Selectors for every `Layout` field over `world_size` devices, a validation message, a
+    per-device memory bar, predicted step time / tokens/s / MFU, an Auto button and the top plans.
+
+    ``picker.layout`` is the chosen Layout (raises `LayoutError` saying why when it is not valid);
+    ``%%colossal --layout picker`` hands it to the cell.
+    """
+
+    def __init__(self, world_size: int, *, model: Any, device: "str | DeviceSpec", global_batch: int,
+                 seq_len: int, gpus_per_node: int = 8, top: int = 5):
+        self.world_size, self.global_batch, self.seq_len = world_size, global_batch, seq_len
+        self.gpus_per_node = gpus_per_node
+        self.spec = ModelSpec.of(model)
+        self.device = get_device(device, world_size)
+        self.plans: list[Plan] = plan(self.spec, world_size, device=self.device,
+                                      global_batch=global_batch, seq_len=seq_len,
+                                      gpus_per_node=gpus_per_node, top=top)
+        self.message = ""
+        self.estimate: Plan | None = None
+        self.controls = self._build_controls()
+        self._message_html = w.HTML()
+        self._memory_html = w.HTML()
+        self._estimate_html = w.HTML()
+        self.auto_button = w.Button(description="Auto", button_style="primary",
+                                    tooltip="apply the planner's best fitting layout")
+        self.auto_button.on_click(lambda _: self.auto())
+        self._table_html = w.HTML(self._plans_table())
+        for name, control in self.controls.items():
+            control.observe(self._on_change(name), names="value")
+        self.widget = self._assemble()
+        self._refresh()
+
+    # ---- state ----------------------------------------------------------------------------------
+    @property
+    def layout(self) -> Layout:
+        """The current choice, validated for this world, model, device and batch."""
+        return self._current().validate(self.world_size, self.spec.config(self.seq_len),
+                                        device=self.device.name, global_batch=self.global_batch)
+
+    def apply(self, layout: "Layout | str") -> None:
+        """Set every selector from `layout` (refreshing once at the end)."""
+        layout = Layout.parse(layout)
+        self._applying = True
+        try:
+            for name, control in self.controls.items():
+                value = getattr(layout, name)
+                if isinstance(control, w.Dropdown) and value not in control.options:
+                    control.options = tuple(sorted(set(control.options) | {value}))
+                control.value = value
+        finally:
+            self._applying = False
+        self._refresh()
+
+    def auto(self) -> None:
+        """Apply the planner's best plan (fitting ones come first)."""
+        self.apply(self.plans[0].layout)
+
+    # ---- widgets --------------------------------------------------------------------------------
+    def _degree_options(self) -> dict[str, list[int]]:
+        """Degrees that divide the world and the model: tp the heads and FFN width, pp the layers,
+        cp the sequence (either CP mode)."""
+        spec, seq = self.spec, self.seq_len
+        divisors = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
+        return {
+            "dp": [d for d in divisors if self.global_batch % d == 0],
+            "tp": [d for d in divisors if spec.n_head % d == 0 and spec.n_kv_head % d == 0
+                   and spec.ffn_hidden % d == 0],
+            "pp": [d for d in divisors if spec.n_layer % d == 0],
+            "cp": [d for d in divisors if d == 1 or seq % (2 * d) == 0 or spec.n_head % d == 0],
+        }
+
+    def _build_controls(self) -> dict[str, w.ValueWidget]:
+        start = self.plans[0].layout
+        degrees = self._degree_options()
+        local_batch_divisors = [m for m in range(1, self.global_batch + 1) if self.global_batch % m == 0]
+        controls: dict[str, w.ValueWidget] = {
+            name: w.Dropdown(options=degrees[name] or [1], description=name) for name in DEGREES}
+        controls.update(
+            zero=w.Dropdown(options=[0, 1, 2, 3], description="zero"),
+            offload=w.Checkbox(description="CPU offload", indent=False),
+            sequence_parallel=w.Checkbox(description="sequence parallel", indent=False),
+            cp_mode=w.Dropdown(options=CP_MODES, description="cp mode"),
+            pp_schedule=w.Dropdown(options=PP_SCHEDULES, description="schedule"),
+            microbatches=w.Dropdown(options=local_batch_divisors, description="microbatches"),
+            virtual_stages=w.Dropdown(options=[1, 2, 4], description="virtual st."),
+            precision=w.Dropdown(options=PRECISIONS, description="precision"),
+            checkpointing=w.Dropdown(options=CHECKPOINTING, description="recompute"),
+        )
+        for name, control in controls.items():
+            value = getattr(start, name)
+            if isinstance(control, w.Dropdown) and value not in control.options:
+                control.options = tuple(sorted(set(control.options) | {value}))
+            control.value = value
+        return controls
+
+    def _assemble(self) -> w.VBox:
+        c = self.controls
+        title = w.HTML(f"<b>Layout for {self.world_size} × {html.escape(self.device.name)}</b> "
+                       f"({self.spec.n_params / 1e6:,.1f} M parameters, global batch "
+                       f"{self.global_batch} × {self.seq_len} tokens)")
+        rows = [w.HBox([c["dp"], c["tp"], c["pp"], c["cp"]]),
+                w.HBox([c["zero"], c["offload"], c["sequence_parallel"], c["precision"]]),
+                w.HBox([c["cp_mode"], c["pp_schedule"], c["microbatches"], c["virtual_stages"]]),
+                w.HBox([c["checkpointing"], self.auto_button])]
+        return w.VBox([title, *rows, self._message_html, self._memory_html, self._estimate_html,
+                       self._table_html])
+
+    def _on_change(self, name: str):
+        def handler(change: dict) -> None:
+            if getattr(self, "_applying", False):
+                return
+            if name in ("tp", "pp", "cp"):
+                self._rebalance_dp()
+            self._refresh()
+        return handler
+
+    def _rebalance_dp(self) -> None:
+        """Keep dp·tp·pp·cp equal to the world when another degree changes, where dp can follow."""
+        c = self.controls
+        other = c["tp"].value * c["pp"].value * c["cp"].value
+        if self.world_size % other == 0 and self.world_size // other in c["dp"].options:
+            self._applying = True
+            try:
+                c["dp"].value = self.world_size // other
+            finally:
+                self._applying = False
+
+    def _current(self) -> Layout:
+        return Layout(**{name: control.value for name, control in self.controls.items()})
+
+    def _refresh(self) -> None:
+        try:
+            layout = self.layout
+        except LayoutError as error:
+            self.message, self.estimate = f"✗ {error}", None
+        else:
+            self.estimate = estimate(self.spec, layout, device=self.device,
+                                     global_batch=self.global_batch, seq_len=self.seq_len,
+                                     gpus_per_node=self.gpus_per_node, validate=False)
+            verdict = "fits" if self.estimate.fits else "does NOT fit in device memory"
+            self.message = f"✓ {layout} is valid and {verdict}"
+        colour = "#2e7d32" if self.estimate is not None and self.estimate.fits else "#c62828"
+        self._message_html.value = f"<span style='color:{colour}'>{html.escape(self.message)}</span>"
+        self._memory_html.value = self._memory_bar()
+        self._estimate_html.value = html.escape(self._estimate_line())
+
+    # ---- rendering ------------------------------------------------------------------------------
+    def _estimate_line(self) -> str:
+        e = self.estimate
+        if e is None:
+            return "no estimate for an invalid layout"
+        return (f"step {e.step_time * 1e3:,.1f} ms · {e.tokens_per_s:,.0f} tokens/s · MFU {e.mfu:.1%} · "
+                f"{e.memory.total / GiB:,.2f} of {e.capacity / GiB:,.1f} GiB per device"
+                + (f" (+{e.memory.host_total / GiB:,.2f} GiB on the host)" if e.memory.host_total else ""))
+
+    def _memory_bar(self) -> str:
+        if self.estimate is None:
+            return ""
+        memory, capacity = self.estimate.memory, self.estimate.capacity
+        scale = max(memory.total, capacity)
+        segments = "".join(
+            f"<div title='{part}: {getattr(memory, part) / GiB:.2f} GiB' style='width:"
+            f"{100 * getattr(memory, part) / scale:.2f}%;background:{colour}'></div>"
+            for part, colour in _PARTS)
+        limit = (f"<div style='position:absolute;left:{100 * capacity / scale:.2f}%;top:0;bottom:0;"
+                 "border-left:2px dashed #000'></div>")
+        legend = " ".join(f"<span style='color:{colour}'>■</span> {part} "
+                          f"{getattr(memory, part) / GiB:.2f} GiB" for part, colour in _PARTS)
+        return (f"<div style='position:relative;display:flex;height:18px;width:100%;"
+                f"background:#eee'>{segments}{limit}</div><small>{legend} · dashed line: usable "
+                f"capacity {capacity / GiB:.1f} GiB</small>")
+
+    def _plans_table(self) -> str:
+        rows = "".join(
+            f"<tr><td><code>{html.escape(str(p.layout))}</code></td><td>{p.memory.total / GiB:.2f}</td>"
+            f"<td>{p.step_time * 1e3:,.1f}</td><td>{p.tokens_per_s:,.0f}</td><td>{p.mfu:.1%}</td>"
+            f"<td>{'yes' if p.fits else 'no'}</td></tr>" for p in self.plans)
+        return ("<table><tr><th>top plans</th><th>GiB/device</th><th>step ms</th><th>tokens/s</th>"
+                f"<th>MFU</th><th>fits</th></tr>{rows}</table>")
+
+    def __repr__(self) -> str:
+        lines = [f"LayoutPicker({self.world_size} × {self.device.name}, global batch "
+                 f"{self.global_batch} × {self.seq_len})", f"  {self.message}",
+                 f"  {self._estimate_line()}", "  top plans:"]
+        lines += [f"    {p}" for p in self.plans]
+        return "\n".join(lines)
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict:
+        bundle = self.widget._repr_mimebundle_(**kwargs)
+        bundle["text/plain"] = repr(self)
+        return bundle

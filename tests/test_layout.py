@@ -1,0 +1,251 @@
+"""Layout: the compact string form round-trips, and every validation rule fails with a message that
+names the broken rule and a valid alternative."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from colab_par.layout import Layout, LayoutError
+from colab_par.models.gpt import GPTConfig
+
+CONFIG = GPTConfig(vocab_size=128, seq_len=64, n_layer=4, n_head=8, n_kv_head=4, d_model=64,
+                   ffn_hidden=192)
+
+
+# ---- string form -------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", [
+    "dp2 tp2 zero3", "pp2 interleaved mb4 v2 bf16", "cp2 ulysses", "dp4 zero2 offload",
+    "tp2 sp ac-selective", "pp4 gpipe mb8", "dp2 cp2 ac-full", "pp2 zbv mb2 v2",
+])
+def test_parse_and_str_round_trip(text: str) -> None:
+    layout = Layout.parse(text)
+    assert str(layout) == text
+    assert Layout.parse(str(layout)) == layout
+
+
+def test_parse_reads_each_field() -> None:
+    layout = Layout.parse("dp2 tp4 pp2 cp2 zero3 offload sp ulysses interleaved mb8 v2 bf16 ac-full")
+    assert layout == Layout(dp=2, tp=4, pp=2, cp=2, zero=3, offload=True, sequence_parallel=True,
+                            cp_mode="ulysses", pp_schedule="interleaved", microbatches=8,
+                            virtual_stages=2, precision="bf16", checkpointing="full")
+    assert layout.world_size == 32
+
+
+def test_every_field_combination_round_trips() -> None:
+    """str() must be faithful even for non-default options whose degree is 1 (no silent drops)."""
+    for schedule, mode, precision, ac, zero in itertools.product(
+            ("gpipe", "1f1b", "interleaved", "zbv"), ("ring", "ulysses"), ("fp32", "bf16"),
+            ("none", "selective", "full"), (0, 3)):
+        layout = Layout(dp=2, zero=zero, pp_schedule=schedule, cp_mode=mode, precision=precision,
+                        checkpointing=ac)
+        assert Layout.parse(str(layout)) == layout
+
+
+def test_parse_accepts_a_layout_and_commas() -> None:
+    layout = Layout(dp=2, tp=2, zero=3)
+    assert Layout.parse(layout) is layout
+    assert Layout.parse("dp2, tp2, zero3") == layout
+
+
+def test_parse_rejects_unknown_token_and_lists_valid_ones() -> None:
+    with pytest.raises(LayoutError, match=r"unknown layout token 'dq2'.*'dp2 tp2 pp2 cp2'"):
+        Layout.parse("dq2 tp2")
+
+
+def test_parse_rejects_conflicting_tokens() -> None:
+    with pytest.raises(LayoutError, match=r"sets dp twice \(2 and 4\); keep one"):
+        Layout.parse("dp2 dp4")
+
+
+def test_parse_rejects_non_string() -> None:
+    with pytest.raises(LayoutError, match="string like 'dp2 tp2 zero3'"):
+        Layout.parse(4)
+
+
+# ---- every rule its own test -------------------------------------------------------------------
+def _error(layout: Layout, world: int | None = None, config=None, **kwargs) -> str:
+    with pytest.raises(LayoutError) as info:
+        layout.validate(world, config, **kwargs)
+    return str(info.value)
+
+
+def test_valid_layouts_pass_and_return_self() -> None:
+    for text, world in [("dp2", 2), ("dp2 tp2 zero3 sp", 4), ("pp2 1f1b mb2", 2),
+                        ("pp2 interleaved mb4 v2", 2), ("cp2", 2), ("cp2 ulysses", 2),
+                        ("dp4 zero2 offload", 4), ("dp2 zero1", 2)]:
+        layout = Layout.parse(text)
+        assert layout.validate(world, CONFIG, device="A100-80GB", global_batch=8) is layout
+
+
+def test_rule_unknown_names() -> None:
+    message = _error(Layout(cp_mode="spiral"))
+    assert "cp_mode='spiral' is unknown" in message and "ring, ulysses" in message
+    message = _error(Layout(precision="fp8"))
+    assert "precision='fp8'" in message and "fp32, bf16" in message
+    message = _error(Layout(dp=2, zero=4))
+    assert "zero=4 is unknown" in message and "0 (DDP), 1, 2 or 3" in message
+    assert "offload='yes' must be True or False" in _error(Layout(dp=2, zero=3, offload="yes"))
+
+
+@pytest.mark.parametrize("field", ["dp", "tp", "pp", "cp", "microbatches", "virtual_stages"])
+@pytest.mark.parametrize("bad", [0, -2, 1.5])
+def test_rule_positive_integer_degrees(field: str, bad) -> None:
+    message = _error(Layout(**{field: bad}))
+    assert f"{field}={bad!r} must be a positive integer" in message and "use 1" in message
+
+
+def test_rule_product_equals_world() -> None:
+    message = _error(Layout(tp=2), 8)
+    assert "dp·tp·pp·cp = 1·2·1·1 = 2 but the world has 8 ranks" in message
+    assert "try dp=4" in message
+    assert "e.g. dp=6" in _error(Layout(tp=4), 6)
+
+
+def test_rule_world_size_positive() -> None:
+    assert "world_size=0 must be a positive integer" in _error(Layout(), 0)
+
+
+def test_rule_zero_needs_data_parallel() -> None:
+    message = _error(Layout(tp=2, zero=3), 2)
+    assert "zero=3 shards over data parallel ranks but dp=1" in message and "zero=0" in message
+
+
+def test_rule_offload_needs_fsdp() -> None:
+    message = _error(Layout(dp=2, zero=1, offload=True), 2)
+    assert "offload" in message and "needs zero=2 or zero=3" in message and "set zero=3" in message
+
+
+def test_rule_zero1_is_plain_data_parallel() -> None:
+    message = _error(Layout(dp=2, tp=2, zero=1), 4)
+    assert "zero=1 (ZeroRedundancyOptimizer) works with plain data parallel only" in message
+    assert "use zero=2 or zero=3" in message
+
+
+def test_rule_ddp_does_not_wrap_tensor_parallel() -> None:
+    message = _error(Layout(dp=2, tp=2), 4)
+    assert "DDP does not wrap tensor-parallel" in message and "use zero=2 or zero=3" in message
+
+
+def test_rule_sequence_parallel_needs_tp() -> None:
+    message = _error(Layout(dp=2, sequence_parallel=True), 2)
+    assert "sequence_parallel (Megatron SP)" in message and "needs tp>1" in message
+
+
+def test_rule_zbv_two_stages_per_rank() -> None:
+    message = _error(Layout(pp=2, pp_schedule="zbv", microbatches=2, virtual_stages=3), 2)
+    assert "'zbv' places exactly 2 stages per rank" in message and "set virtual_stages=2" in message
+
+
+def test_rule_interleaved_needs_virtual_stages() -> None:
+    message = _error(Layout(pp=2, pp_schedule="interleaved", microbatches=2), 2)
+    assert "'interleaved' needs virtual_stages>=2" in message and "'1f1b'" in message
+
+
+def test_rule_single_stage_schedules() -> None:
+    message = _error(Layout(pp=2, pp_schedule="1f1b", microbatches=2, virtual_stages=2), 2)
+    assert "runs one stage per rank" in message and "pp_schedule='interleaved'" in message
+
+
+def test_rule_virtual_stages_need_pipeline() -> None:
+    message = _error(Layout(dp=2, virtual_stages=2), 2)
+    assert "virtual_stages=2 splits pipeline stages but pp=1" in message and "pp=2" in message
+
+
+def test_rule_microbatches_fill_the_pipeline() -> None:
+    message = _error(Layout(pp=4, pp_schedule="1f1b", microbatches=2), 4)
+    assert "needs microbatches >= pp (4)" in message and "set microbatches=4" in message
+    Layout(pp=4, pp_schedule="gpipe", microbatches=2).validate(4)  # GPipe runs with any count
+
+
+def test_rule_interleaved_microbatches_multiple_of_pp() -> None:
+    message = _error(Layout(pp=2, pp_schedule="interleaved", microbatches=3, virtual_stages=2), 2)
+    assert "microbatches divisible by pp=2" in message and "try microbatches=4" in message
+
+
+def test_rule_pipeline_with_context_parallel_unsupported() -> None:
+    message = _error(Layout(pp=2, cp=2, microbatches=2), 4)
+    assert "pipeline parallel with context parallel is not supported" in message
+    assert "cp without pp" in message
+
+
+def test_rule_sequence_parallel_inside_pipeline_unsupported() -> None:
+    message = _error(Layout(pp=2, tp=2, sequence_parallel=True, microbatches=2), 4)
+    assert "sequence_parallel inside pipeline stages is not supported" in message
+    assert "drop 'sp' or set pp=1" in message
+
+
+def test_rule_tp_divides_heads() -> None:
+    config = {"n_head": 8, "n_kv_head": 8}
+    assert _error(Layout(tp=3), 3, config) == "tp=3 does not divide 8 heads; try tp=2 or 4 or 8"
+
+
+def test_rule_tp_divides_kv_heads() -> None:
+    message = _error(Layout(tp=4), 4, {"n_head": 8, "n_kv_head": 2})
+    assert "tp=4 does not divide 2 kv-heads" in message and "try tp=2" in message
+
+
+def test_rule_ulysses_divides_local_heads() -> None:
+    message = _error(Layout(tp=2, cp=4, cp_mode="ulysses", dp=1, zero=0), 8, CONFIG)
+    assert "ulysses context parallel splits heads: cp=4" in message and "cp_mode='ring'" in message
+
+
+def test_rule_layers_split_into_stages() -> None:
+    message = _error(Layout(pp=3, microbatches=3), 3, CONFIG)
+    assert "4 layers do not split into pp·virtual_stages = 3" in message
+    assert "try pp·virtual_stages=2 or 4" in message
+
+
+def test_rule_sequence_divides_ring_chunks() -> None:
+    message = _error(Layout(cp=2), 2, {"seq_len": 66})
+    assert "seq_len=66 is not divisible by 4 (2·cp for load-balanced ring)" in message
+    assert "multiple of 4" in message
+    Layout(cp=2, cp_mode="ulysses").validate(2, {"seq_len": 66, "n_head": 4})
+
+
+def test_rule_sequence_parallel_divides_local_sequence() -> None:
+    message = _error(Layout(tp=4, sequence_parallel=True), 4, {"seq_len": 66})
+    assert "sequence parallel splits the local sequence" in message and "multiple of 4" in message
+
+
+def test_rule_tp_divides_ffn_width() -> None:
+    message = _error(Layout(tp=4), 4, {"n_head": 8, "ffn_hidden": 90})
+    assert "tp=4 does not divide the feed-forward width 90" in message and "try tp=2" in message
+
+
+def test_rule_global_batch_splits_over_dp() -> None:
+    message = _error(Layout(dp=4), 4, global_batch=6)
+    assert "global_batch=6 does not split over dp=4" in message and "multiple of 4" in message
+
+
+def test_rule_local_batch_splits_into_microbatches() -> None:
+    message = _error(Layout(dp=2, pp=2, microbatches=4), 4, global_batch=4)
+    assert "per-rank batch 2" in message and "microbatches=4" in message and "try microbatches=2" in message
+
+
+def test_rule_bf16_needs_a_capable_device() -> None:
+    assert "T4 has none; use precision='fp32'" in _error(Layout(precision="bf16"), 1, device="T4")
+    assert "V100 has none" in _error(Layout(precision="bf16"), 1, device="V100")
+    Layout(precision="bf16").validate(1, device="H100-80GB")
+    Layout(precision="bf16").validate(1, device="cpu")  # torch has bf16 on CPUs (slow, but it runs)
+
+
+def test_hugging_face_config_sizes_are_read() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(num_hidden_layers=6, num_attention_heads=12,
+                                      num_key_value_heads=4, hidden_size=768,
+                                      intermediate_size=2048)
+    assert "tp=8 does not divide 12 heads" in _error(Layout(tp=8), 8, config)
+    assert "tp=3 does not divide 4 kv-heads" in _error(Layout(tp=3), 3, config)
+    assert "6 layers do not split" in _error(Layout(pp=4, microbatches=4), 4, config)
+    Layout(tp=2, pp=3, microbatches=3).validate(6, config)
+
+
+def test_rule_hugging_face_models_have_no_cp_or_sp() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=64,
+                                      intermediate_size=128, max_position_embeddings=64)
+    message = _error(Layout(cp=2), 2, config)
+    assert "context parallel needs colab_par's GPT" in message and "cp=1" in message
+    assert "drop 'sp'" in _error(Layout(tp=2, sequence_parallel=True), 2, config)
+    Layout(cp=2).validate(2, {"n_head": 4, "seq_len": 64})  # plain sizes: the reference GPT

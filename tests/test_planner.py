@@ -1,0 +1,293 @@
+"""The planner against its sources: ZeRO Table 1, the activation terms of Korthikanti et al., a
+pipeline timeline simulation, real parameter counts; and the invariants plan() must keep."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from colab_par.layout import Layout, LayoutError
+from colab_par.models.gpt import GPT, GPTConfig
+from colab_par.planner import (DEVICES, ModelSpec, Plan, activation_bytes_per_layer, estimate,
+                               get_device, measure_cpu_device, model_state_bytes, pipeline_bubble,
+                               plan)
+
+LLAMA_8B = {"n_layer": 32, "d_model": 4096, "n_head": 32, "n_kv_head": 8, "ffn_hidden": 14336,
+            "vocab_size": 128256}
+LLAMA_70B = {"n_layer": 80, "d_model": 8192, "n_head": 64, "n_kv_head": 8, "ffn_hidden": 28672,
+             "vocab_size": 128256}
+SMALL = GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=64)
+
+# ZeRO paper (Rajbhandari et al. 2020) Table 1, 7.5B parameters, GB per device as printed, by Nd:
+# (ZeRO-1 "P_os", ZeRO-2 "P_os+g", ZeRO-3 "P_os+g+p"); baseline DP is 120 GB for every Nd.
+ZERO_TABLE_1 = {1: ("120", "120", "120"), 4: ("52.5", "41.3", "30"), 16: ("35.6", "21.6", "7.5"),
+                64: ("31.4", "16.6", "1.88"), 256: ("30.4", "15.4", "0.47"),
+                1024: ("30.1", "15.1", "0.12")}
+
+
+def _matches_printed(value: float, printed: str) -> bool:
+    decimals = len(printed.split(".")[1]) if "." in printed else 0
+    return abs(value - float(printed)) <= 0.5 * 10 ** -decimals + 1e-12
+
+
+@pytest.mark.parametrize("nd", sorted(ZERO_TABLE_1))
+def test_zero_paper_table_1(nd: int) -> None:
+    assert model_state_bytes(7.5e9, zero=0, dp=nd).total / 1e9 == 120
+    for zero, printed in zip((1, 2, 3), ZERO_TABLE_1[nd]):
+        predicted = model_state_bytes(7.5e9, zero=zero, dp=nd).total / 1e9
+        assert _matches_printed(predicted, printed), (zero, nd, predicted, printed)
+
+
+def test_fp32_state_is_4_4_8_bytes_and_sgd_has_one_state() -> None:
+    state = model_state_bytes(1000, zero=0, dp=1, precision="fp32")
+    assert (state.params, state.grads, state.optimizer) == (4000, 4000, 8000)
+    assert model_state_bytes(1000, zero=0, dp=1, precision="fp32", optimizer="sgd").optimizer == 4000
+    with pytest.raises(ValueError, match="precision 'mixed' or 'fp32'"):
+        model_state_bytes(1000, zero=0, dp=1, precision="fp8")
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_offload_moves_sharded_state_to_host(zero: int) -> None:
+    kept = model_state_bytes(7.5e9, zero=zero, dp=8)
+    moved = model_state_bytes(7.5e9, zero=zero, dp=8, offload=True)
+    assert moved.total < kept.total
+    assert moved.total + moved.host_total == pytest.approx(kept.total)
+    assert moved.optimizer == 0 and moved.host_optimizer == kept.optimizer
+
+
+def test_more_sharding_never_more_memory() -> None:
+    for precision in ("mixed", "fp32"):
+        for dp in (1, 2, 8, 64):
+            totals = [model_state_bytes(1e9, zero=z, dp=dp, precision=precision).total for z in range(4)]
+            assert totals == sorted(totals, reverse=True)
+        for zero in range(4):
+            totals = [model_state_bytes(1e9, zero=zero, dp=dp).total for dp in (1, 2, 4, 8, 64)]
+            assert totals == sorted(totals, reverse=True)
+
+
+def test_layout_estimates_shrink_with_sharding_recompute_and_offload() -> None:
+    options = dict(device="A100-80GB", global_batch=8, seq_len=4096)
+
+    def total(text: str) -> float:
+        return estimate(LLAMA_8B, text, **options).memory.total
+
+    assert total("dp8") >= total("dp8 zero1") >= total("dp8 zero2") >= total("dp8 zero3")
+    assert total("dp8 zero3") > total("dp8 zero3 offload")
+    assert total("dp8 zero3") > total("dp8 zero3 ac-selective") > total("dp8 zero3 ac-full")
+    assert total("dp4 tp2 zero3") > total("dp4 tp2 zero3 sp") > total("dp4 tp4 zero3 sp")
+    assert total("dp8 zero3") > total("dp4 cp2 zero3")
+
+
+# ---- activations: the per-tensor inventory of Korthikanti et al. 2022, section 4 ----------------
+def _activation_inventory(s: int, b: int, h: int, a: int, t: int, sp: bool, recompute: str) -> float:
+    """Sum the stored tensors one by one: (bytes, inside the tensor-parallel region, attention core)."""
+    sbh, as2b = s * b * h, a * s * s * b
+    tensors = [
+        (2 * sbh, False, False),   # QKV projection input
+        (4 * sbh, True, False),    # Q and K for QK^T
+        (2 * as2b, True, True),    # softmax output
+        (as2b, True, True),        # softmax dropout mask
+        (2 * as2b, True, True),    # dropout output (attention over V)
+        (2 * sbh, True, False),    # V
+        (2 * sbh, True, False),    # output projection input
+        (sbh, False, False),       # attention dropout mask
+        (2 * sbh, False, False),   # MLP input
+        (8 * sbh, True, False),    # GeLU input
+        (8 * sbh, True, False),    # GeLU output (second linear's input)
+        (sbh, False, False),       # MLP dropout mask
+        (4 * sbh, False, False),   # two layer-norm inputs
+    ]
+    if recompute == "full":
+        return 2 * sbh / (t if sp else 1)
+    total = 0.0
+    for size, in_tp_region, attention_core in tensors:
+        if recompute == "selective" and attention_core:
+            continue
+        total += size / t if (in_tp_region or sp) else size
+    return total
+
+
+@pytest.mark.parametrize("s,b,h,a", [(2048, 1, 12288, 96), (4096, 2, 4096, 32), (64, 3, 64, 4)])
+@pytest.mark.parametrize("t,sp", [(1, False), (8, False), (8, True), (4, True)])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_activation_formula_matches_tensor_inventory(s, b, h, a, t, sp, recompute) -> None:
+    predicted = activation_bytes_per_layer(s, b, h, a, tp=t, sp=sp, recompute=recompute)
+    assert predicted == pytest.approx(_activation_inventory(s, b, h, a, t, sp, recompute), rel=1e-12)
+    assert activation_bytes_per_layer(s, b, h, a, tp=t, sp=sp, recompute=recompute,
+                                      dtype_bytes=4) == pytest.approx(2 * predicted, rel=1e-12)
+
+
+def test_activation_formula_paper_example() -> None:
+    """GPT-3 175B layer (s=2048, h=12288, a=96, t=8): the paper's 5as/h = 80 versus 34."""
+    s, b, h, a = 2048, 1, 12288, 96
+    assert activation_bytes_per_layer(s, b, h, a) == s * b * h * (34 + 80)
+    assert activation_bytes_per_layer(s, b, h, a, tp=8, sp=True, recompute="selective") == s * b * h * 34 / 8
+    with pytest.raises(ValueError, match="'none', 'selective' or 'full'"):
+        activation_bytes_per_layer(s, b, h, a, recompute="some")
+
+
+# ---- pipeline bubble against a timeline simulation ------------------------------------------------
+def _simulated_bubble(p: int, m: int, schedule: str) -> float:
+    """List-schedule unit-time forward/backward ops on p stages; bubble = idle share of the makespan."""
+    orders = []
+    for stage in range(p):
+        if schedule == "gpipe":
+            order = [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
+        else:  # 1F1B: warm-up forwards, then alternate, then drain backwards
+            warm = min(p - stage - 1, m)
+            order = [("F", j) for j in range(warm)]
+            for j in range(m - warm):
+                order += [("F", warm + j), ("B", j)]
+            order += [("B", j) for j in range(m - warm, m)]
+        orders.append(order)
+    done: dict[tuple[str, int, int], float] = {}
+    clock, position = [0.0] * p, [0] * p
+    while any(position[i] < len(orders[i]) for i in range(p)):
+        for stage in range(p):
+            while position[stage] < len(orders[stage]):
+                kind, j = orders[stage][position[stage]]
+                dependency = (("F", stage - 1, j) if kind == "F" and stage > 0 else
+                              ("B", stage + 1, j) if kind == "B" and stage < p - 1 else
+                              ("F", stage, j) if kind == "B" else None)
+                if dependency is not None and dependency not in done:
+                    break
+                start = max(clock[stage], done.get(dependency, 0.0))
+                clock[stage] = done[(kind, stage, j)] = start + 1.0
+                position[stage] += 1
+    makespan = max(clock)
+    return 1 - 2 * m / makespan
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 2), (4, 4), (4, 8), (8, 32)])
+def test_pipeline_bubble_matches_simulation(schedule: str, p: int, m: int) -> None:
+    assert pipeline_bubble(p, m, schedule) == pytest.approx(_simulated_bubble(p, m, schedule), rel=1e-12)
+
+
+def test_interleaved_bubble_is_v_times_smaller_in_microbatch_units() -> None:
+    assert pipeline_bubble(4, 8, "interleaved", 2) == pytest.approx(3 / (16 + 3))
+    assert pipeline_bubble(4, 8, "zbv", 2) < pipeline_bubble(4, 8, "interleaved", 2)
+    assert pipeline_bubble(1, 8) == 0.0
+
+
+# ---- model sizes -----------------------------------------------------------------------------------
+def test_parameter_count_matches_the_reference_gpt() -> None:
+    for config in (SMALL, GPTConfig(vocab_size=100, n_layer=3, n_head=4, n_kv_head=2, d_model=32,
+                                    ffn_hidden=48)):
+        real = sum(p.numel() for p in GPT(config).parameters())
+        assert ModelSpec.of(config).n_params == real
+        assert ModelSpec.of(GPT(config)).n_params == real
+
+
+def test_parameter_count_matches_a_hugging_face_llama() -> None:
+    transformers = pytest.importorskip("transformers")
+    for tied in (False, True):
+        config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, tie_word_embeddings=tied)
+        real = transformers.LlamaForCausalLM(config).num_parameters()
+        assert ModelSpec.of(config).n_params == real
+
+
+def test_model_sizes_missing_are_named() -> None:
+    with pytest.raises(ValueError, match="model sizes d_model, vocab_size are missing"):
+        ModelSpec.of({"n_layer": 2, "n_head": 2})
+
+
+def test_published_8b_and_70b_sizes() -> None:
+    assert ModelSpec.of(LLAMA_8B).n_params / 1e9 == pytest.approx(8.03, abs=0.01)
+    assert ModelSpec.of(LLAMA_70B).n_params / 1e9 == pytest.approx(70.55, abs=0.01)
+
+
+# ---- devices -----------------------------------------------------------------------------------------
+def test_device_catalogue_and_errors() -> None:
+    assert get_device("h100") is DEVICES["H100-80GB"]
+    assert not DEVICES["T4"].bf16 and DEVICES["A100-40GB"].bf16
+    with pytest.raises(ValueError, match="unknown device 'tpu'; choose one of H100-80GB"):
+        get_device("tpu")
+
+
+def test_measured_cpu_device_is_cached_and_shared_between_engines() -> None:
+    one, four = measure_cpu_device(1), measure_cpu_device(4)
+    assert measure_cpu_device(1) is one
+    assert one.peak_flops["fp32"] > 1e8 and not one.bf16
+    assert four.peak_flops["fp32"] < one.peak_flops["fp32"] and four.memory < one.memory
+
+
+# ---- estimate and plan -------------------------------------------------------------------------------
+def test_estimate_rejects_impossible_layouts_with_the_rule() -> None:
+    with pytest.raises(LayoutError, match="tp=3 does not divide 32 heads"):
+        estimate(LLAMA_8B, "tp3", device="H100", global_batch=3, seq_len=1024)
+
+
+def test_estimate_times_and_mfu_are_consistent() -> None:
+    option = estimate(LLAMA_8B, "dp8 zero3 bf16 ac-selective", device="H100", global_batch=8,
+                      seq_len=8192)
+    assert option.step_time == pytest.approx(sum(option.times.values()))
+    assert option.tokens_per_s == pytest.approx(8 * 8192 / option.step_time)
+    assert 0 < option.mfu < DEVICES["H100-80GB"].efficiency
+    one_node = estimate(LLAMA_8B, "dp16 zero3 bf16 ac-selective", device="H100", global_batch=16,
+                        seq_len=8192, gpus_per_node=16)
+    assert one_node.step_time == pytest.approx(option.step_time, rel=0.05)  # weak scaling
+    two_nodes = estimate(LLAMA_8B, "dp16 zero3 bf16 ac-selective", device="H100", global_batch=16,
+                         seq_len=8192, gpus_per_node=8)
+    assert two_nodes.times["dp"] > one_node.times["dp"]  # the gathers cross the slower network
+
+
+def test_plan_lists_only_valid_layouts_best_first() -> None:
+    plans = plan(LLAMA_8B, 16, device="H100", global_batch=32, seq_len=4096, top=None)
+    assert len(plans) > 10 and all(isinstance(p, Plan) for p in plans)
+    for option in plans:
+        option.layout.validate(16, {**LLAMA_8B, "seq_len": 4096}, device="H100-80GB", global_batch=32)
+    fits = [p.fits for p in plans]
+    assert fits == sorted(fits, reverse=True) and fits[0]
+    fitting = [p.step_time for p in plans if p.fits]
+    assert fitting == sorted(fitting)
+    assert plans[0].memory.total <= plans[0].capacity
+
+
+def test_plan_on_a_t4_never_uses_bf16_and_may_not_fit() -> None:
+    plans = plan(LLAMA_8B, 1, device="T4", global_batch=1, seq_len=2048)
+    assert all(p.layout.precision == "fp32" for p in plans)
+    assert not plans[0].fits
+    assert plan(SMALL, 1, device="T4", global_batch=4, seq_len=64)[0].fits
+
+
+def test_plan_accepts_configs_and_explains_impossible_batches() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                                      num_hidden_layers=22, num_attention_heads=32,
+                                      num_key_value_heads=4)
+    plans = plan(config, 8, device="A100-40GB", global_batch=16, seq_len=2048, top=None)
+    assert plans[0].fits
+    assert all(p.layout.cp == 1 and not p.layout.sequence_parallel for p in plans)  # no HF plan
+    assert plan(SMALL, 2, device="cpu", global_batch=4, seq_len=64)[0].layout.world_size == 2
+    with pytest.raises(LayoutError, match="no valid layout .* global_batch=3"):
+        plan({"n_layer": 3, "d_model": 64, "n_head": 1, "vocab_size": 10}, 4, device="cpu",
+             global_batch=3, seq_len=63)
+
+
+def test_plan_4096_gpus_in_under_a_second() -> None:
+    best = min(_timed(lambda: plan(LLAMA_70B, 4096, device="H100", global_batch=2048, seq_len=8192))
+               for _ in range(2))
+    assert best < 1.0
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@pytest.mark.parametrize("text", ["pp2 1f1b mb2", "pp4 1f1b mb4", "pp2 interleaved mb2 v2",
+                                  "pp2 zbv mb2 v2", "pp4 gpipe mb4"])
+def test_fullest_pipeline_rank_matches_the_real_stage_split(text: str) -> None:
+    """Parameters of the fullest rank against the stage modules `parallelize` really builds."""
+    from colab_par.parallel.pipeline import split_model
+
+    config = GPTConfig(vocab_size=256, seq_len=64, n_layer=8, n_head=4, d_model=64)
+    layout = Layout.parse(text)
+    real = max(sum(p.numel() for part in split_model(GPT(config), layout, rank) for p in part.parameters())
+               for rank in range(layout.pp))
+    option = estimate(config, layout, device="A100-80GB", global_batch=8, seq_len=64)
+    assert option.resting.params == 4 * real  # fp32 bytes

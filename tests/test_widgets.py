@@ -1,0 +1,105 @@
+"""LayoutPicker state: changing a selector changes `.layout`, the message and the estimates; invalid
+choices are explained by the Layout rules; Auto applies the planner's best plan."""
+from __future__ import annotations
+
+import ipywidgets as w
+import pytest
+
+from colab_par.layout import Layout, LayoutError
+from colab_par.planner import estimate, plan
+from colab_par.widgets import LayoutPicker
+
+LLAMA_8B = {"n_layer": 32, "d_model": 4096, "n_head": 32, "n_kv_head": 8, "ffn_hidden": 14336,
+            "vocab_size": 128256}
+OPTIONS = dict(model=LLAMA_8B, device="H100", global_batch=16, seq_len=4096)
+
+
+@pytest.fixture
+def picker() -> LayoutPicker:
+    return LayoutPicker(8, **OPTIONS)
+
+
+def test_starts_on_the_planners_best_plan(picker: LayoutPicker) -> None:
+    best = plan(LLAMA_8B, 8, device="H100", global_batch=16, seq_len=4096)[0]
+    assert picker.layout == best.layout
+    assert picker.estimate == best
+    assert picker.message.startswith("✓") and str(best.layout) in picker.message
+
+
+def test_selectors_offer_only_degrees_that_divide_world_and_model() -> None:
+    picker = LayoutPicker(12, model={**LLAMA_8B, "n_layer": 30}, device="H100", global_batch=12,
+                          seq_len=4096)
+    assert list(picker.controls["tp"].options) == [1, 2, 4]      # 32 heads, 8 kv-heads
+    assert list(picker.controls["pp"].options) == [1, 2, 3, 6]   # 30 layers
+    assert list(picker.controls["dp"].options) == [1, 2, 3, 4, 6, 12]
+    assert set(picker.controls) == {f.name for f in Layout.__dataclass_fields__.values()}
+
+
+def test_changing_a_selector_changes_layout_message_and_estimate(picker: LayoutPicker) -> None:
+    picker.apply("dp8 zero3 bf16 ac-selective")
+    before = picker.estimate
+    picker.controls["tp"].value = 2
+    assert picker.controls["dp"].value == 4  # dp follows so the product stays the world
+    picker.controls["sequence_parallel"].value = True
+    assert picker.layout == Layout.parse("dp4 tp2 zero3 sp bf16 ac-selective")
+    assert "dp4 tp2 zero3 sp bf16 ac-selective" in picker.message
+    expected = estimate(LLAMA_8B, picker.layout, device="H100", global_batch=16, seq_len=4096)
+    assert picker.estimate == expected and picker.estimate != before
+    picker.controls["checkpointing"].value = "full"
+    assert picker.estimate.memory.activations < expected.memory.activations
+
+
+def test_invalid_choice_is_explained_and_layout_raises(picker: LayoutPicker) -> None:
+    picker.apply("dp4 tp2 zero3 sp bf16")
+    picker.controls["zero"].value = 0
+    assert picker.estimate is None
+    assert "DDP does not wrap tensor-parallel" in picker.message and "zero=2 or zero=3" in picker.message
+    with pytest.raises(LayoutError, match="DDP does not wrap tensor-parallel"):
+        picker.layout
+    assert "DDP does not wrap" in picker._message_html.value
+    picker.controls["zero"].value = 3
+    assert picker.message.startswith("✓")
+
+
+def test_product_mismatch_is_explained(picker: LayoutPicker) -> None:
+    picker.apply("dp8 zero3 bf16")
+    picker.controls["dp"].value = 2
+    assert "but the world has 8 ranks" in picker.message and "try dp=8" in picker.message
+
+
+def test_memory_bar_and_estimates_render(picker: LayoutPicker) -> None:
+    picker.apply("dp8 zero3 bf16 ac-selective")
+    bar = picker._memory_html.value
+    for part in ("params", "grads", "optimizer", "activations", "usable capacity"):
+        assert part in bar
+    assert "tokens/s" in picker._estimate_html.value and "MFU" in picker._estimate_html.value
+    picker.apply("dp8 zero1 bf16")  # 8B with replicated params and no recompute does not fit
+    assert not picker.estimate.fits and "does NOT fit" in picker.message
+
+
+def test_auto_applies_the_best_plan(picker: LayoutPicker) -> None:
+    picker.apply("dp2 tp4 zero2 sp bf16 ac-full")
+    picker.auto_button.click()
+    assert picker.layout == picker.plans[0].layout and picker.plans[0].fits
+    assert str(picker.plans[0].layout) in picker._table_html.value
+
+
+def test_text_fallback_and_widget_bundle(picker: LayoutPicker) -> None:
+    text = repr(picker)
+    assert "LayoutPicker(8 × H100-80GB" in text and "top plans:" in text and picker.message in text
+    bundle = picker._repr_mimebundle_()
+    assert bundle["text/plain"] == text
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert isinstance(picker.widget, w.VBox)
+
+
+def test_cpu_picker_for_the_reference_gpt() -> None:
+    from colab_par.models.gpt import GPTConfig
+
+    picker = LayoutPicker(2, model=GPTConfig(), device="cpu", global_batch=4, seq_len=64)
+    assert picker.layout.precision == "fp32" and picker.layout.world_size == 2
+    picker.apply("dp2")
+    picker.controls["tp"].value = 2
+    assert picker.layout == Layout.parse("tp2")  # dp followed down to 1
+    picker.controls["zero"].value = 3
+    assert "zero=3 shards over data parallel ranks but dp=1" in picker.message
