@@ -283,11 +283,12 @@ def _check_model(layout: Layout, world: int | None, sizes: dict, device: str | N
         raise LayoutError(f"tp={layout.tp} does not divide {kv_heads} kv-heads; "
                           f"{_suggest(kv_heads, 'tp')}")
     if heads and layout.cp > 1 and layout.cp_mode == "ulysses":
-        local_heads, local_kv = heads // layout.tp, (kv_heads or heads) // layout.tp
-        if local_heads % layout.cp or local_kv % layout.cp:
+        # Query heads are split over cp; kv heads that cp does not divide are repeated instead.
+        local_heads = heads // layout.tp
+        if local_heads % layout.cp:
             raise LayoutError(f"ulysses context parallel splits heads: cp={layout.cp} does not divide "
-                              f"{local_heads} heads / {local_kv} kv-heads per tp rank; "
-                              "use cp_mode='ring' or a cp that divides the heads")
+                              f"{local_heads} heads per tp rank; use cp_mode='ring' or a cp that "
+                              "divides the heads")
     layers = sizes.get("n_layer")
     stages = layout.pp * layout.virtual_stages
     if layers and layers % stages:

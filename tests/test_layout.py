@@ -186,8 +186,13 @@ def test_rule_tp_divides_kv_heads() -> None:
 
 
 def test_rule_ulysses_divides_local_heads() -> None:
-    message = _error(Layout(tp=2, cp=4, cp_mode="ulysses", dp=1, zero=0), 8, CONFIG)
-    assert "ulysses context parallel splits heads: cp=4" in message and "cp_mode='ring'" in message
+    message = _error(Layout(tp=2, cp=8, cp_mode="ulysses", dp=1, zero=0), 16, CONFIG)
+    assert "ulysses context parallel splits heads: cp=8" in message and "cp_mode='ring'" in message
+
+
+def test_ulysses_repeats_kv_heads_that_cp_does_not_divide() -> None:
+    gqa = {"n_head": 4, "n_kv_head": 2, "n_layer": 2, "seq_len": 16}
+    Layout(tp=2, cp=2, cp_mode="ulysses").validate(4, gqa)  # 1 kv head per tp rank, repeated
 
 
 def test_rule_layers_split_into_stages() -> None:
