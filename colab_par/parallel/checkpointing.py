@@ -1,0 +1,49 @@
+"""Activation checkpointing per decoder block (trade recomputation for activation memory).
+
+"full" recomputes each whole block in backward; "selective" keeps the matmul and attention outputs
+(the expensive ops) and recomputes only the cheap elementwise ones (norms, SwiGLU, RoPE), following
+torch's selective-checkpoint policies. Applied before FSDP so each wrapped block is one FSDP unit.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from colab_par.parallel.data_parallel import transformer_blocks
+
+__all__ = ["apply_activation_checkpointing"]
+
+_SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _save_expensive_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(module: nn.Module, mode: str) -> nn.Module:
+    """Wrap every decoder block of `module` in place; mode is "none", "selective" or "full"."""
+    if mode == "none":
+        return module
+    if mode not in ("selective", "full"):
+        raise ValueError(f"checkpointing={mode!r} is unknown; choose 'none', 'selective' or 'full'")
+    options = {"preserve_rng_state": False}
+    if mode == "selective":
+        options["context_fn"] = partial(create_selective_checkpoint_contexts, _save_expensive_ops)
+    for container, key, block in transformer_blocks(module):
+        wrapped = checkpoint_wrapper(block, **options)
+        if isinstance(container, nn.ModuleDict):
+            container[key] = wrapped
+        else:
+            container[int(key)] = wrapped
+    return module

@@ -1,0 +1,109 @@
+"""Data parallel and ZeRO: the mapping from ``Layout.zero`` to what PyTorch already provides.
+
+zero=0 -> DDP; zero=1 -> DDP + ``ZeroRedundancyOptimizer`` (optimizer state sharded);
+zero=2 -> ``fully_shard(reshard_after_forward=False)`` (gradients + optimizer state sharded, the
+gathered parameters kept from forward to backward); zero=3 -> ``fully_shard()`` (parameters
+sharded too). ``offload`` adds ``CPUOffloadPolicy``; bf16 adds ``MixedPrecisionPolicy`` with fp32
+master weights and fp32 gradient reduction. Context-parallel ranks see different tokens of the same
+sequences, so gradients are averaged over the flattened dp·cp group, not over dp alone.
+
+DDP cannot wrap DTensor (tensor-parallel) parameters nor a pipeline stage driven by a schedule, so
+for zero=0 with tp/pp the gradients are averaged by `GradientAverager` (one flat all-reduce).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from colab_par.layout import Layout
+
+__all__ = ["transformer_blocks", "apply_fsdp", "apply_ddp", "GradientAverager", "build_optimizer",
+           "needs_gradient_averager"]
+
+
+def transformer_blocks(module: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(container, key, block) for each decoder block: GPT ``layers`` or Hugging Face ``model.layers``."""
+    container = getattr(module, "layers", None)
+    if container is None and getattr(module, "model", None) is not None:
+        container = getattr(module.model, "layers", None)
+    if container is None:
+        raise ValueError(f"{type(module).__name__} has no decoder blocks under 'layers' or "
+                         "'model.layers'; parallelize supports colab_par GPT and Hugging Face "
+                         "causal LMs")
+    keys = list(container.keys()) if isinstance(container, nn.ModuleDict) else [
+        str(i) for i in range(len(container))]
+    return [(container, key, container[key] if isinstance(container, nn.ModuleDict)
+             else container[int(key)]) for key in keys]
+
+
+def apply_fsdp(module: nn.Module, layout: Layout, dp_mesh: DeviceMesh) -> nn.Module:
+    """fully_shard each decoder block, then the root (embedding, norm, head)."""
+    mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+             if layout.precision == "bf16" else MixedPrecisionPolicy())
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if layout.offload else OffloadPolicy()
+    options = dict(mesh=dp_mesh, reshard_after_forward=layout.zero == 3, mp_policy=mixed,
+                   offload_policy=offload)
+    for _, _, block in transformer_blocks(module):
+        fully_shard(block, **options)
+    fully_shard(module, **options)
+    return module
+
+
+def apply_ddp(module: nn.Module, group: dist.ProcessGroup, device: torch.device) -> nn.Module:
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=device_ids, process_group=group)
+
+
+def needs_gradient_averager(module: nn.Module, layout: Layout) -> bool:
+    has_dtensor = any(isinstance(p, DTensor) for p in module.parameters())
+    return layout.zero == 0 and layout.dp * layout.cp > 1 and (has_dtensor or layout.pp > 1)
+
+
+class GradientAverager:
+    """Average the local gradients of `params` over `group` with one flat all-reduce.
+
+    Used only where DDP cannot wrap the module (DTensor parameters, pipeline stages): every rank of
+    the group holds the same shard layout, so the local pieces line up element by element.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup):
+        self.params, self.group = [p for p in params if p.requires_grad], group
+        self.size = dist.get_world_size(group)
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        flat /= self.size
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def build_optimizer(params: list[nn.Parameter], optimizer_fn: Callable, layout: Layout,
+                    dp_group: dist.ProcessGroup) -> torch.optim.Optimizer:
+    """`optimizer_fn(params)`; for zero=1 the same class and settings inside ZeroRedundancyOptimizer."""
+    optimizer = optimizer_fn(params)
+    if layout.zero != 1:
+        return optimizer
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), process_group=dp_group,
+                                   **settings)

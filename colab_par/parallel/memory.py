@@ -1,0 +1,53 @@
+"""Bytes of model state this rank really holds: counted from the local shards, not from formulas.
+
+The planner predicts these numbers; this module measures them, so the two can be compared.
+Tensors that CPU offload keeps in host memory are reported under ``host_*`` keys.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from colab_par.parallel import ParallelModel
+
+__all__ = ["memory_report"]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _bytes(tensors: Iterable[torch.Tensor], offloaded: bool) -> tuple[int, int]:
+    """(device bytes, host bytes); with offload every CPU tensor counts as host memory."""
+    device = host = 0
+    for tensor in tensors:
+        local = _local(tensor)
+        size = local.numel() * local.element_size()
+        if offloaded and local.device.type == "cpu":
+            host += size
+        else:
+            device += size
+    return device, host
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    return [value for state in inner.state.values() for value in state.values()
+            if isinstance(value, torch.Tensor) and value.dim() > 0]
+
+
+def memory_report(pm: "ParallelModel") -> dict[str, int]:
+    """This rank's params / grads / optimizer bytes (and host_* for offloaded state), plus totals."""
+    params = [p for part in pm.model_parts for p in part.parameters()]
+    offloaded = pm.layout.offload
+    report: dict[str, int] = {}
+    for name, tensors in (("params", params), ("grads", [p.grad for p in params if p.grad is not None]),
+                          ("optimizer", _optimizer_tensors(pm.optimizer))):
+        report[name], report[f"host_{name}"] = _bytes(tensors, offloaded)
+    report["total"] = report["params"] + report["grads"] + report["optimizer"]
+    report["host_total"] = report["host_params"] + report["host_grads"] + report["host_optimizer"]
+    return report

@@ -1,0 +1,54 @@
+"""The DeviceMesh for a Layout, and the one broadcast that makes every rank start from rank 0's model.
+
+All four dims ("pp", "dp", "cp", "tp", outermost first) are always present, size 1 included, so
+callers can ask ``mesh["dp"]`` without caring which degrees are on; gradients of context-parallel
+ranks are averaged together with data-parallel ones, so a flattened "dp_cp" mesh comes with it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from colab_par.layout import Layout
+
+__all__ = ["MESH_DIMS", "build_mesh", "broadcast_from_rank0", "default_device"]
+
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+
+
+def default_device() -> torch.device:
+    """This rank's accelerator if it has one (the cluster bound it), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_mesh(layout: Layout, device: torch.device) -> tuple[DeviceMesh, DeviceMesh]:
+    """A (pp, dp, cp, tp) mesh over the whole world, and its flattened 1-D "dp_cp" gradient mesh
+    (kept by the caller: torch deprecates slicing flattened dims back out of the root mesh)."""
+    shape = tuple(getattr(layout, name) for name in MESH_DIMS)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+    return mesh, mesh["dp", "cp"]._flatten("dp_cp")
+
+
+@torch.no_grad()
+def broadcast_from_rank0(module: nn.Module) -> None:
+    """Copy global rank 0's parameters and buffers to every rank (ranks need not share a seed).
+
+    Floating tensors travel as one float64 message (exact for fp32/bf16), the rest one by one.
+    """
+    tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.numel()]
+    floats = [t for t in tensors if t.is_floating_point()]
+    for tensor in tensors:
+        if not tensor.is_floating_point():
+            dist.broadcast(tensor.data, src=0)
+    if not floats:
+        return
+    flat = torch.cat([t.detach().reshape(-1).double() for t in floats])
+    dist.broadcast(flat, src=0)
+    offset = 0
+    for tensor in floats:
+        tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
