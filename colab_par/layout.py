@@ -250,6 +250,9 @@ def _check_pipeline(layout: Layout, world: int | None, sizes: dict, device: str 
     if layout.pp > 1 and layout.sequence_parallel:
         raise LayoutError("sequence_parallel inside pipeline stages is not supported yet; drop "
                           "'sp' or set pp=1")
+    if layout.pp > 1 and layout.precision == "bf16" and layout.zero < 2:
+        raise LayoutError("bf16 inside pipeline stages comes from FSDP's mixed precision; with pp "
+                          "use zero=2 or zero=3 (dp>1), or precision='fp32'")
     if layout.pp == 1:
         if layout.virtual_stages != 1:
             raise LayoutError(f"virtual_stages={layout.virtual_stages} splits pipeline stages but "

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from colab_par.layout import Layout, LayoutError
+from colab_par.layout import Layout
 from colab_par.models.hf import causal_lm_logits, is_hf_model
 from colab_par.parallel.checkpointing import apply_activation_checkpointing
 from colab_par.parallel.context import apply_context_parallel, sequence_positions, shard_sequence
@@ -38,24 +38,6 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def _default_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-
-
-def _check_supported(layout: Layout, model: nn.Module) -> None:
-    """Combinations parallelize cannot build yet: refuse before any collective starts."""
-    if layout.pp > 1 and layout.cp > 1:
-        raise LayoutError("pipeline parallel with context parallel is not supported yet; "
-                          "use pp with dp/tp, or cp without pp")
-    if layout.pp > 1 and layout.sequence_parallel:
-        raise LayoutError("sequence_parallel inside pipeline stages is not supported yet; "
-                          "drop 'sp' or set pp=1")
-    if layout.pp > 1 and layout.precision == "bf16" and layout.zero < 2:
-        raise LayoutError("bf16 inside pipeline stages comes from FSDP's mixed precision; with pp "
-                          "use zero=2 or zero=3 (dp>1), or precision='fp32'")
-    if is_hf_model(model) and layout.cp > 1:
-        raise LayoutError("context parallel needs colab_par's GPT (its swappable attention); "
-                          "use cp=1 for Hugging Face models")
-    if is_hf_model(model) and layout.sequence_parallel:
-        raise LayoutError("sequence_parallel has no plan for Hugging Face models; drop 'sp'")
 
 
 class ParallelModel:
@@ -158,6 +140,11 @@ class ParallelModel:
                 grad.mul_(scale)
         return total
 
+    @property
+    def last_bubble(self) -> float:
+        """Share of the last step this rank sat idle in the pipeline (0 without pipeline parallel)."""
+        return self._runner.last_bubble if self._runner is not None else 0.0
+
     def optimizer_step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -189,7 +176,6 @@ def parallelize(model: nn.Module, layout: Layout | str, *, optimizer_fn: Callabl
                            "colab_par.Cluster (e.g. inside a %%colossal cell)")
     config = getattr(model, "config", None)
     layout.validate(dist.get_world_size(), config)
-    _check_supported(layout, model)
     hf = is_hf_model(model)
     optimizer_fn = optimizer_fn or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     loss_fn = loss_fn or getattr(model, "loss_fn", None) or _default_loss

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
@@ -78,4 +78,17 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: dict[str
     """Shard `module` in place over `tp_mesh` (a no-op plan on a size-1 mesh is skipped)."""
     if tp_mesh.size() == 1:
         return module
-    return parallelize_module(module, tp_mesh, plan)
+    parallelize_module(module, tp_mesh, plan)
+    for submodule in module.modules():
+        if isinstance(submodule, nn.Embedding):
+            _keep_gradient_sharded_like(submodule.weight)
+    return module
+
+
+def _keep_gradient_sharded_like(param: nn.Parameter) -> None:
+    """DTensor's embedding backward returns a full-size (Replicate) gradient for a vocab-sharded
+    weight; chunking it back to the weight's placement (no communication) keeps (t-1)/t of the
+    embedding's gradient bytes off every tensor-parallel rank."""
+    if isinstance(param, DTensor):
+        param.register_hook(lambda grad: grad.redistribute(placements=param.placements)
+                            if isinstance(grad, DTensor) and grad.placements != param.placements else grad)
