@@ -1,0 +1,235 @@
+"""`colab-par demo`: the whole kit in one command, from engines to a summary table.
+
+Starts engines (one per GPU, or 2 CPU engines on gloo), asks the planner for the best layout of the
+reference GPT on this machine, trains it on real text (the Python standard library's sources),
+shows the dashboard's progress lines, prints a summary, writes the dashboard PNG and a CSV of every
+rank's rows, and stops the engines. Every option is checked before an engine starts.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["main", "DemoSettings", "demo_settings", "choose_layout", "train_on_engine"]
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """What the demo trains: model sizes and batch, sized for a small CPU or for GPUs."""
+
+    engines: int
+    device: str  # planner catalogue name, or "cpu" (measured)
+    n_layer: int
+    n_head: int
+    d_model: int
+    seq_len: int
+    global_batch: int
+    steps: int
+    lr: float
+    max_text_bytes: int
+
+    def model_config(self) -> Any:
+        from colab_par.models import GPTConfig
+
+        return GPTConfig(vocab_size=256, seq_len=self.seq_len, n_layer=self.n_layer,
+                         n_head=self.n_head, d_model=self.d_model)
+
+
+def demo_settings(engines: int | None, steps: int | None) -> DemoSettings:
+    """A GPT that trains visibly within a minute on 2 CPU cores, or a GPT-2-small-sized one on GPUs."""
+    gpus = _visible_gpus()
+    if gpus:
+        return DemoSettings(engines or gpus, _catalogue_name(), n_layer=12, n_head=12, d_model=768,
+                            seq_len=512, global_batch=8 * (engines or gpus), steps=steps or 300,
+                            lr=6e-4, max_text_bytes=64 << 20)
+    return DemoSettings(engines or 2, "cpu", n_layer=4, n_head=4, d_model=128, seq_len=64,
+                        global_batch=8, steps=steps or 40, lr=2e-3, max_text_bytes=4 << 20)
+
+
+def choose_layout(settings: DemoSettings, requested: str | None) -> Any:
+    """The requested layout validated for this world and model, or the planner's best plan."""
+    from colab_par.layout import Layout
+    from colab_par.planner import plan
+
+    config = settings.model_config()
+    if requested is not None:
+        return Layout.parse(requested).validate(settings.engines, config,
+                                                global_batch=settings.global_batch)
+    best = plan(config, settings.engines, device=settings.device, global_batch=settings.global_batch,
+                seq_len=settings.seq_len, top=1)[0]
+    return best.layout
+
+
+def train_on_engine(settings: DemoSettings, layout: str) -> dict:
+    """Runs on every engine: parallelize the GPT, train it on stdlib text, return this rank's rows."""
+    import torch
+    import colab_par
+    from colab_par.data import TextDataset
+    from colab_par.models import GPT
+    from colab_par.train import WarmupCosine
+
+    torch.manual_seed(0)
+    pm = colab_par.parallelize(GPT(settings.model_config()), layout,
+                               optimizer_fn=lambda params: torch.optim.AdamW(params, lr=settings.lr))
+    data = TextDataset(seq_len=settings.seq_len, batch_size=settings.global_batch,
+                       max_bytes=settings.max_text_bytes)
+    trainer = colab_par.Trainer(pm, data, steps=settings.steps, grad_clip=1.0,
+                                lr_schedule=WarmupCosine(max(1, settings.steps // 10), settings.steps))
+    trainer.fit()
+    return {"rows": trainer.history}
+
+
+# ---- reporting -------------------------------------------------------------------------------
+def summary_table(results: list[dict], layout: str, seconds: float) -> str:
+    """Loss first/last, tokens/s and per-rank memory, as plain text."""
+    rows0 = results[0]["rows"]
+    steady = [r["tokens_per_s"] for r in rows0[1:] if r.get("tokens_per_s")] or \
+             [r["tokens_per_s"] for r in rows0 if r.get("tokens_per_s")]
+    lines = [f"layout {layout} · {len(results)} ranks · {len(rows0)} steps in {seconds:.1f} s",
+             f"loss first {rows0[0]['loss']:.4f} · last {rows0[-1]['loss']:.4f}",
+             f"tokens/s (mean after step 1) {sum(steady) / max(len(steady), 1):,.0f}",
+             "", f"{'rank':>4} {'params':>9} {'grads':>9} {'optimizer':>9} {'activations':>11} "
+             f"{'total':>9} {'on host':>9}  (MiB at the last step, measured on each rank)"]
+    for rank, result in enumerate(results):
+        last = result["rows"][-1]
+        activations = last.get("mem_activations") or 0
+        lines.append(f"{rank:>4} {_mib(last['mem_params']):>9} {_mib(last['mem_grads']):>9} "
+                     f"{_mib(last['mem_optimizer']):>9} {_mib(activations):>11} "
+                     f"{_mib(last['mem_total'] + activations):>9} {_mib(last.get('mem_host_total') or 0):>9}")
+    return "\n".join(lines)
+
+
+def write_csv(results: list[dict], path: Path) -> None:
+    """Every rank's rows in one file, ordered by step then rank."""
+    rows = sorted((row for result in results for row in result["rows"]), key=lambda r: (r["step"], r["rank"]))
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def dashboard_png(results: list[dict], steps: int) -> bytes:
+    """The live dashboard's final frame, drawn from the rows the engines returned."""
+    from colab_par.dashboard import LiveDashboard
+    from colab_par.telemetry import METRICS_KEY
+
+    dashboard = LiveDashboard(mode="text", stream=io.StringIO())
+    dashboard.update([{METRICS_KEY: {"rank": rank, "total_steps": steps, "rows": result["rows"]}}
+                      for rank, result in enumerate(results)])
+    # TODO(training helper): replace with a public LiveDashboard method returning the frame's PNG.
+    dashboard._ensure_figure()
+    return dashboard._draw_png()
+
+
+# ---- command line ----------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="colab-par", description="colab_par from a terminal.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = commands.add_parser(
+        "demo", help="train the reference GPT on real text with the planner's layout",
+        description="Start engines, train the reference GPT on the Python standard library's "
+                    "sources with a layout chosen by the planner, print a summary, write the "
+                    "dashboard PNG and a CSV, stop the engines.")
+    demo.add_argument("--engines", type=_positive_int, default=None,
+                      help="number of engines (default: one per GPU, or 2 CPU engines on gloo)")
+    demo.add_argument("--layout", default=None,
+                      help='parallel layout, e.g. "dp2 zero3" or "tp2 sp" (default: the planner\'s '
+                           "best layout for this machine)")
+    demo.add_argument("--steps", type=_positive_int, default=None,
+                      help="optimizer steps (default: 40 on CPU, 300 on GPUs)")
+    demo.add_argument("--out", type=Path, default=Path("out/demo"),
+                      help="folder for dashboard.png and run.csv (default: out/demo)")
+    demo.set_defaults(handler=run_demo, parser=demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.handler(args.parser, args)
+
+
+def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Checks every option, then engines up -> train -> summary and files -> engines down."""
+    from colab_par.cluster import Cluster, EngineError
+    from colab_par.layout import LayoutError
+
+    settings = demo_settings(args.engines, args.steps)
+    try:
+        layout = choose_layout(settings, args.layout)
+    except LayoutError as error:
+        parser.error(f"--layout {args.layout!r}: {error}")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        parser.error(f"--out {str(args.out)!r} cannot be created: {error}")
+    source = "requested" if args.layout else "chosen by the planner"
+    print(f"colab-par demo: GPT {settings.n_layer} layers × d_model {settings.d_model} "
+          f"({settings.model_config().num_params() / 1e6:.2f} M params) on {settings.engines} engines "
+          f"({settings.device}); layout {layout} ({source}); {settings.steps} steps of "
+          f"{settings.global_batch} × {settings.seq_len} tokens", flush=True)
+    started = time.perf_counter()
+    with Cluster(n=settings.engines) as cluster:
+        print(f"colab-par demo: {cluster.n} engines ready ({cluster.backend}) in "
+              f"{time.perf_counter() - started:.1f} s", flush=True)
+        train_started = time.perf_counter()
+        try:
+            results = cluster.run(train_on_engine, settings, str(layout))
+        except EngineError as error:
+            print(f"colab-par demo: training failed on the engines, which are now stopped:\n{error}",
+                  file=sys.stderr)
+            return 1
+        train_seconds = time.perf_counter() - train_started
+    png_path, csv_path = args.out / "dashboard.png", args.out / "run.csv"
+    png_path.write_bytes(dashboard_png(results, settings.steps))
+    write_csv(results, csv_path)
+    print()
+    print(summary_table(results, str(layout), train_seconds))
+    print(f"\nwrote {png_path} and {csv_path}; engines stopped; total "
+          f"{time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; use e.g. 2") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _mib(value: float) -> str:
+    return f"{value / 2 ** 20:.2f}"
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _catalogue_name() -> str:
+    """The planner's catalogue entry for this GPU: same model family, closest memory size
+    (A100 40 GB vs 80 GB); "cuda" (H100 figures) for models the catalogue lacks."""
+    import torch
+
+    from colab_par.planner import DEVICES
+
+    name = torch.cuda.get_device_name(0).lower()
+    memory = torch.cuda.get_device_properties(0).total_memory
+    family = [entry for entry in DEVICES if entry.split("-")[0].lower() in name]
+    if not family:
+        return "cuda"
+    return min(family, key=lambda entry: abs(DEVICES[entry].memory - memory))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

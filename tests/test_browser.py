@@ -1,0 +1,192 @@
+"""The tutorials in a real browser: JupyterLab on 127.0.0.1, driven in headless Chromium.
+
+Checks what nbclient cannot: that the LayoutPicker renders as a widget and reacts to a click, and that
+the dashboard image is replaced in place while training runs. Screenshots land in artifacts/.
+Needs Debian's `chromium` (CI installs it); Playwright drives that binary, no browser download.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+ARTIFACTS = REPO / "artifacts"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+RUN_ALL_TIMEOUT_MS = 240_000
+
+# Collects every distinct dashboard frame the page shows (the test polls nothing itself, so frames
+# shown between two polls are not missed).
+_WATCH_FRAMES = """() => {
+  window.__frames = new Set();
+  const record = () => document.querySelectorAll('.jp-OutputArea-output img').forEach(img => {
+    if (img.src.startsWith('data:image/png')) window.__frames.add(img.src.length + ':' + img.src.slice(-64));
+  });
+  new MutationObserver(record).observe(document.body, {subtree: true, childList: true, attributes: true,
+                                                       attributeFilter: ['src']});
+}"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def jupyterlab(tmp_path_factory):
+    """A JupyterLab server on 127.0.0.1 with a token, serving copies of the notebooks under test."""
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"Chromium not found at {CHROMIUM}; install Debian's `chromium` package (apt)")
+    root = tmp_path_factory.mktemp("lab")
+    served = root / "notebooks"
+    served.mkdir()
+    for name in ("01_quickstart", "02_layouts"):
+        shutil.copy(REPO / "notebooks" / f"{name}.ipynb", served)
+    settings = root / "settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+    port, token = _free_port(), secrets.token_hex(16)
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(root / "config"), JUPYTER_RUNTIME_DIR=str(root / "runtime"),
+               JUPYTERLAB_SETTINGS_DIR=str(root / "settings"),
+               JUPYTERLAB_WORKSPACES_DIR=str(root / "workspaces"))
+    log = open(root / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={served}", "--allow-root"],
+        env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"JupyterLab did not start: {(root / 'server.log').read_text()[-2000:]}")
+                time.sleep(0.25)
+        yield url, token
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(10)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                              args=["--no-sandbox", "--disable-dev-shm-usage"])
+        yield chromium
+        chromium.close()
+
+
+def open_notebook(browser, jupyterlab, name: str):
+    url, token = jupyterlab
+    page = browser.new_page(viewport={"width": 1500, "height": 1000})
+    page.set_default_timeout(90_000)
+    # a workspace of its own, reset: the notebook opened before must not come back as the active tab
+    page.goto(f"{url}/lab/workspaces/{name}/tree/{name}.ipynb?reset&token={token}")
+    page.wait_for_selector(".jp-Notebook .jp-CodeCell .cm-content", state="visible")
+    page.get_by_text("| Idle").wait_for()  # the kernel is up
+    return page
+
+
+def run_all_cells(page) -> None:
+    """Run > Run All Cells, through the menu as a user would."""
+    page.locator(".lm-MenuBar-item", has_text="Run").first.click()
+    page.locator(".lm-Menu-item", has_text="Run All Cells").first.click()
+
+
+def output_of(page, fragment: str):
+    """The output area of the one code cell whose source contains `fragment`."""
+    cell = page.locator(".jp-CodeCell").filter(has=page.locator(".jp-InputArea", has_text=fragment))
+    return cell.locator(".jp-OutputArea")
+
+
+def choose(page, label: str, value: str, *, expect: "str | re.Pattern") -> None:
+    """Pick `value` in the picker's `label` dropdown; wait until its validation message says `expect`."""
+    dropdown = page.locator(".widget-dropdown", has=page.locator("label", has_text=re.compile(f"^{label}$")))
+    dropdown.locator("select").select_option(value)
+    page.locator(".widget-html-content", has_text=expect).first.wait_for(timeout=30_000)
+
+
+def shot(page, name: str) -> None:
+    page.screenshot(path=str(ARTIFACTS / f"browser-{name}.png"), full_page=False)
+
+
+def test_quickstart_dashboard_updates_in_place(browser, jupyterlab):
+    page = open_notebook(browser, jupyterlab, "01_quickstart")
+    try:
+        page.evaluate(_WATCH_FRAMES)
+        run_all_cells(page)
+        dashboard = output_of(page, "trainer.fit()").locator("img").first
+        dashboard.wait_for(timeout=RUN_ALL_TIMEOUT_MS)
+        dashboard.scroll_into_view_if_needed()
+        shot(page, "01-training")
+        page.get_by_text("colab_par: engines stopped").wait_for(timeout=RUN_ALL_TIMEOUT_MS)
+        output_of(page, "trainer.fit()").scroll_into_view_if_needed()
+        shot(page, "01-done")
+        frames = page.evaluate("window.__frames.size")
+        assert frames >= 2, f"the dashboard image was drawn {frames} time(s); expected live updates"
+        assert page.locator(".jp-OutputArea-output img").count() == 1, "updates must replace one image"
+        assert re.search(r"layout dp2: loss first [\d.]+ -> last [\d.]+",
+                         output_of(page, "trainer.fit()").inner_text())
+        assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']",
+                            has_text="Traceback").count() == 0
+    except Exception:
+        shot(page, "01-failure")
+        raise
+    finally:
+        page.close()
+
+
+def test_layout_picker_renders_and_reacts(browser, jupyterlab):
+    page = open_notebook(browser, jupyterlab, "02_layouts")
+    try:
+        run_all_cells(page)
+        picker = output_of(page, "picker.widget")
+        picker.get_by_text("Layout for 4").wait_for(timeout=RUN_ALL_TIMEOUT_MS)
+        picker.scroll_into_view_if_needed()
+        shot(page, "02-picker")
+        page.get_by_text("colab_par: engines stopped").wait_for(timeout=RUN_ALL_TIMEOUT_MS)
+        page.locator(".jp-InputArea", has_text="picker.widget").scroll_into_view_if_needed()
+        # whatever the planner picked, reach dp4 and then dp4 zero3 through the selectors
+        choose(page, "pp", "1", expect=re.compile(r"dp4|dp=4"))
+        choose(page, "microbatches", "1", expect=re.compile(r"✓ dp4"))
+        choose(page, "zero", "0", expect="✓ dp4 is valid")
+        estimate = page.locator(".widget-html-content", has_text="GiB per device").first  # one picker
+        before = estimate.inner_text()
+        choose(page, "zero", "3", expect="✓ dp4 zero3 is valid")
+        after = estimate.inner_text()
+        shot(page, "02-picker-changed")
+        memory = [float(re.search(r"([\d.]+) of [\d.,]+ GiB per device", text).group(1))
+                  for text in (before, after)]
+        assert memory[0] != memory[1], f"changing zero did not change the memory estimate: {before!r}"
+        assert page.locator(".jp-OutputArea-output img").count() >= 2  # dashboard + comparison plot
+    except Exception:
+        shot(page, "02-failure")
+        raise
+    finally:
+        page.close()

@@ -1,0 +1,164 @@
+"""Every tutorial notebook runs headlessly (nbclient) and shows what it promises.
+
+The kernel is the test interpreter: a kernelspec written into a temporary JUPYTER_PATH launches
+`sys.executable`, so the notebooks see the same environment (and colab_par checkout) as the tests.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from colab_par.layout import Layout
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+KERNEL = "colab-par-test"
+CELL_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def kernel_path(tmp_path_factory, monkeypatch_module):
+    root = tmp_path_factory.mktemp("jupyter")
+    spec = root / "kernels" / KERNEL
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "colab_par tests", "language": "python"}))
+    monkeypatch_module.setenv("JUPYTER_PATH", str(root))
+    return root
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def execute(name: str, workdir: Path) -> nbformat.NotebookNode:
+    """Run notebooks/<name>.ipynb in `workdir`; any cell error fails the test with its traceback."""
+    notebook = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name=KERNEL,
+                   resources={"metadata": {"path": str(workdir)}}).execute()
+    return notebook
+
+
+def cell_of(notebook: nbformat.NotebookNode, fragment: str) -> nbformat.NotebookNode:
+    """The one code cell whose source contains `fragment`."""
+    cells = [c for c in notebook.cells if c.cell_type == "code" and fragment in c.source]
+    assert len(cells) == 1, f"{len(cells)} cells contain {fragment!r}"
+    return cells[0]
+
+
+def text_of(cell: nbformat.NotebookNode) -> str:
+    parts = []
+    for output in cell.outputs:
+        if output.output_type == "stream":
+            parts.append(output.text)
+        elif "data" in output:
+            parts.append(output.data.get("text/plain", ""))
+    return "".join(part if part.endswith("\n") else part + "\n" for part in parts)
+
+
+def mime_types(cell: nbformat.NotebookNode) -> list[str]:
+    return [mime for output in cell.outputs for mime in output.get("data", {})]
+
+
+def assert_dashboard(cell: nbformat.NotebookNode) -> None:
+    """The training cell kept the dashboard's final frame: a PNG with a progress line."""
+    frames = [o for o in cell.outputs if o.output_type in ("display_data", "update_display_data")
+              and "image/png" in o.get("data", {})]
+    assert frames, f"no dashboard image in the training cell; outputs: {mime_types(cell)}"
+    assert re.search(r"step \d+/\d+ · loss", frames[-1].data["text/plain"])
+
+
+def test_01_quickstart(kernel_path, tmp_path):
+    notebook = execute("01_quickstart", tmp_path)
+    assert text_of(cell_of(notebook, "%colossal status")).count(" yes ") == 2
+    sums = re.findall(r"rank (\d) of 2 on cpu: sum of \(rank \+ 1\) = (\d+)",
+                      text_of(cell_of(notebook, "dist.all_reduce(value)")))
+    assert sorted(sums) == [("0", "3"), ("1", "3")]
+    training = cell_of(notebook, "trainer.fit()")
+    assert_dashboard(training)
+    first, last = map(float, re.search(r"layout dp2: loss first ([\d.]+) -> last ([\d.]+)",
+                                       text_of(training)).groups())
+    assert last < first - 1.0, f"the notebook's model did not learn: {first} -> {last}"
+    assert "engines stopped" in text_of(cell_of(notebook, "%colossal stop"))
+
+
+@pytest.mark.slow
+def test_02_layouts(kernel_path, tmp_path):
+    notebook = execute("02_layouts", tmp_path)
+    assert "application/vnd.jupyter.widget-view+json" in mime_types(cell_of(notebook, "picker.widget"))
+    chosen = re.search(r"chosen layout: (.+)", text_of(cell_of(notebook, "chosen layout"))).group(1)
+    Layout.parse(chosen).validate(4)
+    picked = cell_of(notebook, "--layout picker")
+    assert_dashboard(picked)
+    assert f"trained {chosen}:" in text_of(picked)
+
+    table = text_of(cell_of(notebook, "results = {layout"))
+    rows = re.findall(r"^(.+?)\s+loss ([\d.]+) -> ([\d.]+)\s+([\d,]+) tokens/s\s+memory per rank "
+                      r"\(KiB\): \[([\d, ]+)\]", table, re.M)
+    assert [row[0] for row in rows] == ["dp4", "dp4 zero3", "tp4 sp", "pp4 mb4", "dp2 tp2 sp zero3"]
+    first_losses = [float(row[1]) for row in rows]
+    assert max(first_losses) - min(first_losses) < 2e-3, f"same weights and data, different losses: {rows}"
+    last_losses = [float(row[2]) for row in rows]
+    assert max(last_losses) - min(last_losses) < 2e-3, f"layouts trained differently: {rows}"
+    assert all(last < first for first, last in zip(first_losses, last_losses))
+    memory = {row[0]: [int(v) for v in row[4].split(",")] for row in rows}
+    assert max(memory["dp4 zero3"]) < max(memory["dp4"]), "ZeRO-3 should hold less per rank than DP"
+    assert "image/png" in mime_types(cell_of(notebook, "measured memory per rank"))
+
+
+@pytest.mark.slow
+def test_03_checkpoint_relayout(kernel_path, tmp_path):
+    notebook = execute("03_checkpoint_relayout", tmp_path)
+    saved = text_of(cell_of(notebook, "saved = colab_par.save"))
+    resumed = text_of(cell_of(notebook, "colab_par.load(pm, CKPT"))
+    reference = re.search(r"uninterrupted losses, steps 9-12: (\[.+\])", saved).group(1)
+    again = re.search(r"resumed losses, steps 9-12:\s+(\[.+\])", resumed).group(1)
+    assert json.loads(again) == pytest.approx(json.loads(reference), rel=1e-6, abs=1e-6)
+    assert "loaded step 8 (saved under dp2 zero3)" in resumed
+    assert "now runs as tp2" in text_of(cell_of(notebook, '%colossal relayout "tp2"'))
+    final = text_of(cell_of(notebook, "after_pp ="))
+    steps = re.search(r"loss step (\d+) ([\d.]+) -> step (\d+) ([\d.]+)", final).groups()
+    assert (steps[0], steps[2]) == ("9", "20") and float(steps[3]) < float(steps[1])
+    assert_dashboard(cell_of(notebook, "after_tp ="))
+
+
+def test_04_kernels(kernel_path, tmp_path):
+    notebook = execute("04_kernels", tmp_path)
+    assert "kernels run as: triton-interpreter" in text_of(cell_of(notebook, "ON_GPU = "))
+    checks = text_of(cell_of(notebook, "def check("))
+    names = re.findall(r"^(\w+)\s+backend=triton-interpreter", checks, re.M)
+    assert names == ["rms_norm", "layer_norm", "swiglu", "apply_rope", "cross_entropy",
+                     "fused_linear_cross_entropy"]
+    errors = [float(e) for e in re.findall(r"(?:forward|grad \d) ([\d.e+-]+)", checks)]
+    assert len(errors) >= 2 * len(names) and max(errors) < 1e-4
+    adam = re.search(r"after 10 steps: ([\d.e+-]+)", text_of(cell_of(notebook, "FusedAdamW(")))
+    assert float(adam.group(1)) < 1e-5
+    assert "No GPU here" in text_of(cell_of(notebook, "do_bench"))
+    gpt = re.search(r"loss torch ([\d.]+) · loss triton ([\d.]+)", text_of(cell_of(notebook, 'kernels="triton"')))
+    assert float(gpt.group(1)) == pytest.approx(float(gpt.group(2)), abs=1e-4)
+
+
+def test_05_planning_at_scale(kernel_path, tmp_path):
+    notebook = execute("05_planning_at_scale", tmp_path)
+    zero = re.findall(r"ZeRO-(\d): +([\d.]+) GB", text_of(cell_of(notebook, "model_state_bytes(7.5e9")))
+    assert [float(gb) for _, gb in zero] == pytest.approx([120.0, 31.4, 16.6, 1.88], abs=0.06)
+    table = text_of(cell_of(notebook, "CLUSTERS = "))
+    seconds = float(re.search(r"planned 30 \(model, cluster\) pairs in ([\d.]+) s", table).group(1))
+    assert seconds < 15
+    layouts = re.findall(r"^\s*\S+\s+(\d+)\s{2}(.+?)\s{2,}[\d.]+\s+[\d.]+%", table, re.M)
+    assert len(layouts) == 30
+    for gpus, layout in layouts:
+        Layout.parse(layout).validate(int(gpus))
+    for fragment in ("memory per GPU", "predicted tokens/s per GPU"):
+        assert "image/png" in mime_types(cell_of(notebook, fragment))
+    assert "application/vnd.jupyter.widget-view+json" in mime_types(cell_of(notebook, "picker.widget"))
+    messages = text_of(cell_of(notebook, "picker.auto()")).splitlines()
+    assert messages[-1].startswith("✓") and "fits" in messages[-1] and "NOT" not in messages[-1]
