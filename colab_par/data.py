@@ -1,0 +1,134 @@
+"""Token data for training from a notebook: real text that needs no download, and synthetic data.
+
+Every dataset is a pure function of (batch index, dp rank): the global batch number `index` is the
+whole data position, so it fits in a checkpoint as one integer, is identical under every layout
+(re-layout keeps the same sample order), and each rank materialises only its own dp rows. The
+context-parallel sequence split is done by `parallelize`'s model, not here.
+"""
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+__all__ = ["TokenDataset", "TextDataset", "SyntheticDataset", "stdlib_source_dir"]
+
+
+def stdlib_source_dir() -> Path:
+    """The Python standard library's own sources: real text present on every machine."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+class TokenDataset:
+    """Batches of (inputs, targets) next-token pairs; subclasses define `window(i)`.
+
+    `batch_size` is the GLOBAL batch (rows summed over data-parallel ranks).
+    """
+
+    vocab_size: int
+    seq_len: int
+    batch_size: int
+    seed: int
+
+    def window(self, sample: int) -> torch.Tensor:
+        """Sample number `sample` (0, 1, 2, ... over all epochs) as seq_len+1 token ids."""
+        raise NotImplementedError
+
+    def batch(self, index: int, dp_rank: int = 0, dp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of global batch `index` that belong to `dp_rank`: (inputs, targets), each (rows, seq)."""
+        if self.batch_size % dp_size:
+            raise ValueError(f"global batch_size={self.batch_size} does not split over dp={dp_size} "
+                             f"ranks; use a batch_size that is a multiple of {dp_size}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} is outside 0..{dp_size - 1}")
+        rows = self.batch_size // dp_size
+        first = index * self.batch_size + dp_rank * rows
+        windows = torch.stack([self.window(first + r) for r in range(rows)])
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def describe(self) -> dict:
+        """A JSON-able fingerprint stored in checkpoints, so a resume with other data is caught."""
+        return {"class": type(self).__name__, "seq_len": self.seq_len, "batch_size": self.batch_size,
+                "vocab_size": self.vocab_size, "seed": self.seed}
+
+    def _check_sizes(self) -> None:
+        for name in ("seq_len", "batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+class TextDataset(TokenDataset):
+    """Byte-level tokens (vocab 256) from every matching text file under `root`.
+
+    Files are read in sorted path order until `max_bytes`, cut into non-overlapping windows of
+    seq_len+1 bytes, and visited in a fresh seeded permutation each epoch.
+    """
+
+    vocab_size = 256
+
+    def __init__(self, root: str | os.PathLike | None = None, *, seq_len: int = 64, batch_size: int = 8,
+                 pattern: str = "*.py", max_bytes: int = 4 << 20, seed: int = 0):
+        self.root = Path(root) if root is not None else stdlib_source_dir()
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.pattern, self.max_bytes = pattern, max_bytes
+        self._check_sizes()
+        if not self.root.is_dir():
+            raise ValueError(f"text root {str(self.root)!r} is not a directory; pass root=<folder of "
+                             "text files> or leave it out for the Python standard library's sources")
+        self.tokens = torch.frombuffer(bytearray(_read_corpus(sorted(self.root.rglob(pattern)), max_bytes)),
+                                       dtype=torch.uint8)
+        self.num_windows = (len(self.tokens) - 1) // seq_len
+        if self.num_windows < batch_size:
+            raise ValueError(f"{len(self.tokens)} bytes of {pattern!r} files under {str(self.root)!r} give "
+                             f"{self.num_windows} windows of {seq_len + 1} tokens, fewer than one batch "
+                             f"of {batch_size}; add text, lower seq_len/batch_size or change pattern")
+        self._epoch, self._order = -1, torch.empty(0, dtype=torch.long)
+
+    def window(self, sample: int) -> torch.Tensor:
+        epoch, slot = divmod(sample, self.num_windows)
+        if epoch != self._epoch:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch, self._order = epoch, torch.randperm(self.num_windows, generator=generator)
+        start = int(self._order[slot]) * self.seq_len
+        return self.tokens[start:start + self.seq_len + 1].long()
+
+    def describe(self) -> dict:
+        return {**super().describe(), "root": str(self.root), "pattern": self.pattern,
+                "max_bytes": self.max_bytes, "num_bytes": len(self.tokens)}
+
+
+def _read_corpus(paths: Iterable[Path], max_bytes: int) -> bytes:
+    chunks, total = [], 0
+    for path in paths:
+        if total >= max_bytes:
+            break
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue  # unreadable files (permissions, broken links) are simply not part of the corpus
+        chunks.append(data[:max_bytes - total])
+        total += len(chunks[-1])
+    return b"".join(chunks)
+
+
+class SyntheticDataset(TokenDataset):
+    """Learnable synthetic sequences: each row counts from a random start with a random stride
+    (mod vocab), so the loss falls quickly and a broken step shows up as a flat curve."""
+
+    def __init__(self, vocab_size: int = 256, seq_len: int = 64, batch_size: int = 8, *,
+                 max_stride: int = 7, seed: int = 0):
+        self.vocab_size, self.seq_len, self.batch_size, self.seed = vocab_size, seq_len, batch_size, seed
+        self.max_stride = max_stride
+        self._check_sizes()
+        if vocab_size < 2 or max_stride < 1:
+            raise ValueError(f"vocab_size={vocab_size} and max_stride={max_stride} must be >= 2 and >= 1")
+
+    def window(self, sample: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + sample)
+        start = int(torch.randint(self.vocab_size, (1,), generator=generator))
+        stride = int(torch.randint(1, self.max_stride + 1, (1,), generator=generator))
+        return (start + stride * torch.arange(self.seq_len + 1)) % self.vocab_size

@@ -1,0 +1,213 @@
+"""Per-step, per-rank training metrics measured on the engines, and their publication.
+
+Measures; never renders (dashboard.py draws). Rows are plain dicts of floats so they travel through
+ipyparallel's `datapub` cheaply and land in `Trainer.history` / CSV unchanged. Rows are
+published in chunks that the client's data dict accumulates, so a client that misses some
+publishes (it polls about every 0.25 s) still draws complete curves.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["METRICS_KEY", "StepClock", "ActivationMeter", "Publisher", "device_peak_flops",
+           "model_flops_per_token", "memory_sample", "grad_bytes",
+           "pipeline_bubble"]
+
+METRICS_KEY = "colab_par.metrics"
+ROWS_KEY = METRICS_KEY + ".rows."
+CHUNK = 64  # rows per published chunk: a publish re-sends at most ~2 chunks (a few KiB)
+
+_GPU_NAMES = ("h200", "h100", "a100", "l4", "t4")  # fragments of torch.cuda.get_device_name()
+
+
+def device_peak_flops(device: torch.device | str, precision: str = "fp32") -> float:
+    """Peak FLOP/s of one rank's device, from the planner's catalogue: data-sheet numbers for known
+    GPUs, a measured matmul rate on CPU (the machine's cores shared by the engines on it)."""
+    from colab_par import planner
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        fragment = next((f for f in _GPU_NAMES if f in name), None)
+        if fragment is None:
+            return 0.0  # unknown GPU: MFU is left out rather than guessed
+        peaks = planner.get_device(fragment).peak_flops
+    else:
+        engines = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (
+            torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
+        peaks = planner.measure_cpu_device(engines).peak_flops
+    return peaks.get(precision) or peaks["fp32"]
+
+
+def model_flops_per_token(model: nn.Module, num_params: int, seq_len: int) -> float:
+    """Training FLOPs per token without recomputation (what MFU counts): the planner's
+    6·matmul-params + 12·layers·d_model·seq when the model has known sizes, else 6·params."""
+    from colab_par import planner
+
+    try:
+        spec = planner.ModelSpec.of(model)
+    except (ValueError, TypeError, AttributeError):
+        return 6.0 * num_params
+    return float(planner._flops_per_token(spec, seq_len, "none"))
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepClock:
+    """Wall time of named phases of one step; synchronises the device so GPU time is counted."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.phases: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            _synchronize(self.device)
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+
+
+class ActivationMeter:
+    """Bytes of tensors saved for backward during forward (the activation memory of a step).
+
+    On CUDA the allocator's peak says this too; on CPU nothing else measures it. Storages saved
+    twice are counted once.
+    """
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._seen: set[int] = set()
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key and key not in self._seen:
+                self._seen.add(key)
+                self.bytes += storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            pass  # tensor subclasses without storage (e.g. DTensor wrappers): their locals are seen too
+        return tensor
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator["ActivationMeter"]:
+        self.bytes, self._seen = 0, set()
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _identity):
+            yield self
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def memory_sample(pm: Any, activations: int, grads: int) -> dict[str, float]:
+    """Bytes on this rank: model state from the real local shards, activations, and the device's
+    own view (CUDA allocator counters, or the process RSS on CPU). `grads` is measured by the
+    caller before the optimizer step frees the gradients."""
+    from colab_par.parallel import memory_report
+
+    report = memory_report(pm)
+    report["total"] += grads - report["grads"]
+    report["grads"] = grads
+    sample = {f"mem_{key}": float(value) for key, value in report.items()}
+    device = torch.device(getattr(pm, "device", "cpu"))
+    if device.type == "cuda":
+        sample["mem_cuda_allocated"] = float(torch.cuda.memory_allocated(device))
+        sample["mem_cuda_reserved"] = float(torch.cuda.memory_reserved(device))
+        sample["mem_cuda_peak"] = float(torch.cuda.max_memory_allocated(device))
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        sample["mem_rss"] = float(_process_rss())
+    sample["mem_activations"] = float(activations)
+    return sample
+
+
+def grad_bytes(pm: Any) -> int:
+    """Bytes of gradients this rank holds now (call before the optimizer step frees them)."""
+    from colab_par.parallel import memory_report
+    return memory_report(pm)["grads"]
+
+
+def pipeline_bubble(pm: Any) -> float | None:
+    """The idle share of the last pipeline step, as the pipeline runner measured it; None without PP."""
+    if pm.layout.pp == 1:
+        return None
+    bubble = getattr(pm, "last_bubble", None)
+    if bubble is None:
+        bubble = getattr(getattr(pm, "_runner", None), "last_bubble", None)
+    return None if bubble is None else float(bubble)
+
+
+def _process_rss() -> int:
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak, the best available
+
+
+class Publisher:
+    """Sends rows to the notebook: ipyparallel `datapub` on an engine, otherwise a local sink.
+
+    datapub merges each message into the task's data dict on the client, so rows travel in chunks
+    under keys `colab_par.metrics.rows.<n>` (CHUNK rows each): a publish re-sends only the chunks
+    that gained rows since the last one, and the client, which polls at its own pace, still holds
+    every row. `METRICS_KEY` carries the header (rank, run, total steps, layout). Publishing is
+    rate-limited to one message per `min_interval` seconds.
+    """
+
+    def __init__(self, header: dict[str, Any], *, min_interval: float = 0.2,
+                 local_sink: Callable[[list[dict | None]], None] | None = None):
+        self.header = header
+        self.min_interval = min_interval
+        self._send = engine_publisher()
+        self._local_sink = local_sink
+        self._last = 0.0
+        self._sent = 0  # rows already published
+
+    @property
+    def on_engine(self) -> bool:
+        return self._send is not None
+
+    def publish(self, rows: list[dict], *, force: bool = False, done: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < self.min_interval:
+            return
+        self._last = now
+        message: dict[str, Any] = {METRICS_KEY: {**self.header, "done": done, "time": time.time()}}
+        for chunk in range(self._sent // CHUNK, (len(rows) + CHUNK - 1) // CHUNK):
+            message[f"{ROWS_KEY}{chunk}"] = rows[chunk * CHUNK:(chunk + 1) * CHUNK]
+        self._sent = len(rows)
+        if self._send is not None:
+            self._send(message)
+        elif self._local_sink is not None:
+            self._local_sink([message])
+
+
+def engine_publisher() -> Callable[[dict], None] | None:
+    """`publish_data` when this process is an ipyparallel engine running a task, else None."""
+    try:
+        from ipykernel.kernelbase import Kernel
+        from ipyparallel.engine.kernel import IPythonParallelKernel
+    except ImportError:
+        return None
+    if not Kernel.initialized():  # plain Python: no kernel at all
+        return None
+    kernel = Kernel.instance()
+    if not isinstance(kernel, IPythonParallelKernel):  # a notebook's own kernel, not an engine
+        return None
+    data_pub = getattr(kernel.shell, "data_pub", None)
+    return data_pub.publish_data if data_pub is not None else None

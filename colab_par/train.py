@@ -1,0 +1,222 @@
+"""The training loop: one loop for every layout, run on every engine (or in plain Python).
+
+`Trainer` drives a `ParallelModel`: gradient accumulation, clipping through the model's own
+shard-aware norm, LR warm-up + cosine, per-rank seeding, periodic DCP checkpoints, and telemetry
+rows that go to `history`, to the notebook dashboard (through `datapub` on engines) or to
+terminal lines. Plotting lives in dashboard.py, measuring in telemetry.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from colab_par import telemetry as telem
+from colab_par.data import TokenDataset
+
+__all__ = ["Trainer", "WarmupCosine"]
+
+
+@dataclass(frozen=True)
+class WarmupCosine:
+    """LR factor: linear warm-up over `warmup_steps`, then cosine decay to `min_ratio` at `total_steps`."""
+
+    warmup_steps: int
+    total_steps: int
+    min_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0 or self.total_steps < 1 or not 0.0 <= self.min_ratio <= 1.0:
+            raise ValueError(f"WarmupCosine({self.warmup_steps}, {self.total_steps}, {self.min_ratio}): "
+                             "need warmup_steps >= 0, total_steps >= 1 and 0 <= min_ratio <= 1")
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    """Train `pm` on `data` for `steps` optimizer steps.
+
+    `data` is a `TokenDataset`; its `batch_size` is the global batch of ONE micro-step, so a step
+    sees `batch_size * grad_accum` sequences. `lr_schedule(step) -> factor` multiplies each param
+    group's initial LR. `grad_clip` clips the global norm across all shards. `log_every` sets how
+    often a telemetry row is recorded and published (with `telemetry=True` a log step also
+    measures memory, activations and the grad norm). With `ckpt_dir`, a checkpoint is saved at the
+    end of every `fit` and every `ckpt_every` steps.
+    """
+
+    def __init__(self, pm: Any, data: TokenDataset, *, steps: int,
+                 lr_schedule: Callable[[int], float] | None = None, grad_clip: float | None = None,
+                 grad_accum: int = 1, log_every: int = 1, ckpt_dir: str | os.PathLike | None = None,
+                 ckpt_every: int | None = None, seed: int = 0, telemetry: bool = True):
+        _check_positive(steps=steps, grad_accum=grad_accum, log_every=log_every)
+        if grad_clip is not None and not grad_clip > 0:
+            raise ValueError(f"grad_clip={grad_clip!r} must be a positive float or None (no clipping)")
+        if ckpt_every is not None:
+            _check_positive(ckpt_every=ckpt_every)
+            if ckpt_dir is None:
+                raise ValueError("ckpt_every is set but ckpt_dir is None; pass ckpt_dir='<folder>'")
+        if not isinstance(data, TokenDataset):
+            raise TypeError(f"data must be a colab_par.data dataset (TextDataset, SyntheticDataset), "
+                            f"not {type(data).__name__}")
+        self.pm, self.data, self.steps = pm, data, steps
+        self.lr_schedule, self.grad_clip, self.grad_accum = lr_schedule, grad_clip, grad_accum
+        self.log_every, self.ckpt_dir, self.ckpt_every = log_every, ckpt_dir, ckpt_every
+        self.seed, self.telemetry = seed, telemetry
+        self.step = 0
+        self.data_position = 0
+        self.history: list[dict] = []
+        self.base_lrs = [group.get("initial_lr", group["lr"]) for group in pm.optimizer.param_groups]
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        torch.manual_seed(seed * 1_000_003 + self.rank)
+        self._flops_per_token = telemetry_flops_per_token(pm, data.seq_len) if telemetry else 0.0
+        self._peak = telem.device_peak_flops(pm.device, pm.layout.precision) if telemetry else 0.0
+        self._activations = telem.ActivationMeter()
+
+    # ---- running --------------------------------------------------------------------------------
+    def fit(self, stop_at: int | None = None) -> list[dict]:
+        """Train until step `stop_at` (default: `steps`); returns the rows recorded in this call."""
+        stop_at = self.steps if stop_at is None else min(stop_at, self.steps)
+        publisher = self._publisher()
+        first = len(self.history)
+        try:
+            while self.step < stop_at:
+                row = self.train_step()
+                if row is not None and publisher is not None:
+                    publisher.publish(self.history, force=self.step >= stop_at)
+                due = self.ckpt_every is not None and self.step % self.ckpt_every == 0
+                if self.ckpt_dir is not None and (due or self.step == stop_at):
+                    self.save_checkpoint()
+        finally:
+            if publisher is not None:
+                publisher.publish(self.history, force=True, done=True)
+                self._finish_local()
+        return self.history[first:]
+
+    def train_step(self) -> dict | None:
+        """One optimizer step (with `grad_accum` micro-steps); returns its row on log steps."""
+        pm, log = self.pm, (self.step + 1) % self.log_every == 0 or self.step + 1 == self.steps
+        measure = self.telemetry and log
+        clock = telem.StepClock(torch.device(pm.device))
+        start = time.perf_counter()
+        losses, bubbles = [], []
+        for micro in range(self.grad_accum):
+            with clock.phase("data"):
+                inputs, targets = self.data.batch(self.data_position, pm.dp_rank, pm.dp_size)
+                inputs, targets = inputs.to(pm.device), targets.to(pm.device)
+            meter = self._activations.measure() if measure and micro == 0 else contextlib.nullcontext()
+            with clock.phase("forward_backward"), meter:
+                losses.append(pm.forward_backward(inputs, targets, loss_scale=1.0 / self.grad_accum,
+                                                  sync_grads=micro == self.grad_accum - 1, local=True))
+            bubbles.append(telem.pipeline_bubble(pm) if measure else None)
+            self.data_position += 1
+        lr = self._apply_lr()
+        grad_norm = None
+        if self.grad_clip is not None or measure:
+            with clock.phase("clip"):
+                grad_norm = float(pm.clip_grad_norm_(self.grad_clip if self.grad_clip else math.inf))
+        grads = telem.grad_bytes(pm) if measure else 0
+        with clock.phase("optimizer"):
+            pm.optimizer_step()
+        self.step += 1
+        step_time = time.perf_counter() - start
+        if not log:
+            return None
+        row = {"step": self.step, "rank": self.rank, "loss": sum(losses) / len(losses), "lr": lr,
+               "grad_norm": grad_norm, "step_time": step_time,
+               **{f"time_{name}": seconds for name, seconds in clock.phases.items()}}
+        if measure:
+            self._add_telemetry(row, grads, bubbles)
+        self.history.append(row)
+        return row
+
+    def _add_telemetry(self, row: dict, grads: int, bubbles: list[float | None]) -> None:
+        started = time.perf_counter()
+        tokens = self.data.batch_size * self.data.seq_len * self.grad_accum
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        row["tokens_per_s"] = tokens / row["step_time"]
+        row["flops_per_s"] = self._flops_per_token * tokens / world / row["step_time"]
+        row["mfu"] = row["flops_per_s"] / self._peak if self._peak else None
+        row["bubble"] = sum(bubbles) / len(bubbles) if None not in bubbles else None
+        row.update(telem.memory_sample(self.pm, self._activations.bytes, grads))
+        row["time_telemetry"] = time.perf_counter() - started
+
+    def _apply_lr(self) -> float:
+        factor = self.lr_schedule(self.step) if self.lr_schedule is not None else 1.0
+        for group, base in zip(self.pm.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * factor
+        return self.pm.optimizer.param_groups[0]["lr"]
+
+    # ---- telemetry sinks ------------------------------------------------------------------------
+    def _publisher(self) -> telem.Publisher | None:
+        header = {"rank": self.rank, "total_steps": self.steps, "run": self._run_id(),
+                  "layout": str(self.pm.layout)}
+        self._local_dashboard = None
+        publisher = telem.Publisher(header, local_sink=self._local_update) if self.telemetry else None
+        if publisher is not None and not publisher.on_engine and self.rank == 0:
+            from colab_par.dashboard import LiveDashboard
+            self._local_dashboard = LiveDashboard()
+        return publisher
+
+    def _local_update(self, per_rank: list[dict | None]) -> None:
+        if self._local_dashboard is not None:
+            self._local_dashboard.update(per_rank)
+
+    def _finish_local(self) -> None:
+        if self._local_dashboard is not None:
+            self._local_dashboard.finish()
+
+    def _run_id(self) -> int:
+        """Same on every rank, new for every fit, so the dashboard can tell runs apart."""
+        from colab_par.checkpoint import shared_random_id
+        return shared_random_id()
+
+    # ---- checkpoints & history ------------------------------------------------------------------
+    def save_checkpoint(self, path: str | os.PathLike | None = None) -> None:
+        from colab_par.checkpoint import save
+        save(self.pm, path or self.ckpt_dir, trainer=self)
+
+    def state_dict(self) -> dict:
+        """JSON-able loop state for checkpoints: where training and the data stream stand."""
+        schedule = self.lr_schedule
+        return {"step": self.step, "data_position": self.data_position, "seed": self.seed,
+                "grad_accum": self.grad_accum, "base_lrs": self.base_lrs, "data": self.data.describe(),
+                "lr_schedule": asdict(schedule) if isinstance(schedule, WarmupCosine) else repr(schedule)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a `state_dict()` (checkpoint.load has checked that the data matches)."""
+        self.step, self.data_position = int(state["step"]), int(state["data_position"])
+        self.base_lrs = [float(lr) for lr in state["base_lrs"]]
+
+    def to_csv(self, path: str | os.PathLike) -> None:
+        """Write `history` (one row per log step of this rank) as CSV."""
+        columns = list(dict.fromkeys(key for row in self.history for key in row))
+        with open(path, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(self.history)
+
+
+def telemetry_flops_per_token(pm: Any, seq_len: int) -> float:
+    """Model FLOPs per trained token of the whole (unsplit) model."""
+    model = pm.model_parts[0]
+    model = getattr(model, "module", model)  # DDP keeps the model under .module
+    num_params = sum(p.numel() for part in pm.model_parts for p in part.parameters())
+    return telem.model_flops_per_token(model, num_params, seq_len)
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
