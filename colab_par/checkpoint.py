@@ -174,19 +174,10 @@ def _same_optimizer(optimizer: torch.optim.Optimizer) -> Callable:
 
 def _default_factory(pm: Any) -> Callable[[], torch.nn.Module]:
     factory = getattr(pm, "model_factory", None)
-    if factory is not None:
-        return factory
-    from colab_par.models.gpt import GPT, GPTConfig
-
-    first = pm.model_parts[0]
-    config = getattr(getattr(first, "module", first), "config", None)  # DDP keeps it under .module
-    if isinstance(config, GPTConfig):
-        def build() -> torch.nn.Module:
-            return GPT(config)
-        build.config = config  # type: ignore[attr-defined]
-        return build
-    raise CheckpointError("relayout needs to rebuild the model but this ParallelModel keeps no "
-                          "model factory; pass model_factory=lambda: MyModel(...)")
+    if factory is None:
+        raise CheckpointError("relayout needs to rebuild the model but it was not built from a "
+                              "config; pass model_factory=lambda: MyModel(...)")
+    return factory
 
 
 # ---- tensor state ----------------------------------------------------------------------------------

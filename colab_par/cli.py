@@ -123,9 +123,7 @@ def dashboard_png(results: list[dict], steps: int) -> bytes:
     dashboard = LiveDashboard(mode="text", stream=io.StringIO())
     dashboard.update([{METRICS_KEY: {"rank": rank, "total_steps": steps, "rows": result["rows"]}}
                       for rank, result in enumerate(results)])
-    # TODO(training helper): replace with a public LiveDashboard method returning the frame's PNG.
-    dashboard._ensure_figure()
-    return dashboard._draw_png()
+    return dashboard.png()
 
 
 # ---- command line ----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any, Callable, Iterable, Sequence
 
+import cloudpickle
 import ipyparallel as ipp
 from traitlets.config import Config
 
@@ -154,7 +155,7 @@ class Cluster:
         n, backend = self._resolve_n_backend()
         self._prepare_launcher_environment()
         before = descendant_pids()
-        options = dict(n=n, engines=self.launcher, log_level=logging.WARNING, delay=0,
+        options = dict(n=n, engines=self.launcher, log_level=logging.ERROR, delay=0,
                        config=_engine_config())
         if self.launcher in ("local", "mpi"):
             options["controller_ip"] = "127.0.0.1"
@@ -243,9 +244,9 @@ class Cluster:
         view = self._view(targets)
         ranks = self._ranks_of(view.targets)
         if namespace:
-            pushed = view.push(namespace, block=False)
-            self._wait(pushed, ranks, stream=False)
-            self._values(pushed)
+            shipped = view.apply_async(engine.update_namespace, cloudpickle.dumps(namespace))
+            self._wait(shipped, ranks, stream=False)
+            self._values(shipped)
         result = view.execute(code, silent=False, block=False)
         self._wait(result, ranks, stream=True)
         self._show_other_output(result, ranks, all_output)

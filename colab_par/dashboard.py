@@ -111,6 +111,11 @@ class LiveDashboard:
                 return [s for s, _ in points], [float(v) for _, v in points]
         return [], []
 
+    def png(self) -> bytes:
+        """The current frame as PNG bytes (for files and reports), drawn now regardless of rate limits."""
+        self._ensure_figure()
+        return self._draw_png()
+
     def progress(self) -> str:
         header = self.header.get(min(self.header)) if self.header else {}
         return progress_line(self.latest(), int(header.get("total_steps", 0)))

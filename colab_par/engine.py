@@ -10,7 +10,8 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["host_info", "bind_device", "free_port", "init_process_group", "rank_status"]
+__all__ = ["host_info", "bind_device", "free_port", "init_process_group", "rank_status",
+           "update_namespace"]
 
 
 def host_info() -> dict[str, Any]:
@@ -96,3 +97,15 @@ def _rss_bytes() -> int | None:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def update_namespace(blob: bytes) -> None:
+    """Unpickle shipped notebook names into the engine's interactive namespace, in one piece.
+
+    One cloudpickle payload keeps the objects' identities consistent (a class and the ``__class__``
+    cell its methods' ``super()`` uses are the same object), which per-name pushes do not.
+    """
+    import cloudpickle
+    from IPython import get_ipython
+
+    get_ipython().user_ns.update(cloudpickle.loads(blob))

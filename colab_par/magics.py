@@ -79,6 +79,8 @@ def _line_parser() -> _Parser:
     relayout = sub.add_parser("relayout", add_help=False)
     relayout.add_argument("layout", help='new layout, e.g. "tp2"')
     relayout.add_argument("--model", default="pm", help="engine variable holding the ParallelModel")
+    relayout.add_argument("--trainer", default="trainer",
+                          help="engine variable holding its Trainer, re-pointed if it exists")
     return parser
 
 
@@ -135,7 +137,8 @@ class ColossalMagics(Magics):
 
             layout = Layout.parse(args.layout).validate(cluster.n)
             cluster.execute(f"import colab_par.checkpoint as _cp\n"
-                            f"{args.model} = _cp.relayout({args.model}, {str(layout)!r})\n"
+                            f"{args.model} = _cp.relayout({args.model}, {str(layout)!r}, "
+                            f"trainer=globals().get({args.trainer!r}))\n"
                             f"if rank == 0: print('colab_par: {args.model} now runs as', {args.model}.layout)")
 
     # ---- cell magic -----------------------------------------------------------------------------

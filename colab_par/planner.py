@@ -23,7 +23,7 @@ from colab_par.layout import Layout, LayoutError, model_sizes
 
 __all__ = ["MemoryBreakdown", "ModelSpec", "DeviceSpec", "Plan", "DEVICES", "GiB", "model_state_bytes",
            "activation_bytes_per_layer", "pipeline_bubble", "get_device", "measure_cpu_device",
-           "cpu_device", "cpu_compute_costs", "estimate", "candidate_layouts", "plan"]
+           "cpu_device", "cpu_compute_costs", "estimate", "candidate_layouts", "plan", "flops_per_token"]
 
 GiB = 2 ** 30
 
@@ -466,7 +466,7 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
                         local, act_bytes, resting)
     step = sum(times.values())
     tokens = global_batch * seq_len
-    model_flops = tokens * _flops_per_token(spec, seq_len, "none")
+    model_flops = tokens * flops_per_token(spec, seq_len, "none")
     mfu = model_flops / (step * layout.world_size * dev.peak_flops[precision])
     capacity = 0.9 * dev.memory  # allocator fragmentation, CUDA context, NCCL buffers
     return Plan(layout, memory, step, mfu, memory.total <= capacity, tokens / step, capacity,
@@ -484,7 +484,7 @@ def _microbatches_in_flight(layout: Layout) -> float:
     return float(min(m, p))
 
 
-def _flops_per_token(spec: ModelSpec, seq_len: int, recompute: str) -> float:
+def flops_per_token(spec: ModelSpec, seq_len: int, recompute: str) -> float:
     """6Ψ (forward + backward matmuls) + 12·L·h·s attention; recompute repeats (part of) forward."""
     dense, attention = 6 * spec.matmul_params, 12 * spec.n_layer * spec.d_model * seq_len
     if recompute == "full":
@@ -502,7 +502,7 @@ def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str
     micro = global_batch // dp // m
     s_local = seq_len // c
     micro_tokens = micro * s_local
-    flops = global_batch * seq_len * _flops_per_token(spec, seq_len, layout.checkpointing)
+    flops = global_batch * seq_len * flops_per_token(spec, seq_len, layout.checkpointing)
     rate = dev.peak_flops[precision] * dev.efficiency * micro_tokens / (micro_tokens + dev.half_tokens)
     compute = flops / layout.world_size / rate
     passes = {"none": 1.0, "selective": 1.1, "full": 1.5}[layout.checkpointing]

@@ -54,7 +54,7 @@ def model_flops_per_token(model: nn.Module, num_params: int, seq_len: int) -> fl
         spec = planner.ModelSpec.of(model)
     except (ValueError, TypeError, AttributeError):
         return 6.0 * num_params
-    return float(planner._flops_per_token(spec, seq_len, "none"))
+    return float(planner.flops_per_token(spec, seq_len, "none"))
 
 
 def _synchronize(device: torch.device) -> None:
@@ -144,10 +144,7 @@ def pipeline_bubble(pm: Any) -> float | None:
     """The idle share of the last pipeline step, as the pipeline runner measured it; None without PP."""
     if pm.layout.pp == 1:
         return None
-    bubble = getattr(pm, "last_bubble", None)
-    if bubble is None:
-        bubble = getattr(getattr(pm, "_runner", None), "last_bubble", None)
-    return None if bubble is None else float(bubble)
+    return float(pm.last_bubble)
 
 
 def _process_rss() -> int:

@@ -173,8 +173,8 @@ class LayoutPicker:
         if e is None:
             return "no estimate for an invalid layout"
         return (f"step {e.step_time * 1e3:,.1f} ms · {e.tokens_per_s:,.0f} tokens/s · MFU {e.mfu:.1%} · "
-                f"{e.memory.total / GiB:,.2f} of {e.capacity / GiB:,.1f} GiB per device"
-                + (f" (+{e.memory.host_total / GiB:,.2f} GiB on the host)" if e.memory.host_total else ""))
+                f"{_size(e.memory.total)} of {_size(e.capacity)} per device"
+                + (f" (+{_size(e.memory.host_total)} on the host)" if e.memory.host_total else ""))
 
     def _memory_bar(self) -> str:
         if self.estimate is None:
@@ -182,23 +182,23 @@ class LayoutPicker:
         memory, capacity = self.estimate.memory, self.estimate.capacity
         scale = max(memory.total, capacity)
         segments = "".join(
-            f"<div title='{part}: {getattr(memory, part) / GiB:.2f} GiB' style='width:"
+            f"<div title='{part}: {_size(getattr(memory, part))}' style='width:"
             f"{100 * getattr(memory, part) / scale:.2f}%;background:{colour}'></div>"
             for part, colour in _PARTS)
         limit = (f"<div style='position:absolute;left:{100 * capacity / scale:.2f}%;top:0;bottom:0;"
                  "border-left:2px dashed #000'></div>")
         legend = " ".join(f"<span style='color:{colour}'>■</span> {part} "
-                          f"{getattr(memory, part) / GiB:.2f} GiB" for part, colour in _PARTS)
+                          f"{_size(getattr(memory, part))}" for part, colour in _PARTS)
         return (f"<div style='position:relative;display:flex;height:18px;width:100%;"
                 f"background:#eee'>{segments}{limit}</div><small>{legend} · dashed line: usable "
-                f"capacity {capacity / GiB:.1f} GiB</small>")
+                f"capacity {_size(capacity)}</small>")
 
     def _plans_table(self) -> str:
         rows = "".join(
-            f"<tr><td><code>{html.escape(str(p.layout))}</code></td><td>{p.memory.total / GiB:.2f}</td>"
+            f"<tr><td><code>{html.escape(str(p.layout))}</code></td><td>{_size(p.memory.total)}</td>"
             f"<td>{p.step_time * 1e3:,.1f}</td><td>{p.tokens_per_s:,.0f}</td><td>{p.mfu:.1%}</td>"
             f"<td>{'yes' if p.fits else 'no'}</td></tr>" for p in self.plans)
-        return ("<table><tr><th>top plans</th><th>GiB/device</th><th>step ms</th><th>tokens/s</th>"
+        return ("<table><tr><th>top plans</th><th>memory/device</th><th>step ms</th><th>tokens/s</th>"
                 f"<th>MFU</th><th>fits</th></tr>{rows}</table>")
 
     def __repr__(self) -> str:
@@ -212,3 +212,10 @@ class LayoutPicker:
         bundle = self.widget._repr_mimebundle_(**kwargs)
         bundle["text/plain"] = repr(self)
         return bundle
+
+
+def _size(num_bytes: float) -> str:
+    """MiB below a GiB, so the tiny models of a CPU tutorial do not all read 0.00 GiB."""
+    if num_bytes < GiB:
+        return f"{num_bytes / 2 ** 20:,.2f} MiB"
+    return f"{num_bytes / GiB:,.2f} GiB"

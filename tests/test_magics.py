@@ -39,6 +39,13 @@ def test_notebook_class_and_closure_are_shipped(on_cluster, capsys):
     assert "[rank 1] result 108" in out  # differs from rank 0, so shown with its prefix
 
 
+def test_shipped_class_keeps_super_working(on_cluster, capsys):
+    on_cluster.run_cell("class Base:\n    def __init__(self):\n        self.ready = True\n"
+                        "class Child(Base):\n    def __init__(self):\n        super().__init__()\n")
+    on_cluster.run_cell_magic("colossal", "", "print('ready', Child().ready)")
+    assert "ready True" in capsys.readouterr().out
+
+
 def test_names_defined_on_engines_stay_there(on_cluster, capsys):
     on_cluster.run_cell_magic("colossal", "", "kept = rank * 7")
     on_cluster.run_cell_magic("colossal", "--all-output", "print('kept', kept)")

@@ -9,6 +9,8 @@ context-parallel slice itself, so a training loop is the same for every layout.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -45,10 +47,15 @@ class ParallelModel:
 
     def __init__(self, parts: list[nn.Module], layout: Layout, mesh: Any, optimizer: torch.optim.Optimizer,
                  loss_fn: LossFn, device: torch.device, hf: bool,
-                 grad_averager: GradientAverager | None, runner: Any = None):
+                 grad_averager: GradientAverager | None, runner: Any = None, *,
+                 optimizer_fn: Callable | None = None, model_factory: Callable | None = None,
+                 takes_positions: bool = True):
         self.model_parts, self.layout, self.mesh, self.optimizer = parts, layout, mesh, optimizer
         self.model = parts[0]
         self.loss_fn, self.device, self._hf = loss_fn, device, hf
+        # What re-layout needs to build the same model and optimizer again under another layout.
+        self.optimizer_fn, self.model_factory = optimizer_fn, model_factory
+        self._takes_positions = takes_positions
         self._grad_averager, self._runner = grad_averager, runner
         self.dp_rank, self.dp_size = mesh["dp"].get_local_rank(), layout.dp
         self.cp_rank, self.cp_size = mesh["cp"].get_local_rank(), layout.cp
@@ -105,6 +112,8 @@ class ParallelModel:
     def _logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self._hf:
             return causal_lm_logits(self.model, tokens, positions)
+        if not self._takes_positions:  # a user's model without positions (cp == 1 is enforced)
+            return self.model(tokens)
         return self.model(tokens, positions)
 
     def _dp_slice(self, batch: torch.Tensor, local: bool) -> torch.Tensor:
@@ -126,11 +135,16 @@ class ParallelModel:
         """Scale gradients so their total 2-norm over ALL shards (dp/tp/pp) is at most `max_norm`."""
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         grads = [p.grad for part in self.model_parts for p in part.parameters() if p.grad is not None]
+        # One reduction per kind of sharding, not one per parameter: DTensors sharing a mesh and
+        # placements stack into one norm whose full_tensor() is a single collective.
+        kinds: dict[Any, list[torch.Tensor]] = {}
         for grad in grads:
-            if isinstance(grad, DTensor):  # the norm of a DTensor reduces over its shards
-                squares += grad.norm().full_tensor().double() ** 2
-            else:
-                squares += grad.double().norm() ** 2
+            key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+            kinds.setdefault(key, []).append(grad)
+        for key, members in kinds.items():
+            norm = torch.linalg.vector_norm(torch.stack([g.norm(dtype=torch.float64) if key is None
+                                                         else g.norm() for g in members]))
+            squares += (norm.full_tensor() if isinstance(norm, DTensor) else norm).double() ** 2
         if self.layout.pp > 1:
             dist.all_reduce(squares, group=self.mesh["pp"].get_group())
         total = squares.sqrt().item()
@@ -177,6 +191,11 @@ def parallelize(model: nn.Module, layout: Layout | str, *, optimizer_fn: Callabl
     config = getattr(model, "config", None)
     layout.validate(dist.get_world_size(), config)
     hf = is_hf_model(model)
+    takes_positions = "positions" in inspect.signature(model.forward).parameters
+    if layout.cp > 1 and not (hf or takes_positions):
+        raise ValueError(f"context parallel gives each rank scattered sequence chunks, so "
+                         f"{type(model).__name__}.forward must accept `positions` (the tokens' global "
+                         "positions, for rotary/position embeddings); add it or use cp=1")
     optimizer_fn = optimizer_fn or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     loss_fn = loss_fn or getattr(model, "loss_fn", None) or _default_loss
     device = default_device()
@@ -197,7 +216,19 @@ def parallelize(model: nn.Module, layout: Layout | str, *, optimizer_fn: Callabl
     runner = None
     if layout.pp > 1:
         runner = PipelineRunner(parts, layout, mesh["pp"].get_group(), loss_fn, device)
-    return ParallelModel(parts, layout, mesh, optimizer, loss_fn, device, hf, averager, runner)
+    return ParallelModel(parts, layout, mesh, optimizer, loss_fn, device, hf, averager, runner,
+                         optimizer_fn=optimizer_fn, model_factory=_rebuilder(model),
+                         takes_positions=takes_positions)
+
+
+def _rebuilder(model: nn.Module) -> Callable[[], nn.Module] | None:
+    """`type(model)(model.config)` for models built from a config (GPT, Hugging Face), else None."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    build = functools.partial(type(model), config)
+    build.config = config  # type: ignore[attr-defined]
+    return build
 
 
 def _parallelize_part(part: nn.Module, layout: Layout, mesh: Any, dp_cp_mesh: Any,
