@@ -285,26 +285,18 @@ def _heads_to_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return received.permute(1, 2, 0, 3, 4).reshape(b, s // size, size * h, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Reshard(torch.autograd.Function):
+    """The Ulysses exchange (sequence -> heads, or back); its gradient is the opposite exchange."""
+
     @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, to_heads: bool) -> Tensor:
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _heads_to_seq(grad.contiguous(), ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _seq_to_heads(grad.contiguous(), ctx.group), None
+        inverse = _heads_to_seq if ctx.to_heads else _seq_to_heads
+        return inverse(grad.contiguous(), ctx.group), None, None
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None = None,
@@ -326,8 +318,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup 
     if kv_heads % size:
         k = k.repeat_interleave(heads // kv_heads, dim=2)
         v = v.repeat_interleave(heads // kv_heads, dim=2)
-    q, k, v = (_SeqToHeads.apply(t.contiguous(), group) for t in (q, k, v))
-    return _HeadsToSeq.apply(attention(q, k, v).contiguous(), group)
+    q, k, v = (_Reshard.apply(t.contiguous(), group, True) for t in (q, k, v))
+    return _Reshard.apply(attention(q, k, v).contiguous(), group, False)
 
 
 # ---- wiring into the reference GPT -------------------------------------------------------------
