@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
 
 LAYOUTS = ["dp4", "dp4 zero1", "dp4 zero2", "dp4 zero3", "dp4 zero3 offload", "dp4 ac-full",
@@ -209,7 +208,6 @@ def _wrapper_overheads(n: int, hop_latency: float, n_layer: int = 4) -> dict[str
         wrapped = seconds(lambda: pm.forward_backward(tokens, tokens))
         exposed = (hops(n, n_layer) + 2 * (n - 1)) * hop_latency
         overheads[name] = max(0.0, (wrapped - plain - exposed) / n_layer)
-        del pm
     return overheads
 
 

@@ -69,18 +69,19 @@ def _ranks(ranks: Iterable[int]) -> str:
 
 
 def _pid_alive(pid: int) -> bool:
+    """True for a running process; a zombie (killed, not yet reaped) counts as dead."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
-        pass
+        pass  # no /proc entry (or no /proc at all): ask the kernel
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return not os.path.exists("/proc") or os.path.exists(f"/proc/{pid}")
+        pass  # exists, owned by someone else
+    return True
 
 
 def descendant_pids(root: int | None = None) -> set[int]:
