@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.testing.globalipapp import get_ipython
+from IPython.core.interactiveshell import InteractiveShell
 
 from colab_par import magics
 from colab_par.cluster import EngineError
@@ -11,7 +11,7 @@ from colab_par.cluster import EngineError
 
 @pytest.fixture(scope="module")
 def shell():
-    ip = get_ipython()
+    ip = InteractiveShell.instance()  # the one shell of this process, whoever made it first
     ip.run_line_magic("load_ext", "colab_par")
     return ip
 
