@@ -157,7 +157,10 @@ class Cluster:
         self._prepare_launcher_environment()
         before = descendant_pids()
         options = dict(n=n, engines=self.launcher, log_level=logging.ERROR, delay=0,
-                       config=_engine_config())
+                       config=_engine_config(nanny=self.launcher not in ("local", "mpi")))
+        # The hub registers an engine at its first heartbeat: ipyparallel's 3 s period would add up
+        # to 3 s to every start, and 0.5 s also notices a dead remote engine within 5 s.
+        options["controller_args"] = ["--HeartMonitor.period=500"]
         if self.launcher in ("local", "mpi"):
             options["controller_ip"] = "127.0.0.1"
         options.update(self._ipp_options)
@@ -275,9 +278,22 @@ class Cluster:
         return rows
 
     def interrupt(self) -> None:
-        """Send SIGINT to every engine (the notebook's stop button)."""
-        if self.running:
-            self._client.send_signal(signal.SIGINT.name, targets=self._live_ids(), block=False)
+        """Send SIGINT to every engine (the notebook's stop button): directly on this host, through
+        ipyparallel's nanny on others."""
+        if not self.running:
+            return
+        remote = []
+        for rank in set(range(self.n)) - set(self._dead_ranks()):
+            info = self._hosts[rank]
+            if self._is_local(info):
+                try:
+                    os.kill(info["pid"], signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+            else:
+                remote.append(self._ids[rank])
+        if remote:
+            self._client.send_signal(signal.SIGINT.name, targets=remote, block=False)
 
     # ---- internals ------------------------------------------------------------------------------
     def _resolve_n_backend(self) -> tuple[int, str]:
@@ -465,22 +481,28 @@ def _per_rank(data: Any) -> list[dict[str, Any] | None]:
     return [data or None]
 
 
-def _engine_config() -> Config:
+def _engine_config(nanny: bool) -> Config:
     """Engines import torch while the controller is still starting, instead of after it.
 
     ipyparallel waits a fixed second between controller and engines and imports torch only when
     the first task arrives; launching engines at once (they poll for the controller's connection
     file) with torch preloaded takes both off the critical path. Importing torch does not touch CUDA,
-    so binding each engine to its GPU still happens first.
+    so binding each engine to its GPU still happens first. Engines on this host need no nanny
+    process (its one job, remote signalling, is a plain `os.kill` here), and starting one sits inside
+    every engine's registration.
     """
     config = Config()
     config.EngineLauncher.engine_cmd = [
-        sys.executable, "-c",
-        "import torch.distributed; from ipyparallel.engine.app import main; main()"]
+        sys.executable, "-c", "import torch.distributed; from ipyparallel.engine.app import main; main()",
+        f"--IPEngine.enable_nanny={nanny}"]
+    config.LocalEngineSetLauncher.delay = 0.0  # ranks come from sorted engine ids, not launch order
     return config
 
 
 def _visible_gpus() -> int:
+    """CUDA GPUs this process sees; a host without the NVIDIA driver answers without importing torch."""
+    if sys.platform.startswith("linux") and not os.path.exists("/dev/nvidiactl"):
+        return 0
     try:
         import torch
 
