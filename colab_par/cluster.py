@@ -168,7 +168,7 @@ class Cluster:
         try:
             self._ipp.start_cluster_sync(n=n)
             self._client = self._ipp.connect_client_sync()
-            self._client.wait_for_engines(n, timeout=self.timeout)
+            self._client.wait_for_engines(n, timeout=self.timeout, interactive=False)  # no progress bar
             self._ids = sorted(self._client.ids)[:n]
             self._pids = descendant_pids() - before
             self._bootstrap(backend)
