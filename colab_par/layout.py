@@ -1,26 +1,45 @@
 """The parallel layout: one small frozen value that names every parallelism degree and option.
 
 Pure Python on purpose (no torch.distributed import): the widget, the planner and the magics
-validate layouts in a notebook kernel that has no cluster. Every validation rule lives here.
+validate layouts in a notebook kernel that has no cluster. Every rule lives here: a field's domain
+is checked when a Layout is built, the rules that need the world size or the model in `validate`,
+and `valid_layouts` / `field_options` enumerate what those rules accept, so the planner and the
+picker offer layouts without knowing any rule themselves.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from types import SimpleNamespace
+from typing import Any, Callable, Iterable, Iterator, Mapping, Union
 
-__all__ = ["Layout", "LayoutError", "model_sizes"]
+__all__ = ["Layout", "LayoutError", "model_sizes", "valid_layouts", "field_options",
+           "default_microbatches", "DEGREES", "ZERO_LEVELS", "CP_MODES", "PP_SCHEDULES",
+           "PRECISIONS", "CHECKPOINTING", "FIELDS"]
 
+DEGREES = ("dp", "tp", "pp", "cp")
+ZERO_LEVELS = (0, 1, 2, 3)
 CP_MODES = ("ring", "ulysses")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
 PRECISIONS = ("fp32", "bf16")
 CHECKPOINTING = ("none", "selective", "full")
-DEGREES = ("dp", "tp", "pp", "cp")
+_MULTI_STAGE = ("interleaved", "zbv")
+# Field order of the enumeration: a field comes after those its choices or its default depend on.
+FIELDS = ("tp", "cp", "pp", "dp", "pp_schedule", "virtual_stages", "microbatches", "zero",
+          "sequence_parallel", "cp_mode", "offload", "precision", "checkpointing")
+_NAMED = {"zero": ZERO_LEVELS, "cp_mode": CP_MODES, "pp_schedule": PP_SCHEDULES,
+          "precision": PRECISIONS, "checkpointing": CHECKPOINTING}
 
 
 class LayoutError(ValueError):
     """An impossible layout; the message names the broken rule and a valid alternative."""
+
+
+def default_microbatches(pp: int, pp_schedule: str) -> int:
+    """The count a Layout gets when none is given: the smallest that fills the pipeline (pp: every
+    stage busy in steady state) for every schedule, and 1 (the whole batch) without pipeline."""
+    return pp
 
 
 @dataclass(frozen=True)
@@ -28,7 +47,8 @@ class Layout:
     """How one model is spread over `world_size` ranks.
 
     Mesh order (outermost first) is pp, dp, cp, tp: tensor parallel ranks are neighbours, so on a
-    multi-GPU node they share the fastest links.
+    multi-GPU node they share the fastest links. ``microbatches=None`` (the default) becomes
+    `default_microbatches`, so every layout string trains as written.
     """
 
     dp: int = 1
@@ -40,10 +60,19 @@ class Layout:
     sequence_parallel: bool = False
     cp_mode: str = "ring"
     pp_schedule: str = "1f1b"
-    microbatches: int = 1
+    microbatches: Union[int, None] = None
     virtual_stages: int = 1
     precision: str = "fp32"
     checkpointing: str = "none"
+
+    def __post_init__(self) -> None:
+        """Refuse values outside a field's domain here, so no impossible Layout ever exists."""
+        if self.microbatches is None:
+            _check_domain("pp", self.pp)
+            _check_domain("pp_schedule", self.pp_schedule)
+            object.__setattr__(self, "microbatches", default_microbatches(self.pp, self.pp_schedule))
+        for name in FIELDS:
+            _check_domain(name, getattr(self, name))
 
     @property
     def world_size(self) -> int:
@@ -64,7 +93,7 @@ class Layout:
             parts.append(self.cp_mode)
         if self.pp > 1 or self.pp_schedule != "1f1b":
             parts.append(self.pp_schedule)
-        if self.microbatches != 1:
+        if self.microbatches != default_microbatches(self.pp, self.pp_schedule):
             parts.append(f"mb{self.microbatches}")
         if self.virtual_stages != 1:
             parts.append(f"v{self.virtual_stages}")
@@ -92,6 +121,10 @@ class Layout:
         return cls(**fields)
 
     def replace(self, **changes: Any) -> "Layout":
+        """A copy with `changes`; a default microbatch count follows a new pp or schedule."""
+        if "microbatches" not in changes and \
+                self.microbatches == default_microbatches(self.pp, self.pp_schedule):
+            changes["microbatches"] = None
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -107,15 +140,115 @@ class Layout:
         planner catalogue name such as "T4") lets the bf16 rule apply; `global_batch` lets the
         batch-splitting rules apply.
         """
-        sizes = model_sizes(model_config)
-        if getattr(model_config, "model_type", None) or (isinstance(model_config, Mapping)
-                                                         and model_config.get("hugging_face")):
-            sizes["hugging_face"] = 1  # a Hugging Face config
-        if global_batch is not None:
-            sizes["global_batch"] = global_batch
-        for rule in _RULES:
+        sizes = _rule_sizes(world_size, model_config, global_batch)
+        for _, rule in _RULES:
             rule(self, world_size, sizes, device)
         return self
+
+
+def _check_domain(name: str, value: Any) -> None:
+    """One field's own domain (no other field, no world): types, names, positive counts."""
+    if name in _NAMED:
+        allowed = _NAMED[name]
+        if value not in allowed or type(value) is not type(allowed[0]):
+            raise LayoutError(f"{name}={value!r} is unknown; choose one of "
+                              f"{', '.join(map(str, allowed))}")
+    elif name in ("offload", "sequence_parallel"):
+        if not isinstance(value, bool):
+            raise LayoutError(f"{name}={value!r} must be True or False")
+    elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        hint = "leave it out for the default" if name == "microbatches" else "use 1 to turn it off"
+        raise LayoutError(f"{name}={value!r} must be a positive integer; {hint}")
+
+
+def _rule_sizes(world: int | None, model_config: Any, global_batch: int | None) -> dict[str, int]:
+    """Check the arguments of `validate` / `valid_layouts` and gather the sizes the rules read."""
+    if world is not None and (not isinstance(world, int) or isinstance(world, bool) or world < 1):
+        raise LayoutError(f"world_size={world!r} must be a positive integer (the number of ranks), "
+                          "e.g. world_size=2")
+    sizes = model_sizes(model_config)
+    if getattr(model_config, "model_type", None) or (isinstance(model_config, Mapping)
+                                                     and model_config.get("hugging_face")):
+        sizes["hugging_face"] = 1  # a Hugging Face config
+    if global_batch is not None:
+        sizes["global_batch"] = global_batch
+    return sizes
+
+
+# ---- enumeration: the layouts the rules accept --------------------------------------------------
+Choices = Union[Iterable[Any], Callable[[Any], Iterable[Any]]]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _default_choices(world: int, sizes: dict[str, int]) -> dict[str, Choices]:
+    """Every value of every field, bounded by the world and the model / batch where a field has no
+    bound of its own: virtual stages divide the layers (1 or 2 without a model), microbatch counts
+    divide the global batch (only the default count without a batch)."""
+    layers, batch = sizes.get("n_layer"), sizes.get("global_batch")
+    return {**{name: _divisors(world) for name in DEGREES}, **_NAMED,
+            "offload": (False, True), "sequence_parallel": (False, True),
+            "virtual_stages": _divisors(layers) if layers else (1, 2),
+            "microbatches": (None, *_divisors(batch)) if batch else (None,)}
+
+
+def valid_layouts(world_size: int, model_config: Any = None, *, device: str | None = None,
+                  global_batch: int | None = None, **choices: Choices) -> Iterator[Layout]:
+    """Every Layout over `world_size` ranks that `validate` accepts, each once.
+
+    `choices` narrow a field to some values, e.g. ``zero=(2, 3)``, or to a function of the fields
+    chosen before it in `FIELDS` (``microbatches=lambda l: (l.pp, 2 * l.pp)``); None stands for
+    the default microbatch count. Each rule runs as soon as the fields it reads are chosen, so the
+    search stays fast on thousands of ranks.
+    """
+    if world_size is None:
+        raise LayoutError("valid_layouts needs world_size, e.g. valid_layouts(8)")
+    sizes = _rule_sizes(world_size, model_config, global_batch)
+    unknown = set(choices) - set(FIELDS)
+    if unknown:
+        raise LayoutError(f"unknown layout field(s) {', '.join(sorted(unknown))}; choose from "
+                          f"{', '.join(FIELDS)}")
+    grid = {**_default_choices(world_size, sizes), **choices}
+    position = {name: i for i, name in enumerate(FIELDS)}
+    due: dict[str, list[Rule]] = {name: [] for name in FIELDS}
+    for fields, rule in _RULES:
+        due[max(fields, key=position.__getitem__)].append(rule)
+
+    def search(depth: int, chosen: dict[str, Any]) -> Iterator[Layout]:
+        if depth == len(FIELDS):
+            yield Layout(**chosen)
+            return
+        name = FIELDS[depth]
+        partial = SimpleNamespace(**chosen)
+        options = grid[name](partial) if callable(grid[name]) else grid[name]
+        if name == "microbatches":  # resolve the default count once, then drop repeats
+            options = dict.fromkeys(default_microbatches(chosen["pp"], chosen["pp_schedule"])
+                                    if m is None else m for m in options)
+        for value in options:
+            _check_domain(name, value)
+            step = SimpleNamespace(**chosen, **{name: value})
+            try:
+                for rule in due[name]:
+                    rule(step, world_size, sizes, device)
+            except LayoutError:
+                continue
+            yield from search(depth + 1, {**chosen, name: value})
+
+    return search(0, {})
+
+
+def field_options(world_size: int, model_config: Any = None, *, device: str | None = None,
+                  global_batch: int | None = None) -> dict[str, list[Any]]:
+    """For each field, the values that appear in at least one valid layout (a picker's options)."""
+    grid = _default_choices(world_size, _rule_sizes(world_size, model_config, global_batch))
+    options: dict[str, list[Any]] = {}
+    for name in FIELDS:
+        options[name] = [value for value in grid[name] if value is not None and next(valid_layouts(
+            world_size, model_config, device=device, global_batch=global_batch,
+            **{name: (value,)}), None) is not None]
+    return options
 
 
 # ---- parsing helpers ---------------------------------------------------------------------------
@@ -174,117 +307,137 @@ def model_sizes(config: Any) -> dict[str, int]:
     return sizes
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _suggest(n: int, what: str) -> str:
     options = [str(d) for d in _divisors(n) if d > 1] or ["1"]
     return f"try {what}=" + " or ".join(options[:4])
 
 
 # ---- the rules, checked in order ---------------------------------------------------------------
-def _check_names(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
-    choices = {"cp_mode": CP_MODES, "pp_schedule": PP_SCHEDULES, "precision": PRECISIONS,
-               "checkpointing": CHECKPOINTING}
-    for field, allowed in choices.items():
-        value = getattr(layout, field)
-        if value not in allowed:
-            raise LayoutError(f"{field}={value!r} is unknown; choose one of {', '.join(allowed)}")
-    for field in ("offload", "sequence_parallel"):
-        if not isinstance(getattr(layout, field), bool):
-            raise LayoutError(f"{field}={getattr(layout, field)!r} must be True or False")
-    if layout.zero not in (0, 1, 2, 3) or isinstance(layout.zero, bool):
-        raise LayoutError(f"zero={layout.zero} is unknown; choose 0 (DDP), 1, 2 or 3")
+# Each rule names the Layout fields it reads, so `valid_layouts` can check it as soon as those
+# fields are chosen (a rule that reads an undeclared field fails loudly there: the enumeration
+# hands rules only the fields chosen so far).
+Rule = Callable[[Any, "int | None", dict, "str | None"], None]
+_RULES: list[tuple[tuple[str, ...], Rule]] = []
 
 
-def _check_degrees(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
-    for name in DEGREES + ("microbatches", "virtual_stages"):
-        value = getattr(layout, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise LayoutError(f"{name}={value!r} must be a positive integer; use 1 to turn it off")
+def _rule(*fields: str) -> Callable[[Rule], Rule]:
+    def register(check: Rule) -> Rule:
+        _RULES.append((fields, check))
+        return check
+    return register
 
 
-def _check_world(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
+@_rule(*DEGREES)
+def _check_world(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     if world is None:
         return
-    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-        raise LayoutError(f"world_size={world!r} must be a positive integer (the number of ranks), "
-                          "e.g. world_size=2")
-    if layout.world_size == world:
+    product = layout.dp * layout.tp * layout.pp * layout.cp
+    if product == world:
         return
     if world % (layout.tp * layout.pp * layout.cp) == 0:
         hint = f"try dp={world // (layout.tp * layout.pp * layout.cp)}"
     else:
         hint = f"choose degrees whose product is {world}, e.g. dp={world}"
     raise LayoutError(
-        f"dp·tp·pp·cp = {layout.dp}·{layout.tp}·{layout.pp}·{layout.cp} = {layout.world_size} "
+        f"dp·tp·pp·cp = {layout.dp}·{layout.tp}·{layout.pp}·{layout.cp} = {product} "
         f"but the world has {world} ranks; {hint}")
 
 
-def _check_zero(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
+@_rule("zero", "dp")
+def _check_zero_needs_dp(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     if layout.zero > 0 and layout.dp == 1:
         raise LayoutError(f"zero={layout.zero} shards over data parallel ranks but dp=1; "
                           "set dp>1 or zero=0")
+
+
+@_rule("offload", "zero")
+def _check_offload(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     if layout.offload and layout.zero < 2:
         raise LayoutError("offload moves FSDP-sharded state to the CPU and needs zero=2 or zero=3 "
                           f"(got zero={layout.zero}); set zero=3")
+
+
+@_rule("zero", "tp", "pp", "cp")
+def _check_zero1(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     if layout.zero == 1 and (layout.tp > 1 or layout.pp > 1 or layout.cp > 1):
         raise LayoutError("zero=1 (ZeroRedundancyOptimizer) works with plain data parallel only; "
-                          "with tp/pp/cp use zero=2 or zero=3")
-    if layout.zero in (0, 1) and layout.tp > 1 and layout.dp > 1:
-        raise LayoutError("DDP does not wrap tensor-parallel (DTensor) modules; with dp>1 and tp>1 "
-                          "use zero=2 or zero=3")
+                          "with tp/pp/cp use zero=0, zero=2 or zero=3")
 
 
-def _check_sequence_parallel(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
+@_rule("sequence_parallel", "tp")
+def _check_sequence_parallel(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     if layout.sequence_parallel and layout.tp == 1:
         raise LayoutError("sequence_parallel (Megatron SP) splits activations over tensor-parallel "
                           "ranks and needs tp>1; set tp=2 or sequence_parallel=False")
 
 
-def _check_pipeline(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
+@_rule("pp", "cp")
+def _check_pipeline_cp(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     if layout.pp > 1 and layout.cp > 1:
         raise LayoutError("pipeline parallel with context parallel is not supported yet; use pp "
                           "with dp/tp, or cp without pp")
+
+
+@_rule("pp", "sequence_parallel")
+def _check_pipeline_sp(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     if layout.pp > 1 and layout.sequence_parallel:
         raise LayoutError("sequence_parallel inside pipeline stages is not supported yet; drop "
                           "'sp' or set pp=1")
+
+
+@_rule("pp", "precision", "zero")
+def _check_pipeline_bf16(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     if layout.pp > 1 and layout.precision == "bf16" and layout.zero < 2:
         raise LayoutError("bf16 inside pipeline stages comes from FSDP's mixed precision; with pp "
                           "use zero=2 or zero=3 (dp>1), or precision='fp32'")
+
+
+@_rule("pp", "pp_schedule", "virtual_stages")
+def _check_virtual_stages(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    schedule, v = layout.pp_schedule, layout.virtual_stages
     if layout.pp == 1:
-        if layout.virtual_stages != 1:
-            raise LayoutError(f"virtual_stages={layout.virtual_stages} splits pipeline stages but "
-                              "pp=1; set pp=2 or more, or virtual_stages=1")
+        if v != 1:
+            raise LayoutError(f"virtual_stages={v} splits pipeline stages but pp=1; set pp=2 or "
+                              "more, or virtual_stages=1")
         return
-    schedule = layout.pp_schedule
-    multi_stage = schedule in ("interleaved", "zbv")
-    if schedule == "zbv" and layout.virtual_stages != 2:
+    if schedule == "zbv" and v != 2:
         raise LayoutError(f"pp_schedule='zbv' places exactly 2 stages per rank (V shape) but "
-                          f"virtual_stages={layout.virtual_stages}; set virtual_stages=2")
-    if schedule == "interleaved" and layout.virtual_stages < 2:
+                          f"virtual_stages={v}; set virtual_stages=2")
+    if schedule == "interleaved" and v < 2:
         raise LayoutError("pp_schedule='interleaved' needs virtual_stages>=2 stages per rank; "
                           "set virtual_stages=2 or use pp_schedule='1f1b'")
-    if not multi_stage and layout.virtual_stages != 1:
+    if schedule not in _MULTI_STAGE and v != 1:
         raise LayoutError(f"pp_schedule={schedule!r} runs one stage per rank; set virtual_stages=1 "
                           "or use pp_schedule='interleaved'")
-    if schedule in ("1f1b", "interleaved", "zbv") and layout.microbatches < layout.pp:
-        raise LayoutError(f"pp_schedule={schedule!r} needs microbatches >= pp ({layout.pp}) to fill "
-                          f"the pipeline, got microbatches={layout.microbatches}; "
-                          f"set microbatches={layout.pp} or more")
-    if schedule == "interleaved" and layout.microbatches % layout.pp:
-        raise LayoutError(f"pp_schedule='interleaved' needs microbatches divisible by pp={layout.pp}, "
-                          f"got {layout.microbatches}; try microbatches={2 * layout.pp}")
 
 
-def _check_model(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
+@_rule("pp", "pp_schedule", "microbatches")
+def _check_microbatches(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    schedule, m, p = layout.pp_schedule, layout.microbatches, layout.pp
+    if p == 1:
+        return
+    if schedule != "gpipe" and m < p:
+        raise LayoutError(f"pp_schedule={schedule!r} needs microbatches >= pp ({p}) to fill the "
+                          f"pipeline, got microbatches={m}; set microbatches={p} or more, or leave "
+                          "it out (the default fills the pipeline)")
+    if schedule == "interleaved" and m % p:
+        raise LayoutError(f"pp_schedule='interleaved' needs microbatches divisible by pp={p}, "
+                          f"got {m}; try microbatches={2 * p}")
+
+
+@_rule("tp")
+def _check_heads(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     heads, kv_heads = sizes.get("n_head"), sizes.get("n_kv_head")
     if heads and heads % layout.tp:
         raise LayoutError(f"tp={layout.tp} does not divide {heads} heads; {_suggest(heads, 'tp')}")
     if kv_heads and kv_heads % layout.tp:
         raise LayoutError(f"tp={layout.tp} does not divide {kv_heads} kv-heads; "
                           f"{_suggest(kv_heads, 'tp')}")
+
+
+@_rule("tp", "cp", "cp_mode")
+def _check_ulysses_heads(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    heads = sizes.get("n_head")
     if heads and layout.cp > 1 and layout.cp_mode == "ulysses":
         # Query heads are split over cp; kv heads that cp does not divide are repeated instead.
         local_heads = heads // layout.tp
@@ -292,11 +445,19 @@ def _check_model(layout: Layout, world: int | None, sizes: dict, device: str | N
             raise LayoutError(f"ulysses context parallel splits heads: cp={layout.cp} does not divide "
                               f"{local_heads} heads per tp rank; use cp_mode='ring' or a cp that "
                               "divides the heads")
+
+
+@_rule("pp", "virtual_stages")
+def _check_layers(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     layers = sizes.get("n_layer")
     stages = layout.pp * layout.virtual_stages
     if layers and layers % stages:
         raise LayoutError(f"{layers} layers do not split into pp·virtual_stages = {stages} equal "
                           f"stages; {_suggest(layers, 'pp·virtual_stages')}")
+
+
+@_rule("cp", "cp_mode")
+def _check_sequence_chunks(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     seq = sizes.get("seq_len")
     if seq and layout.cp > 1:
         chunks = 2 * layout.cp if layout.cp_mode == "ring" else layout.cp
@@ -304,22 +465,36 @@ def _check_model(layout: Layout, world: int | None, sizes: dict, device: str | N
             raise LayoutError(f"seq_len={seq} is not divisible by {chunks} "
                               f"({'2·cp for load-balanced ring' if layout.cp_mode == 'ring' else 'cp'}); "
                               f"use a sequence length that is a multiple of {chunks}")
+
+
+@_rule("sequence_parallel", "cp", "tp")
+def _check_sequence_parallel_split(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    seq = sizes.get("seq_len")
     if seq and layout.sequence_parallel and seq % (layout.cp * layout.tp):
         raise LayoutError(f"sequence parallel splits the local sequence (seq_len={seq} / cp={layout.cp}) "
                           f"over tp={layout.tp}; use a sequence length that is a multiple of "
                           f"{layout.cp * layout.tp}")
+
+
+@_rule("cp", "sequence_parallel")
+def _check_hugging_face(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     if sizes.get("hugging_face") and layout.cp > 1:
         raise LayoutError("context parallel needs colab_par's GPT (its swappable attention); use "
                           "cp=1 for Hugging Face models")
     if sizes.get("hugging_face") and layout.sequence_parallel:
         raise LayoutError("sequence_parallel has no plan for Hugging Face models; drop 'sp'")
+
+
+@_rule("tp")
+def _check_ffn(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     ffn = sizes.get("ffn_hidden")
     if ffn and ffn % layout.tp:
         raise LayoutError(f"tp={layout.tp} does not divide the feed-forward width {ffn}; "
                           f"{_suggest(ffn, 'tp')}")
 
 
-def _check_batch(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
+@_rule("dp", "microbatches")
+def _check_batch(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     batch = sizes.get("global_batch")
     if batch is None:
         return
@@ -334,14 +509,11 @@ def _check_batch(layout: Layout, world: int | None, sizes: dict, device: str | N
                           f"{_suggest(local, 'microbatches')}")
 
 
-def _check_precision(layout: Layout, world: int | None, sizes: dict, device: str | None) -> None:
+@_rule("precision")
+def _check_precision(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     if layout.precision != "bf16" or device is None:
         return
     no_bf16 = ("t4", "v100", "p100", "k80")
     if any(name in device.lower() for name in no_bf16):
         raise LayoutError(f"precision='bf16' needs a GPU with bfloat16 (Ampere or newer); {device} "
                           "has none; use precision='fp32'")
-
-
-_RULES = (_check_names, _check_degrees, _check_world, _check_zero, _check_sequence_parallel,
-          _check_pipeline, _check_model, _check_batch, _check_precision)

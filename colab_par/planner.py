@@ -9,7 +9,6 @@ al. 2022, collective volumes from the ring algorithms, the pipeline bubble from 
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import os
 import socket
@@ -19,11 +18,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from colab_par.layout import Layout, LayoutError, model_sizes
+from colab_par.layout import CP_MODES, Choices, Layout, LayoutError, model_sizes, valid_layouts
 
 __all__ = ["MemoryBreakdown", "ModelSpec", "DeviceSpec", "Plan", "DEVICES", "GiB", "model_state_bytes",
            "activation_bytes_per_layer", "pipeline_bubble", "get_device", "measure_cpu_device",
-           "cpu_device", "cpu_compute_costs", "estimate", "candidate_layouts", "plan", "flops_per_token"]
+           "cpu_device", "cpu_compute_costs", "estimate", "search_space", "preferred",
+           "candidate_layouts", "plan", "flops_per_token"]
 
 GiB = 2 ** 30
 
@@ -576,51 +576,53 @@ def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str
 
 
 # ---- the search ----------------------------------------------------------------------------------
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def search_space(global_batch: int, *, bf16: bool, gpus_per_node: int = 8) -> dict[str, Choices]:
+    """What the planner tries, as `valid_layouts` choices; the rules themselves live in layout.py.
+
+    Left out because a candidate kept is never worse in this model: tp across nodes, interleaved
+    1F1B (ZB-V has the smaller bubble and no more memory), a cp mode without cp, recompute and
+    offload (`plan` adds them where the layout does not fit without). Microbatch counts: pp, 2pp,
+    4pp, 8pp and the whole local batch.
+    """
+    def microbatches(chosen: Any) -> tuple:
+        return (None,) if chosen.pp == 1 else (*(k * chosen.pp for k in (1, 2, 4, 8)),
+                                                max(global_batch // chosen.dp, 1))
+
+    return {"tp": range(1, gpus_per_node + 1),
+            "cp_mode": lambda chosen: CP_MODES if chosen.cp > 1 else ("ring",),
+            "pp_schedule": lambda chosen: ("zbv", "1f1b", "gpipe") if chosen.pp > 1 else ("1f1b",),
+            "virtual_stages": lambda chosen: (1, 2) if chosen.pp > 1 else (1,),
+            "microbatches": microbatches,
+            "offload": (False,), "checkpointing": ("none",), "precision": ("bf16" if bf16 else "fp32",)}
+
+
+def preferred(layouts: Iterable[Layout]) -> list[Layout]:
+    """Drop layouts another valid one dominates: tp without sequence parallel where SP is valid
+    (same traffic, more memory), and of the schedules valid for the same degrees and microbatch
+    count only the first of ZB-V, 1F1B, GPipe (smallest bubble, no more memory)."""
+    valid = list(layouts)
+    present = set(valid)
+    best: dict[Layout, Layout] = {}
+    for layout in valid:
+        if not layout.sequence_parallel and layout.replace(sequence_parallel=True) in present:
+            continue
+        group = layout.replace(pp_schedule="1f1b", virtual_stages=1, microbatches=layout.microbatches)
+        if group not in best or _SCHEDULE_ORDER.index(layout.pp_schedule) < \
+                _SCHEDULE_ORDER.index(best[group].pp_schedule):
+            best[group] = layout
+    return list(best.values())
+
+
+_SCHEDULE_ORDER = ("zbv", "1f1b", "interleaved", "gpipe")
 
 
 def candidate_layouts(spec: ModelSpec, world_size: int, *, global_batch: int, seq_len: int,
-                      bf16: bool, gpus_per_node: int = 8) -> Iterable[Layout]:
-    """Layouts worth estimating, without activation checkpointing (`plan` adds it when needed).
-
-    Left out because a candidate kept is never worse in this model: tp across nodes, tp without
-    sequence parallel (same traffic, more memory; SP is off inside pipeline stages), GPipe and
-    interleaved 1F1B where ZB-V or 1F1B runs (smaller bubble, no more memory), recompute or
-    offload where the layout fits without.
-    """
-    precision = "bf16" if bf16 else "fp32"
-    divisors = _divisors(world_size)
-    for tp, cp, pp in itertools.product(divisors, divisors, divisors):
-        if world_size % (tp * cp * pp) or tp > gpus_per_node or spec.n_head % tp or spec.n_layer % pp:
-            continue
-        dp = world_size // (tp * cp * pp)
-        if global_batch % dp or (cp > 1 and seq_len % (2 * cp) and spec.n_head % (tp * cp)):
-            continue
-        if pp > 1 and cp > 1:  # not supported by parallelize (Layout.validate says so)
-            continue
-        zeros = [0] if dp * cp == 1 else [0, 1, 2, 3] if tp == pp == cp == 1 else [0, 2, 3]
-        modes = ["ring", "ulysses"] if cp > 1 else ["ring"]
-        for zero, mode in itertools.product(zeros, modes):
-            sp = tp > 1 and pp == 1 and not spec.hugging_face
-            base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, sequence_parallel=sp,
-                          cp_mode=mode, precision=precision)
-            yield from _pipeline_variants(base, global_batch // dp, spec.n_layer)
-
-
-def _pipeline_variants(base: Layout, local_batch: int, n_layer: int) -> Iterable[Layout]:
-    p = base.pp
-    if p == 1:
-        yield base
-        return
-    counts = {m for m in (p, 2 * p, 4 * p, 8 * p, local_batch) if m <= local_batch and local_batch % m == 0}
-    if not counts:
-        yield base.replace(pp_schedule="gpipe", microbatches=local_batch)
-    for m in sorted(counts):
-        if n_layer % (2 * p) == 0:
-            yield base.replace(pp_schedule="zbv", microbatches=m, virtual_stages=2)
-        else:
-            yield base.replace(pp_schedule="1f1b", microbatches=m)
+                      bf16: bool, gpus_per_node: int = 8, device: str | None = None) -> list[Layout]:
+    """Layouts worth estimating, without activation checkpointing (`plan` adds it when needed):
+    the layouts layout.py accepts over `search_space`, less the `preferred` ones' dominated twins."""
+    return preferred(valid_layouts(world_size, spec.config(seq_len), device=device,
+                                   global_batch=global_batch,
+                                   **search_space(global_batch, bf16=bf16, gpus_per_node=gpus_per_node)))
 
 
 def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batch: int, seq_len: int,
@@ -634,17 +636,11 @@ def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batc
         raise ValueError(f"global_batch={global_batch} and seq_len={seq_len} must be positive")
     spec = ModelSpec.of(model)
     dev = get_device(device, world_size)
-    config = spec.config(seq_len)
     options = dict(device=dev, global_batch=global_batch, seq_len=seq_len,
                    gpus_per_node=gpus_per_node, optimizer=optimizer, validate=False)
-    plans = []
-    for layout in candidate_layouts(spec, world_size, global_batch=global_batch, seq_len=seq_len,
-                                    bf16=dev.bf16, gpus_per_node=gpus_per_node):
-        try:
-            layout.validate(world_size, config, device=dev.name, global_batch=global_batch)
-        except LayoutError:
-            continue
-        plans.append(_cheapest_fitting(spec, layout, options))
+    plans = [_cheapest_fitting(spec, layout, options)
+             for layout in candidate_layouts(spec, world_size, global_batch=global_batch, seq_len=seq_len,
+                                             bf16=dev.bf16, gpus_per_node=gpus_per_node, device=dev.name)]
     if not plans:
         raise LayoutError(f"no valid layout for this model on {world_size} devices with "
                           f"global_batch={global_batch}, seq_len={seq_len}; try a global batch "

@@ -11,12 +11,12 @@ from typing import Any
 
 import ipywidgets as w
 
-from colab_par.layout import (CHECKPOINTING, CP_MODES, DEGREES, PP_SCHEDULES, PRECISIONS, Layout,
-                              LayoutError)
+from colab_par.layout import FIELDS, Layout, LayoutError, default_microbatches, field_options
 from colab_par.planner import GiB, DeviceSpec, ModelSpec, Plan, estimate, get_device, plan
 
 __all__ = ["LayoutPicker"]
 
+_CHECKBOXES = {"offload": "CPU offload", "sequence_parallel": "sequence parallel"}
 _PARTS = (("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868"),
           ("activations", "#c44e52"))
 
@@ -79,36 +79,19 @@ class LayoutPicker:
         self.apply(self.plans[0].layout)
 
     # ---- widgets --------------------------------------------------------------------------------
-    def _degree_options(self) -> dict[str, list[int]]:
-        """Degrees that divide the world and the model: tp the heads and FFN width, pp the layers,
-        cp the sequence (either CP mode)."""
-        spec, seq = self.spec, self.seq_len
-        divisors = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
-        return {
-            "dp": [d for d in divisors if self.global_batch % d == 0],
-            "tp": [d for d in divisors if spec.n_head % d == 0 and spec.n_kv_head % d == 0
-                   and spec.ffn_hidden % d == 0],
-            "pp": [d for d in divisors if spec.n_layer % d == 0],
-            "cp": [d for d in divisors if d == 1 or seq % (2 * d) == 0 or spec.n_head % d == 0],
-        }
-
     def _build_controls(self) -> dict[str, w.ValueWidget]:
+        """A dropdown per field offering the values that some valid layout for this world, model,
+        device and batch takes (`field_options`: the picker knows no rule itself)."""
         start = self.plans[0].layout
-        degrees = self._degree_options()
-        local_batch_divisors = [m for m in range(1, self.global_batch + 1) if self.global_batch % m == 0]
+        options = field_options(self.world_size, self.spec.config(self.seq_len), device=self.device.name,
+                                global_batch=self.global_batch)
+        labels = {"cp_mode": "cp mode", "pp_schedule": "schedule", "virtual_stages": "virtual st.",
+                  "checkpointing": "recompute"}
         controls: dict[str, w.ValueWidget] = {
-            name: w.Dropdown(options=degrees[name] or [1], description=name) for name in DEGREES}
-        controls.update(
-            zero=w.Dropdown(options=[0, 1, 2, 3], description="zero"),
-            offload=w.Checkbox(description="CPU offload", indent=False),
-            sequence_parallel=w.Checkbox(description="sequence parallel", indent=False),
-            cp_mode=w.Dropdown(options=CP_MODES, description="cp mode"),
-            pp_schedule=w.Dropdown(options=PP_SCHEDULES, description="schedule"),
-            microbatches=w.Dropdown(options=local_batch_divisors, description="microbatches"),
-            virtual_stages=w.Dropdown(options=[1, 2, 4], description="virtual st."),
-            precision=w.Dropdown(options=PRECISIONS, description="precision"),
-            checkpointing=w.Dropdown(options=CHECKPOINTING, description="recompute"),
-        )
+            name: w.Dropdown(options=options[name], description=labels.get(name, name))
+            for name in FIELDS if name not in _CHECKBOXES}
+        controls.update({name: w.Checkbox(description=label, indent=False)
+                         for name, label in _CHECKBOXES.items()})
         for name, control in controls.items():
             value = getattr(start, name)
             if isinstance(control, w.Dropdown) and value not in control.options:
@@ -134,19 +117,34 @@ class LayoutPicker:
                 return
             if name in ("tp", "pp", "cp"):
                 self._rebalance_dp()
+            if name in ("pp", "pp_schedule"):
+                self._follow_default_microbatches(name, change["old"])
             self._refresh()
         return handler
+
+    def _follow_default_microbatches(self, name: str, old: Any) -> None:
+        """A default microbatch count follows pp and the schedule, as in `Layout.replace`."""
+        c = self.controls
+        before = {"pp": c["pp"].value, "pp_schedule": c["pp_schedule"].value, name: old}
+        new = default_microbatches(c["pp"].value, c["pp_schedule"].value)
+        if (c["microbatches"].value == default_microbatches(before["pp"], before["pp_schedule"])
+                and new in c["microbatches"].options):
+            self._set_quietly("microbatches", new)
 
     def _rebalance_dp(self) -> None:
         """Keep dp·tp·pp·cp equal to the world when another degree changes, where dp can follow."""
         c = self.controls
         other = c["tp"].value * c["pp"].value * c["cp"].value
         if self.world_size % other == 0 and self.world_size // other in c["dp"].options:
-            self._applying = True
-            try:
-                c["dp"].value = self.world_size // other
-            finally:
-                self._applying = False
+            self._set_quietly("dp", self.world_size // other)
+
+    def _set_quietly(self, name: str, value: Any) -> None:
+        """Set one selector without triggering its own change handler."""
+        self._applying = True
+        try:
+            self.controls[name].value = value
+        finally:
+            self._applying = False
 
     def _current(self) -> Layout:
         return Layout(**{name: control.value for name, control in self.controls.items()})

@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from colab_par.layout import Layout, LayoutError
+from colab_par.layout import (CHECKPOINTING, CP_MODES, FIELDS, PP_SCHEDULES, PRECISIONS,
+                              ZERO_LEVELS, Layout, LayoutError, field_options, valid_layouts)
 from colab_par.models.gpt import GPTConfig
 
 CONFIG = GPTConfig(vocab_size=128, seq_len=64, n_layer=4, n_head=8, n_kv_head=4, d_model=64,
@@ -16,7 +17,8 @@ CONFIG = GPTConfig(vocab_size=128, seq_len=64, n_layer=4, n_head=8, n_kv_head=4,
 # ---- string form -------------------------------------------------------------------------------
 @pytest.mark.parametrize("text", [
     "dp2 tp2 zero3", "pp2 interleaved mb4 v2 bf16", "cp2 ulysses", "dp4 zero2 offload",
-    "tp2 sp ac-selective", "pp4 gpipe mb8", "dp2 cp2 ac-full", "pp2 zbv mb2 v2",
+    "tp2 sp ac-selective", "pp4 gpipe mb8", "dp2 cp2 ac-full", "pp2 zbv v2", "pp2 1f1b",
+    "pp4 1f1b mb8", "dp2 pp2 gpipe mb1",
 ])
 def test_parse_and_str_round_trip(text: str) -> None:
     layout = Layout.parse(text)
@@ -40,6 +42,27 @@ def test_every_field_combination_round_trips() -> None:
         layout = Layout(dp=2, zero=zero, pp_schedule=schedule, cp_mode=mode, precision=precision,
                         checkpointing=ac)
         assert Layout.parse(str(layout)) == layout
+
+
+# ---- default microbatches: every layout string trains as written ------------------------------
+@pytest.mark.parametrize("text,count", [("pp2", 2), ("pp4 gpipe", 4), ("pp2 zbv v2", 2),
+                                        ("pp2 interleaved v2", 2), ("dp2", 1), ("dp2 pp2", 2)])
+def test_default_microbatches_fill_the_pipeline(text: str, count: int) -> None:
+    layout = Layout.parse(text)
+    assert layout.microbatches == count
+    assert layout.validate(layout.world_size, CONFIG, global_batch=8) is layout
+    assert layout == Layout.parse(f"{text} mb{count}")  # the default is the explicit count
+
+
+def test_pp2_alone_is_valid() -> None:
+    assert Layout(pp=2).validate(2, CONFIG) == Layout.parse("pp2 1f1b mb2")
+
+
+def test_replace_lets_a_default_count_follow_the_pipeline() -> None:
+    assert Layout(dp=2).replace(dp=1, pp=2).microbatches == 2
+    assert Layout(pp=2).replace(pp=4).microbatches == 4
+    assert Layout(pp=2, microbatches=4).replace(pp=4).microbatches == 4  # an explicit count stays
+    assert Layout(pp=2).replace(pp=4, microbatches=2).microbatches == 2
 
 
 def test_parse_accepts_a_layout_and_commas() -> None:
@@ -78,21 +101,47 @@ def test_valid_layouts_pass_and_return_self() -> None:
         assert layout.validate(world, CONFIG, device="A100-80GB", global_batch=8) is layout
 
 
-def test_rule_unknown_names() -> None:
-    message = _error(Layout(cp_mode="spiral"))
-    assert "cp_mode='spiral' is unknown" in message and "ring, ulysses" in message
-    message = _error(Layout(precision="fp8"))
-    assert "precision='fp8'" in message and "fp32, bf16" in message
-    message = _error(Layout(dp=2, zero=4))
-    assert "zero=4 is unknown" in message and "0 (DDP), 1, 2 or 3" in message
-    assert "offload='yes' must be True or False" in _error(Layout(dp=2, zero=3, offload="yes"))
+def _refused(**fields) -> str:
+    with pytest.raises(LayoutError) as info:
+        Layout(**fields)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("field,bad,valid", [
+    ("zero", 9, "0, 1, 2, 3"), ("zero", True, "0, 1, 2, 3"), ("zero", "3", "0, 1, 2, 3"),
+    ("cp_mode", "spiral", "ring, ulysses"), ("precision", "fp8", "fp32, bf16"),
+    ("pp_schedule", "zb", "gpipe, 1f1b, interleaved, zbv"),
+    ("checkpointing", "some", "none, selective, full"),
+])
+def test_unknown_names_are_refused_when_built(field: str, bad, valid: str) -> None:
+    message = _refused(**{field: bad})
+    assert f"{field}={bad!r} is unknown; choose one of {valid}" == message
+
+
+def test_domains_are_the_exported_ones() -> None:
+    """The error lists exactly the exported domain: the picker and planner offer the same values."""
+    for field, domain in (("zero", ZERO_LEVELS), ("cp_mode", CP_MODES), ("pp_schedule", PP_SCHEDULES),
+                          ("precision", PRECISIONS), ("checkpointing", CHECKPOINTING)):
+        for value in domain:
+            assert getattr(Layout(**{field: value}), field) == value
+
+
+def test_parse_refuses_out_of_domain_values() -> None:
+    with pytest.raises(LayoutError, match=r"zero=9 is unknown; choose one of 0, 1, 2, 3"):
+        Layout.parse("zero9 dp2")
+
+
+def test_booleans_are_refused_when_built() -> None:
+    assert _refused(offload="yes") == "offload='yes' must be True or False"
+    assert _refused(sequence_parallel=1) == "sequence_parallel=1 must be True or False"
 
 
 @pytest.mark.parametrize("field", ["dp", "tp", "pp", "cp", "microbatches", "virtual_stages"])
-@pytest.mark.parametrize("bad", [0, -2, 1.5])
-def test_rule_positive_integer_degrees(field: str, bad) -> None:
-    message = _error(Layout(**{field: bad}))
-    assert f"{field}={bad!r} must be a positive integer" in message and "use 1" in message
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2"])
+def test_counts_must_be_positive_integers_when_built(field: str, bad) -> None:
+    message = _refused(**{field: bad})
+    hint = "leave it out for the default" if field == "microbatches" else "use 1 to turn it off"
+    assert message == f"{field}={bad!r} must be a positive integer; {hint}"
 
 
 def test_rule_product_equals_world() -> None:
@@ -119,12 +168,13 @@ def test_rule_offload_needs_fsdp() -> None:
 def test_rule_zero1_is_plain_data_parallel() -> None:
     message = _error(Layout(dp=2, tp=2, zero=1), 4)
     assert "zero=1 (ZeroRedundancyOptimizer) works with plain data parallel only" in message
-    assert "use zero=2 or zero=3" in message
+    assert "use zero=0, zero=2 or zero=3" in message
 
 
-def test_rule_ddp_does_not_wrap_tensor_parallel() -> None:
-    message = _error(Layout(dp=2, tp=2), 4)
-    assert "DDP does not wrap tensor-parallel" in message and "use zero=2 or zero=3" in message
+def test_data_parallel_over_tensor_parallel_without_zero_is_valid() -> None:
+    """Megatron's DP x TP: tensor-parallel gradients are averaged over the dp group."""
+    for text in ("dp2 tp2", "dp2 tp2 sp", "dp2 tp2 pp2", "dp2 tp2 cp2"):
+        Layout.parse(text).validate(Layout.parse(text).world_size, CONFIG, global_batch=8)
 
 
 def test_rule_sequence_parallel_needs_tp() -> None:
@@ -155,6 +205,7 @@ def test_rule_virtual_stages_need_pipeline() -> None:
 def test_rule_microbatches_fill_the_pipeline() -> None:
     message = _error(Layout(pp=4, pp_schedule="1f1b", microbatches=2), 4)
     assert "needs microbatches >= pp (4)" in message and "set microbatches=4" in message
+    assert "leave it out" in message
     Layout(pp=4, pp_schedule="gpipe", microbatches=2).validate(4)  # GPipe runs with any count
 
 
@@ -254,3 +305,53 @@ def test_rule_hugging_face_models_have_no_cp_or_sp() -> None:
     assert "context parallel needs colab_par's GPT" in message and "cp=1" in message
     assert "drop 'sp'" in _error(Layout(tp=2, sequence_parallel=True), 2, config)
     Layout(cp=2).validate(2, {"n_head": 4, "seq_len": 64})  # plain sizes: the reference GPT
+
+
+# ---- enumeration: exactly what validate accepts ------------------------------------------------
+def _brute_force(world: int, config, grid: dict, **context) -> set[Layout]:
+    """Every combination of the grid, kept when validate accepts it: the independent reference."""
+    kept = set()
+    for values in itertools.product(*grid.values()):
+        layout = Layout(**dict(zip(grid, values)))
+        try:
+            layout.validate(world, config, **context)
+        except LayoutError:
+            continue
+        kept.add(layout)
+    return kept
+
+
+@pytest.mark.parametrize("world,context,every_option", [
+    (4, dict(global_batch=8, device="T4"), True), (6, dict(global_batch=12), False), (8, {}, False)])
+def test_valid_layouts_are_exactly_those_validate_accepts(world: int, context: dict,
+                                                          every_option: bool) -> None:
+    config = {"n_layer": 4, "n_head": 4, "n_kv_head": 2, "seq_len": 12, "ffn_hidden": 48}
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    grid = dict(tp=divisors, cp=divisors, pp=divisors, dp=divisors, pp_schedule=PP_SCHEDULES,
+                virtual_stages=(1, 2), microbatches=(None, 1, 2, 4), zero=ZERO_LEVELS,
+                sequence_parallel=(False, True), cp_mode=CP_MODES,
+                offload=(False, True) if every_option else (False,),
+                precision=PRECISIONS if every_option else ("fp32",),
+                checkpointing=("none", "full") if every_option else ("none",))
+    assert set(grid) == set(FIELDS)
+    found = list(valid_layouts(world, config, **context, **grid))
+    assert len(found) == len(set(found))
+    expected = _brute_force(world, config, grid, **context)
+    assert len(expected) > 50 and set(found) == expected
+
+
+def test_valid_layouts_refuses_out_of_domain_choices_and_unknown_fields() -> None:
+    with pytest.raises(LayoutError, match="zero=5 is unknown"):
+        list(valid_layouts(2, zero=(0, 5)))
+    with pytest.raises(LayoutError, match="unknown layout field.*zer0"):
+        list(valid_layouts(2, zer0=(1,)))
+
+
+def test_field_options_are_the_values_some_valid_layout_takes() -> None:
+    config = {"n_layer": 6, "n_head": 4, "n_kv_head": 4, "seq_len": 12}
+    options = field_options(6, config, global_batch=6, device="T4")
+    every = list(valid_layouts(6, config, global_batch=6, device="T4"))
+    for field in FIELDS:
+        assert options[field] == sorted({getattr(layout, field) for layout in every},
+                                        key=list(options[field]).index), field
+    assert options["precision"] == ["fp32"] and options["tp"] == [1, 2] and options["pp"] == [1, 2, 3, 6]

@@ -2,15 +2,18 @@
 pipeline timeline simulation, real parameter counts; and the invariants plan() must keep."""
 from __future__ import annotations
 
+import itertools
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from colab_par.layout import Layout, LayoutError
+from colab_par.layout import (CHECKPOINTING, CP_MODES, FIELDS, PP_SCHEDULES, PRECISIONS, ZERO_LEVELS,
+                              Layout, LayoutError, default_microbatches)
 from colab_par.models.gpt import GPT, GPTConfig
-from colab_par.planner import (DEVICES, ModelSpec, Plan, activation_bytes_per_layer, estimate,
-                               get_device, measure_cpu_device, model_state_bytes, pipeline_bubble,
-                               plan)
+from colab_par.planner import (DEVICES, ModelSpec, Plan, activation_bytes_per_layer, candidate_layouts,
+                               estimate, get_device, measure_cpu_device, model_state_bytes,
+                               pipeline_bubble, plan, preferred, search_space)
 
 LLAMA_8B = {"n_layer": 32, "d_model": 4096, "n_head": 32, "n_kv_head": 8, "ffn_hidden": 14336,
             "vocab_size": 128256}
@@ -265,6 +268,62 @@ def test_plan_accepts_configs_and_explains_impossible_batches() -> None:
     with pytest.raises(LayoutError, match="no valid layout .* global_batch=3"):
         plan({"n_layer": 3, "d_model": 64, "n_head": 1, "vocab_size": 10}, 4, device="cpu",
              global_batch=3, seq_len=63)
+
+
+# ---- candidates: exactly what layout.py accepts ----------------------------------------------------
+def _accepted_in_search_space(spec: ModelSpec, world: int, global_batch: int, seq_len: int,
+                              bf16: bool, device: str) -> set[Layout]:
+    """Brute force: every combination of field values, kept when the planner's search space offers
+    each value and `validate` accepts the layout."""
+    space = search_space(global_batch, bf16=bf16)
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    domains = {**{name: divisors for name in ("dp", "tp", "pp", "cp")},
+               "zero": ZERO_LEVELS, "sequence_parallel": (False, True), "cp_mode": CP_MODES,
+               "pp_schedule": PP_SCHEDULES, "virtual_stages": (1, 2, 3),
+               "microbatches": range(1, global_batch + 1), "offload": (False, True),
+               "precision": PRECISIONS, "checkpointing": CHECKPOINTING}
+    assert set(domains) == set(FIELDS)
+    # a fixed choice narrows the product at once; a choice that depends on other fields is checked
+    grid = {name: [v for v in domain if callable(space.get(name)) or name not in space
+                   or v in space[name]] for name, domain in domains.items()}
+    kept = set()
+    for values in itertools.product(*grid.values()):
+        fields = SimpleNamespace(**dict(zip(grid, values)))
+        if not all(getattr(fields, name) in [default_microbatches(fields.pp, fields.pp_schedule)
+                                             if v is None else v for v in choice(fields)]
+                   for name, choice in space.items() if callable(choice)):
+            continue
+        layout = Layout(**vars(fields))
+        try:
+            layout.validate(world, spec.config(seq_len), device=device, global_batch=global_batch)
+        except LayoutError:
+            continue
+        kept.add(layout)
+    return kept
+
+
+@pytest.mark.parametrize("world,global_batch,device", [(4, 8, "A100-80GB"), (6, 6, "T4")])
+def test_candidates_are_exactly_the_layouts_layout_py_accepts(world: int, global_batch: int,
+                                                              device: str) -> None:
+    spec = ModelSpec.of({"n_layer": 6, "d_model": 64, "n_head": 6, "n_kv_head": 2, "ffn_hidden": 96,
+                         "vocab_size": 100})
+    bf16 = DEVICES[get_device(device, world).name].bf16
+    accepted = _accepted_in_search_space(spec, world, global_batch, 12, bf16, device)
+    candidates = candidate_layouts(spec, world, global_batch=global_batch, seq_len=12, bf16=bf16,
+                                   device=device)
+    assert len(candidates) == len(set(candidates))
+    assert set(candidates) == set(preferred(accepted))
+    assert any(c.dp > 1 and c.tp > 1 and c.zero == 0 for c in candidates)  # DP x TP is offered
+
+
+def test_preferred_drops_only_dominated_twins() -> None:
+    sp, no_sp = Layout.parse("tp2 sp"), Layout.parse("tp2")
+    assert preferred([sp, no_sp]) == [sp]
+    assert preferred([no_sp]) == [no_sp]  # where SP is not valid, tp without it stays
+    zbv, one, gpipe = (Layout.parse(t) for t in ("pp2 zbv v2", "pp2 1f1b", "pp2 gpipe mb2"))
+    assert preferred([gpipe, one, zbv]) == [zbv]
+    assert preferred([gpipe, one]) == [one]
+    assert preferred([Layout.parse("pp2 gpipe mb1")]) == [Layout.parse("pp2 gpipe mb1")]
 
 
 def test_plan_4096_gpus_in_under_a_second() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipywidgets as w
 import pytest
 
-from colab_par.layout import Layout, LayoutError
+from colab_par.layout import FIELDS, Layout, LayoutError, field_options, valid_layouts
 from colab_par.planner import estimate, plan
 from colab_par.widgets import LayoutPicker
 
@@ -35,6 +35,31 @@ def test_selectors_offer_only_degrees_that_divide_world_and_model() -> None:
     assert set(picker.controls) == {f.name for f in Layout.__dataclass_fields__.values()}
 
 
+def test_every_selector_offers_exactly_what_layout_py_accepts() -> None:
+    """Each option is a value some valid layout takes; nothing valid is missing (T4: no bf16)."""
+    model = {"n_layer": 6, "d_model": 64, "n_head": 4, "vocab_size": 100}
+    picker = LayoutPicker(6, model=model, device="T4", global_batch=6, seq_len=12)
+    every = list(valid_layouts(6, picker.spec.config(12), device="T4", global_batch=6))
+    offered = field_options(6, picker.spec.config(12), device="T4", global_batch=6)
+    for name in FIELDS:
+        control = picker.controls[name]
+        if isinstance(control, w.Dropdown):
+            assert list(control.options) == offered[name], name
+            assert set(control.options) == {getattr(layout, name) for layout in every}, name
+    assert list(picker.controls["precision"].options) == ["fp32"]
+    assert list(picker.controls["zero"].options) == [0, 1, 2, 3]
+
+
+def test_a_default_microbatch_count_follows_the_pipeline() -> None:
+    picker = LayoutPicker(4, model=LLAMA_8B, device="H100", global_batch=16, seq_len=4096)
+    picker.apply("dp4 zero3 bf16 ac-full")
+    picker.controls["pp"].value = 2
+    assert picker.layout == Layout.parse("dp2 pp2 zero3 bf16 ac-full")  # microbatches 1 -> 2
+    picker.controls["microbatches"].value = 8
+    picker.controls["pp"].value = 4
+    assert picker._current().microbatches == 8  # a chosen count stays
+
+
 def test_changing_a_selector_changes_layout_message_and_estimate(picker: LayoutPicker) -> None:
     picker.apply("dp8 zero3 bf16 ac-selective")
     before = picker.estimate
@@ -51,14 +76,14 @@ def test_changing_a_selector_changes_layout_message_and_estimate(picker: LayoutP
 
 def test_invalid_choice_is_explained_and_layout_raises(picker: LayoutPicker) -> None:
     picker.apply("dp4 tp2 zero3 sp bf16")
-    picker.controls["zero"].value = 0
+    picker.controls["zero"].value = 1
     assert picker.estimate is None
-    assert "DDP does not wrap tensor-parallel" in picker.message and "zero=2 or zero=3" in picker.message
-    with pytest.raises(LayoutError, match="DDP does not wrap tensor-parallel"):
+    assert "zero=1 (ZeroRedundancyOptimizer)" in picker.message and "zero=2 or zero=3" in picker.message
+    with pytest.raises(LayoutError, match=r"zero=1 \(ZeroRedundancyOptimizer\)"):
         picker.layout
-    assert "DDP does not wrap" in picker._message_html.value
-    picker.controls["zero"].value = 3
-    assert picker.message.startswith("✓")
+    assert "zero=1 (ZeroRedundancyOptimizer)" in picker._message_html.value
+    picker.controls["zero"].value = 0  # Megatron DP x TP
+    assert picker.message.startswith("✓") and "dp4 tp2 sp bf16" in picker.message
 
 
 def test_product_mismatch_is_explained(picker: LayoutPicker) -> None:
