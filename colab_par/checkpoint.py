@@ -3,14 +3,19 @@
 A checkpoint root holds committed versions `step-<n>-<id>/` and a `LATEST` file naming the newest.
 A save writes into `.tmp-<id>/`, fsyncs, writes the `COMMITTED` marker, renames the folder into
 place and only then replaces `LATEST` (write + fsync + rename): a process killed at any point
-leaves the previous version loadable. Tensors (model, optimizer) go through DCP with the original
-model's FQNs, so a checkpoint saved under one layout loads under another (DCP reshards). The rest
-(step, data position, LR schedule, layout, RNG) is JSON — nothing is ever unpickled except DCP's
-metadata file, read with an unpickler that admits only DCP's own metadata classes.
+leaves the previous version loadable. The marker records every file's size and SHA-256, and a
+load checks them before DCP reads anything, so a damaged file is named (with the newest earlier
+version that is intact) instead of failing deep inside torch.load; a checkpoint of another model
+is refused on one line naming the first parameter whose shape differs. Tensors (model, optimizer)
+go through DCP with the original model's FQNs, so a checkpoint saved under one layout loads under
+another (DCP reshards). The rest (step, data position, LR schedule, layout, RNG) is JSON — nothing
+is ever unpickled except DCP's metadata file, read with an unpickler that admits only DCP's own
+metadata classes.
 """
 from __future__ import annotations
 
 import base64
+import hashlib
 import inspect
 import json
 import os
@@ -28,6 +33,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from colab_par import compat
+
 __all__ = ["save", "load", "relayout", "latest_checkpoint", "CheckpointError"]
 
 COMMIT_MARKER = "COMMITTED"
@@ -38,7 +45,7 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, uncommitted, or does not fit the model it is loaded into."""
+    """A checkpoint that is missing, uncommitted, damaged, or does not fit the model it is loaded into."""
 
 
 # ---- save ----------------------------------------------------------------------------------------
@@ -60,13 +67,15 @@ def save(pm: Any, path: str | os.PathLike, *, trainer: Any = None, keep: int = 2
     _barrier()
     dcp.save(_tensor_state(pm), checkpoint_id=str(staging))
     _write_json(staging / f"rng-rank{rank}.json", _rng_state())
-    _barrier()
-    final = root / f"step-{step:08d}-{token:016x}"
     if rank == 0:
         _write_json(staging / META, {
             "format": FORMAT, "layout": str(pm.layout), "world_size": _world(), "step": step,
             "trainer": trainer.state_dict() if trainer is not None else None})
-        _write_json(staging / COMMIT_MARKER, {"step": step})
+    _barrier()
+    files = _file_digests(staging, sorted(p.name for p in staging.iterdir()))
+    final = root / f"step-{step:08d}-{token:016x}"
+    if rank == 0:
+        _write_json(staging / COMMIT_MARKER, {"step": step, "files": files})
         _fsync_dir(staging)
         os.rename(staging, final)
         _write_text_atomically(root / LATEST, final.name)
@@ -98,8 +107,14 @@ def load(pm: Any, path: str | os.PathLike, *, trainer: Any = None) -> dict:
 
     Restores the trainer's step, data position and LR bases, and RNG states when the world size
     matches. Returns the checkpoint's metadata (including the layout it was saved under).
+
+    Before any tensor is read, every file is checked against the sizes and SHA-256 sums recorded at
+    commit (raising CheckpointError naming the damaged file and the newest earlier intact
+    version), and every tensor's global shape against the model's. Versions written before
+    checksums were recorded still load, unverified.
     """
     version = latest_checkpoint(path)
+    _refuse_damaged(version)
     meta = json.loads((version / META).read_text())
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{str(version)!r} has format {meta.get('format')!r}; this colab_par "
@@ -107,7 +122,9 @@ def load(pm: Any, path: str | os.PathLike, *, trainer: Any = None) -> dict:
     if trainer is not None:
         _check_resumable(meta, trainer, version)
     state = _tensor_state(pm)
-    dcp.load(state, storage_reader=MetadataOnlyReader(version))
+    reader = MetadataOnlyReader(version)
+    _refuse_misfit(state, reader.read_metadata(), version)
+    dcp.load(state, storage_reader=reader)
     for part in pm.model_parts:
         own = get_model_state_dict(part)
         set_model_state_dict(part, {key: state["model"][key] for key in own})
@@ -130,6 +147,125 @@ def _check_resumable(meta: dict, trainer: Any, version: Path) -> None:
     if saved.get("data") != trainer.data.describe():
         raise CheckpointError(f"{str(version)!r} was trained on data {saved.get('data')} but this "
                               f"trainer has {trainer.data.describe()}; build the same dataset to resume")
+
+
+# ---- integrity: checksums recorded at commit, verified at load -------------------------------------
+def _file_digests(folder: Path, names: list[str]) -> dict[str, dict]:
+    """{name: {"bytes", "sha256"}} for `names` in `folder`; collective: each rank hashes every
+    world-th file, so each file is read once in all."""
+    rank, world = _rank(), _world()
+    mine = {name: _digest(folder / name) for name in names[rank::world]}
+    return _merged(mine)
+
+
+def _digest(path: Path) -> dict:
+    sha, size = hashlib.sha256(), 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            sha.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": sha.hexdigest()}
+
+
+def _damage(version: Path) -> list[str] | None:
+    """What differs from the commit record (same list on every rank); None if it has no checksums."""
+    try:
+        recorded = json.loads((version / COMMIT_MARKER).read_text()).get("files")
+    except ValueError:
+        return [f"its {COMMIT_MARKER} record is not valid JSON"]
+    if recorded is None:
+        return None
+    present = [name for name in sorted(recorded) if (version / name).is_file()]
+    found = _file_digests(version, present)
+    problems = []
+    for name, expected in sorted(recorded.items()):
+        actual = found.get(name)
+        if actual is None:
+            problems.append(f"{name} is missing")
+        elif actual["bytes"] != expected["bytes"]:
+            problems.append(f"{name} is {actual['bytes']} bytes but {expected['bytes']} were committed")
+        elif actual["sha256"] != expected["sha256"]:
+            problems.append(f"{name} does not match the SHA-256 recorded at commit")
+    return problems
+
+
+def _refuse_damaged(version: Path) -> None:
+    problems = _damage(version)
+    if not problems:
+        return
+    more = f" (and {len(problems) - 1} more damaged files)" if len(problems) > 1 else ""
+    raise CheckpointError(f"checkpoint {version} is damaged: {problems[0]}{more}; "
+                          f"{_earlier_intact(version)}")
+
+
+def _earlier_intact(version: Path) -> str:
+    """Where to go instead: the newest earlier committed version whose files all check out."""
+    committed = sorted((p for p in version.parent.glob("step-*")
+                        if p != version and (p / COMMIT_MARKER).is_file()),
+                       key=lambda p: (p / COMMIT_MARKER).stat().st_mtime, reverse=True)
+    for earlier in committed:
+        problems = _damage(earlier)
+        if problems is None:
+            return (f"the earlier checkpoint {earlier} predates checksums and cannot be verified; "
+                    "load that path to try it")
+        if not problems:
+            return f"the earlier checkpoint {earlier} is intact: load that path instead"
+    return f"no earlier committed checkpoint under {version.parent} is intact"
+
+
+# ---- fit: the checkpoint's tensors against the model's, before DCP reads them -----------------------
+def _refuse_misfit(state: dict[str, dict], metadata: Any, version: Path) -> None:
+    """Compare global shapes and names with the checkpoint's metadata; one line on every rank.
+
+    Each rank checks the tensors it holds; the model names of all ranks together (pipeline stages
+    hold only theirs) decide which checkpoint tensors this model lacks."""
+    saved = metadata.state_dict_metadata
+    mismatched, missing = [], []
+    local = [("model", key, value) for key, value in state["model"].items()]
+    local += [("optim", key, value) for key, value in state["optim"].items()]
+    for prefix, key, value in local:
+        entry = saved.get(f"{prefix}.{key}")
+        shown = key if prefix == "model" else f"optimizer {key}"
+        if entry is None:
+            missing.append(shown)
+        elif isinstance(value, torch.Tensor) and hasattr(entry, "size") and \
+                list(entry.size) != list(value.shape):
+            mismatched.append(f"{shown} is {list(entry.size)} in the checkpoint but "
+                              f"{list(value.shape)} here")
+    gathered = _gathered((mismatched, missing, list(state["model"])))
+    mismatched = sorted(_unique(m for rank in gathered for m in rank[0]),
+                        key=lambda reason: reason.startswith("optimizer "))  # parameters first
+    missing = _unique(m for rank in gathered for m in rank[1])
+    ours = {f"model.{key}" for rank in gathered for key in rank[2]}
+    unexpected = [key[len("model."):] for key in saved if key.startswith("model.") and key not in ours]
+    reasons = (mismatched + [f"{key} is not in the checkpoint" for key in missing]
+               + [f"the checkpoint has {key}, which this model lacks" for key in unexpected])
+    if not reasons:
+        return
+    counts = [f"{n} {what}" for n, what in ((len(mismatched), "mismatched"), (len(missing), "missing"),
+                                            (len(unexpected), "unexpected")) if n]
+    raise CheckpointError(f"checkpoint {version} does not fit this model: {reasons[0]} "
+                          f"({', '.join(counts)} in all); build the model it was saved from")
+
+
+def _unique(items: Any) -> list:
+    return list(dict.fromkeys(items))
+
+
+def _gathered(value: Any) -> list:
+    """`value` from every rank, in rank order."""
+    if not dist.is_initialized():
+        return [value]
+    values: list = [None] * _world()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _merged(mine: dict) -> dict:
+    merged: dict = {}
+    for part in _gathered(mine):
+        merged.update(part)
+    return merged
 
 
 # ---- relayout ------------------------------------------------------------------------------------
@@ -209,7 +345,7 @@ class MetadataOnlyReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         rank = kwargs.get("rank")
-        with open(self._get_metadata_path(rank), "rb") as handle:
+        with open(compat.dcp_metadata_path(self, rank), "rb") as handle:
             metadata = _MetadataUnpickler(handle).load()
         from torch.distributed.checkpoint.metadata import StorageMeta
         if getattr(metadata, "storage_meta", None) is None:
@@ -221,8 +357,7 @@ class MetadataOnlyReader(dcp.FileSystemReader):
 class _MetadataUnpickler(pickle.Unpickler):
     """Admits DCP's metadata dataclasses, torch sizes/dtypes/layouts and paths; nothing callable."""
 
-    _ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-                ("torch.serialization", "_get_layout"), ("torch", "Size"),
+    _ALLOWED = compat.DCP_METADATA_GLOBALS | {("torch", "Size"),
                 ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
                 ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
 

@@ -12,7 +12,9 @@ import torch
 
 from colab_par.checkpoint import (COMMIT_MARKER, LATEST, CheckpointError, MetadataOnlyReader,
                                   latest_checkpoint)
-from test_train import DATA, build_trainer
+from colab_par.cluster import EngineError
+from colab_par.layout import Layout
+from test_train import CONFIG, DATA, build_trainer
 
 STEPS, SAVE_AT = 6, 3
 
@@ -98,7 +100,7 @@ def test_checkpoint_loads_under_another_layout(cluster2, saved, layout):
 def test_live_relayout_continues_with_the_same_losses(cluster2, saved, first, second):
     _, uninterrupted = saved
     result = cluster2.run(relayout_midway, first, second)[0]
-    assert result["layout"] == second and result["repointed"]
+    assert Layout.parse(result["layout"]) == Layout.parse(second) and result["repointed"]
     assert result["losses"] == pytest.approx(uninterrupted, rel=1e-5)
 
 
@@ -141,3 +143,96 @@ def test_metadata_is_read_without_unpickling_arbitrary_objects(saved, tmp_path, 
     with pytest.raises(CheckpointError, match="posix.system|os.system"):
         MetadataOnlyReader(evil).read_metadata()
     assert not (tmp_path / "boom").exists()
+
+
+# ---- errors a user can act on ----------------------------------------------------------------------
+def _two_versions(cluster2, root) -> tuple:
+    """Two committed saves under `root`: (newest, the earlier one)."""
+    cluster2.run(train_and_save, "dp2 zero3", str(root))
+    earlier = latest_checkpoint(root)
+    cluster2.run(train_and_save, "dp2 zero3", str(root))
+    newest = latest_checkpoint(root)
+    assert newest != earlier and earlier.is_dir()
+    return newest, earlier
+
+
+def _first_line(error: EngineError) -> str:
+    assert [ranks for ranks, *_ in error.groups] == [[0, 1]]  # one message, every rank
+    return str(error).splitlines()[0]
+
+
+def test_truncated_file_is_named_with_the_intact_earlier_checkpoint(cluster2, saved, tmp_path):
+    _, uninterrupted = saved
+    newest, earlier = _two_versions(cluster2, tmp_path / "root")
+    damaged = newest / "__1_0.distcp"
+    size = damaged.stat().st_size
+    with open(damaged, "r+b") as handle:
+        handle.truncate(size // 2)
+    with pytest.raises(EngineError) as info:
+        cluster2.run(resume, "dp2 zero3", str(tmp_path / "root"))
+    first = _first_line(info.value)
+    assert first.startswith("CheckpointError: ")
+    assert (f"checkpoint {newest} is damaged: __1_0.distcp is {size // 2} bytes but {size} were "
+            "committed") in first
+    assert f"the earlier checkpoint {earlier} is intact: load that path instead" in first
+    result = cluster2.run(resume, "dp2 zero3", str(earlier))[0]  # the advice works
+    assert result["losses"] == pytest.approx(uninterrupted[SAVE_AT:], rel=1e-6)
+
+
+def test_corrupt_newest_without_an_intact_earlier_one_says_so(cluster2, tmp_path):
+    newest, earlier = _two_versions(cluster2, tmp_path / "root")
+    (earlier / "__0_0.distcp").unlink()
+    damaged = newest / "__0_0.distcp"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one flipped byte: only the checksum sees it
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(EngineError) as info:
+        cluster2.run(resume, "dp2 zero3", str(tmp_path / "root"))
+    first = _first_line(info.value)
+    assert f"checkpoint {newest} is damaged: __0_0.distcp does not match the SHA-256" in first
+    assert f"no earlier committed checkpoint under {tmp_path / 'root'} is intact" in first
+
+
+def test_checkpoint_without_checksums_still_loads(cluster2, saved, tmp_path):
+    """Versions committed before checksums were recorded load as before (unverified)."""
+    _, uninterrupted = saved
+    root = tmp_path / "old"
+    cluster2.run(train_and_save, "dp2 zero3", str(root))
+    marker = latest_checkpoint(root) / COMMIT_MARKER
+    marker.write_text(json.dumps({"step": SAVE_AT}))  # the commit record of an older colab_par
+    result = cluster2.run(resume, "dp2 zero3", str(root))[0]
+    assert result["losses"] == pytest.approx(uninterrupted[SAVE_AT:], rel=1e-6)
+
+
+def load_into_other_model(ckpt_dir: str, sizes: dict) -> None:
+    from colab_par import load, parallelize
+    from colab_par.models.gpt import GPT, GPTConfig
+
+    load(parallelize(GPT(GPTConfig(**{**CONFIG, **sizes})), "dp2"), ckpt_dir)
+
+
+def _reference_difference(sizes: dict) -> tuple[str, list[int], list[int]]:
+    """The first parameter whose shape differs between the saved GPT and one with `sizes`."""
+    from colab_par.models.gpt import GPT, GPTConfig
+
+    saved = GPT(GPTConfig(**CONFIG)).state_dict()
+    other = GPT(GPTConfig(**{**CONFIG, **sizes})).state_dict()
+    return next((key, list(saved[key].shape), list(value.shape)) for key, value in other.items()
+                if key in saved and saved[key].shape != value.shape)
+
+
+def test_checkpoint_of_another_model_is_refused_on_one_line(cluster2, saved):
+    ckpt, _ = saved
+    version = latest_checkpoint(ckpt)
+    with pytest.raises(EngineError) as info:
+        cluster2.run(load_into_other_model, ckpt, {"d_model": 64})
+    first = _first_line(info.value)
+    key, theirs, ours = _reference_difference({"d_model": 64})
+    assert first.startswith(f"CheckpointError: checkpoint {version} does not fit this model: "
+                            f"{key} is {theirs} in the checkpoint but {ours} here (")
+    assert "Traceback" not in first and "torch.distributed.checkpoint" not in first
+
+    with pytest.raises(EngineError) as info:  # more layers: names a parameter the checkpoint lacks
+        cluster2.run(load_into_other_model, ckpt, {"n_layer": 3})
+    assert "does not fit this model: layers.2.attention" in _first_line(info.value)
+    assert "is not in the checkpoint" in _first_line(info.value)

@@ -10,21 +10,15 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from colab_par.compat import checkpoint_wrapper, sdpa_aten_ops
 from colab_par.parallel.data_parallel import transformer_blocks
 
 __all__ = ["apply_activation_checkpointing"]
 
-_SAVED_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
+_SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+              *sdpa_aten_ops()}
 
 
 def _save_expensive_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from colab_par.compat import flatten_mesh
 from colab_par.layout import Layout
 
 __all__ = ["MESH_DIMS", "build_mesh", "broadcast_from_rank0", "default_device"]
@@ -30,7 +31,7 @@ def build_mesh(layout: Layout, device: torch.device) -> tuple[DeviceMesh, Device
     (kept by the caller: torch deprecates slicing flattened dims back out of the root mesh)."""
     shape = tuple(getattr(layout, name) for name in MESH_DIMS)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
-    return mesh, mesh["dp", "cp"]._flatten("dp_cp")
+    return mesh, flatten_mesh(mesh["dp", "cp"], "dp_cp")
 
 
 @torch.no_grad()

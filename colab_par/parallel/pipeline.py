@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 
+from colab_par import compat
 from colab_par.layout import Layout
 
 __all__ = ["stage_ids", "stage_owner", "split_model", "HFCausalLMStage", "PipelineRunner"]
@@ -129,7 +130,7 @@ def _hf_stage(model: nn.Module, stage: int, n_stages: int, owned: range) -> nn.M
     inner_part = _pruned_copy(inner, drop)
     inner_part.layers = nn.ModuleDict({str(i): inner_part.layers[i] for i in owned})
     return HFCausalLMStage(inner_part, copy.deepcopy(head) if last else None,
-                           getattr(model, "_tp_plan", None))
+                           compat.hf_tp_plan(model))
 
 
 class HFCausalLMStage(nn.Module):
@@ -152,13 +153,10 @@ class HFCausalLMStage(nn.Module):
         self._tp_plan = dict(tp_plan or {})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
         inner = self.model
         h = inner.embed_tokens(x) if inner.embed_tokens is not None else x
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = create_causal_mask(config=inner.config, inputs_embeds=h, attention_mask=None,
-                                  past_key_values=None, position_ids=position_ids)
+        mask = compat.create_causal_mask(inner.config, h, position_ids)
         position_embeddings = inner.rotary_emb(h, position_ids=position_ids)
         for layer in inner.layers.values():
             h = layer(h, attention_mask=mask, position_embeddings=position_embeddings,
@@ -274,6 +272,7 @@ class PipelineRunner:
         return self._loss_fn(output, target) * self._loss_weight
 
     def _build(self) -> None:
+        compat.check_stage_compute_hooks()  # _TimedStage's clock wraps them
         stages = [_TimedStage(part, sid, self.n_stages, self.device, group=self.pp_group,
                               clock=self._clock)
                   for part, sid in zip(self.parts, self.stage_ids)]

@@ -17,6 +17,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
+from colab_par import compat
+
 __all__ = ["apply_tensor_parallel", "gpt_tp_plan", "hf_tp_plan"]
 
 
@@ -59,7 +61,7 @@ _HF_STYLES = {
 
 def hf_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     """Translate a transformers model's own ``_tp_plan`` (FQN pattern -> style name) to DTensor."""
-    raw: dict[str, str] = dict(getattr(model, "_tp_plan", None) or {})
+    raw: dict[str, str] = compat.hf_tp_plan(model)
     if not raw:
         raw = {f"model.{k}": v for k, v in (getattr(model.config, "base_model_tp_plan", None) or {}).items()}
     if not raw:

@@ -1,0 +1,152 @@
+"""Every private or undocumented torch, ipyparallel and transformers API colab_par relies on.
+
+These APIs can change in any release without a deprecation. Keeping them here means a version
+drift fails with one `CompatError` naming the supported range, instead of an AttributeError deep
+inside a training step, and one test per entry (tests/test_compat.py) checks the installed
+versions. Everything else in the kit uses public APIs only. Imports are lazy: transformers stays
+optional, and the notebook client never pays for engine-side modules.
+"""
+from __future__ import annotations
+
+import os
+from functools import cache
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Callable
+
+__all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_path", "flatten_mesh",
+           "STAGE_COMPUTE_HOOKS", "check_stage_compute_hooks", "create_causal_mask", "hf_tp_plan",
+           "ipp_engine_kernel_class", "ENGINE_MAIN_CODE", "checkpoint_wrapper", "sdpa_aten_ops"]
+
+SUPPORTED = {"torch": "torch>=2.6,<3", "ipyparallel": "ipyparallel>=9",
+             "transformers": "transformers>=5.9"}
+"""The ranges pyproject.toml declares; a missing private API names the one it belongs to."""
+
+_TRANSFORMERS_MIN = (5, 9)  # first release whose create_causal_mask takes no cache_position
+
+
+class CompatError(RuntimeError):
+    """An installed package lacks a private API colab_par needs (its version is out of range)."""
+
+
+def _missing(package: str, what: str) -> CompatError:
+    try:
+        installed = version(package)
+    except PackageNotFoundError:
+        installed = "not installed"
+    return CompatError(f"{what} is missing from {package} {installed}; colab_par supports "
+                       f"{SUPPORTED[package]}: install a version in that range")
+
+
+def _release(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+# ---- torch.distributed.checkpoint ------------------------------------------------------------------
+DCP_METADATA_GLOBALS = frozenset({("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                                  ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+                                  ("torch.serialization", "_get_layout")})
+"""Private globals DCP pickles into `.metadata` (besides its public metadata dataclasses)."""
+
+
+def dcp_metadata_path(reader: Any, rank: int | None = None) -> os.PathLike:
+    """The `.metadata` file a `FileSystemReader` reads (`_get_metadata_path`, private)."""
+    get_path = getattr(reader, "_get_metadata_path", None)
+    if get_path is None:
+        raise _missing("torch", "FileSystemReader._get_metadata_path")
+    return get_path(rank)
+
+
+# ---- DeviceMesh ------------------------------------------------------------------------------------
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """`mesh` (a slice of several dims) flattened into one 1-D dim called `name` (`_flatten`)."""
+    flatten = getattr(mesh, "_flatten", None)
+    if flatten is None:
+        raise _missing("torch", "DeviceMesh._flatten")
+    return flatten(name)
+
+
+# ---- torch.distributed.pipelining ------------------------------------------------------------------
+STAGE_COMPUTE_HOOKS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+"""PipelineStage methods every schedule calls for a microbatch's compute (undocumented): a stage
+subclass timing them measures busy time, and the pipeline bubble is the rest of the step."""
+
+
+def check_stage_compute_hooks() -> None:
+    """Refuse a torch whose PipelineStage lacks the compute methods the bubble clock wraps."""
+    from torch.distributed.pipelining import PipelineStage
+
+    for name in STAGE_COMPUTE_HOOKS:
+        if not callable(getattr(PipelineStage, name, None)):
+            raise _missing("torch", f"PipelineStage.{name}")
+
+
+# ---- transformers ----------------------------------------------------------------------------------
+@cache
+def _transformers_masking() -> Any:
+    try:
+        import transformers
+        from transformers import masking_utils
+    except ImportError as error:
+        raise _missing("transformers", f"transformers.masking_utils ({error})") from None
+    if _release(transformers.__version__) < _TRANSFORMERS_MIN:
+        raise _missing("transformers", "create_causal_mask without cache_position")
+    return masking_utils
+
+
+def create_causal_mask(config: Any, inputs_embeds: Any, position_ids: Any) -> Any:
+    """The attention mask a Hugging Face decoder layer expects for a causal pass without a KV cache
+    (`transformers.masking_utils.create_causal_mask`, internal to the modeling code)."""
+    build: Callable = _transformers_masking().create_causal_mask
+    return build(config=config, inputs_embeds=inputs_embeds, attention_mask=None,
+                 past_key_values=None, position_ids=position_ids)
+
+
+def hf_tp_plan(model: Any) -> dict[str, str]:
+    """A transformers model's own tensor-parallel plan, FQN pattern -> style (private `_tp_plan`,
+    which `post_init` fills from the config's `base_model_tp_plan`); {} when it has none."""
+    return dict(getattr(model, "_tp_plan", None) or {})
+
+
+# ---- ipyparallel -----------------------------------------------------------------------------------
+ENGINE_MAIN_CODE = "from ipyparallel.engine.app import main; main()"
+"""Python that starts an engine (`ipyparallel.engine.app.main`, what `ipengine` runs)."""
+
+
+def ipp_engine_kernel_class() -> type:
+    """The kernel class of an ipyparallel engine (`ipyparallel.engine.kernel`, undocumented)."""
+    try:
+        from ipyparallel.engine.kernel import IPythonParallelKernel
+    except ImportError:
+        raise _missing("ipyparallel", "ipyparallel.engine.kernel.IPythonParallelKernel") from None
+    return IPythonParallelKernel
+
+
+# ---- activation checkpointing ----------------------------------------------------------------------
+def checkpoint_wrapper(module: Any, **options: Any) -> Any:
+    """torch's activation-checkpoint module wrapper (`torch.distributed.algorithms._checkpoint`)."""
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
+    except ImportError:
+        raise _missing("torch", "torch.distributed.algorithms._checkpoint.checkpoint_wrapper") from None
+    return wrap(module, **options)
+
+
+_SDPA_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def sdpa_aten_ops() -> list[Any]:
+    """The private aten kernels `scaled_dot_product_attention` dispatches to (default overloads)."""
+    import torch
+
+    found = [getattr(torch.ops.aten, name).default for name in _SDPA_OPS
+             if hasattr(torch.ops.aten, name)]
+    if not found:
+        raise _missing("torch", "aten::_scaled_dot_product_* attention kernels")
+    return found
