@@ -548,19 +548,22 @@ def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str
     # the all-gather of updated parameters, 3Ψ; FSDP zero2 gathers once and reduce-scatters, 2Ψ;
     # zero3 gathers again for backward, 3Ψ. Hidden behind compute as far as the device allows:
     # DDP's bucketed all-reduce behind backward only, FSDP's prefetched gathers behind forward too.
+    # Zero 0 with tensor or pipeline parallel cannot use DDP: one flat all-reduce after backward
+    # (data_parallel.GradientAverager), which nothing hides.
     n = dp * c
     if n > 1:
         grad_bytes = 4  # fp32 gradient reduction (MixedPrecisionPolicy reduce_dtype) and fp32 runs
+        flat = layout.zero == 0 and (t > 1 or p > 1)
         if layout.zero >= 2:
             gathers = 2 if layout.zero == 3 else 1
             volume = local_params * (gathers * act_bytes + grad_bytes) * (n - 1) / n
             hops = (gathers + 1) * (layers + 1) * (n - 1)  # per block and the root module
         else:
-            buckets = 1 + local_params * grad_bytes / 25e6  # DDP's 25 MB buckets
+            buckets = 1 if flat else 1 + local_params * grad_bytes / 25e6  # DDP's 25 MB buckets
             volume = local_params * (2 * grad_bytes + (4 if layout.zero == 1 else 0)) * (n - 1) / n
             hops = buckets * 2 * (n - 1) + (n - 1 if layout.zero == 1 else 0)
         comm = volume / bandwidth(t, n) + hops * dev.latency
-        window = compute if layout.zero >= 2 else compute * 2 / 3
+        window = 0.0 if flat else compute if layout.zero >= 2 else compute * 2 / 3
         times["dp"] = max(0.0, comm - dev.overlap * window)
     # pipeline: each microbatch crosses each of this rank's stage boundaries forward and backward
     if p > 1:
