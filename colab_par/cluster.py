@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import re
 import signal
 import socket
 import sys
@@ -21,6 +20,9 @@ import ipyparallel as ipp
 from traitlets.config import Config
 
 from colab_par import engine
+from colab_par.output import (DeadEngineError, EngineError, TaskOutput, busy_ranks,
+                              is_transport_error, rank_errors, rank_failure, ranks_text, values,
+                              where_waiting)
 from colab_par.ship import ship_by_value
 
 __all__ = ["Cluster", "EngineError", "DeadEngineError"]
@@ -28,44 +30,12 @@ __all__ = ["Cluster", "EngineError", "DeadEngineError"]
 LAUNCHERS = ("local", "mpi", "slurm", "ssh")
 BACKENDS = ("nccl", "gloo")
 _POLL_MAX_S = 0.25
-
-
-class EngineError(RuntimeError):
-    """Errors raised on engines, grouped: one traceback per distinct error with the ranks that hit it."""
-
-    def __init__(self, groups: list[tuple[list[int], str, str, str]]):
-        self.groups = groups  # (ranks, name, value, traceback text)
-        summary = "; ".join(f"{name}: {value} (ranks {_ranks(ranks)})" for ranks, name, value, _ in groups)
-        super().__init__(summary)
-
-    def _render_traceback_(self) -> list[str]:
-        """IPython shows this instead of the client-side traceback of the magic itself."""
-        lines: list[str] = []
-        for ranks, name, value, traceback in self.groups:
-            lines.append(f"[ranks {_ranks(ranks)}] {name}: {value}")
-            lines.extend(traceback.rstrip("\n").splitlines())
-            lines.append("")
-        return lines
-
-    def __str__(self) -> str:
-        return "\n".join([super().__str__(), ""] + self._render_traceback_())
-
-
-class DeadEngineError(EngineError):
-    """One or more engines died; the world is broken until a restart."""
-
-    def __init__(self, dead: Sequence[int], detail: str):
-        message = (f"rank(s) {_ranks(dead)} died ({detail}); the process group is broken. "
-                   "Run `%colossal restart` (or `cluster.restart()`) to start fresh engines.")
-        super().__init__([(list(dead), "DeadEngineError", message, "")])
-        self.dead = list(dead)
-
-    def __str__(self) -> str:
-        return self.groups[0][2]
-
-
-def _ranks(ranks: Iterable[int]) -> str:
-    return ",".join(str(r) for r in ranks)
+# A task where some ranks failed while others still run: after this long, the others are taken to
+# wait on the failed ones (in a collective they would wait for the whole process-group timeout).
+_FAILURE_GRACE_S = 1.0
+# After the failed ranks left the group, waiting ranks' collectives fail at once; one still busy
+# this long after that (or after an interrupt) is stuck, and only a restart frees it.
+_ABORT_WAIT_S = 2.0
 
 
 def _pid_alive(pid: int) -> bool:
@@ -134,6 +104,7 @@ class Cluster:
         self._ids: list[int] = []
         self._hosts: list[dict[str, Any]] = []
         self._pids: set[int] = set()
+        self._stack_files: list[str] = []  # per rank: where SIGUSR1 makes the engine dump its stacks
         self.devices: list[str] = []
         self.backend: str | None = None
         self.generation = 0  # bumped at every start: engine namespaces do not survive it
@@ -146,6 +117,11 @@ class Cluster:
     @property
     def n(self) -> int:
         return len(self._ids)
+
+    @property
+    def pids(self) -> set[int]:
+        """The processes this cluster started on this host (controller, engines, launcher helpers)."""
+        return self._pids | {info["pid"] for info in self._hosts if self._is_local(info)}
 
     def start(self) -> "Cluster":
         """Start engines, bind devices and initialise the process group; a no-op when running."""
@@ -182,7 +158,7 @@ class Cluster:
     def stop(self) -> None:
         """Stop controller and engines and make sure no process of theirs is left."""
         engine_pids = {info["pid"] for info in self._hosts if self._is_local(info)}
-        started = self._pids | engine_pids
+        started = self.pids
         if self._client is not None:
             self._shutdown_engines(engine_pids)
             self._client.close()
@@ -193,7 +169,11 @@ class Cluster:
                 print(f"colab_par: ipyparallel stop failed ({exc}); killing leftover processes",
                       file=sys.stderr)
         _reap(started, grace_s=10.0)
+        for path, info in zip(self._stack_files, self._hosts):
+            if self._is_local(info) and os.path.exists(path):
+                os.remove(path)
         self._ipp, self._client, self._ids, self._hosts, self._pids = None, None, [], [], set()
+        self._stack_files = []
         self.devices = []
         _LIVE.discard(self)
 
@@ -236,7 +216,7 @@ class Cluster:
         ship_by_value(fn, *args, *kwargs.values())
         result = view.apply_async(fn, *args, **kwargs)
         self._wait(result, self._ranks_of(view.targets), stream=False)
-        return self._values(result)
+        return values(result, self._ids)
 
     def execute(self, code: str, *, targets: Sequence[int] | None = None, all_output: bool = False,
                 namespace: dict[str, Any] | None = None) -> None:
@@ -250,14 +230,12 @@ class Cluster:
         if namespace:
             shipped = view.apply_async(engine.update_namespace, cloudpickle.dumps(namespace))
             self._wait(shipped, ranks, stream=False)
-            self._values(shipped)
+            values(shipped, self._ids)
         result = view.execute(code, silent=False, block=False)
-        self._wait(result, ranks, stream=True)
-        self._show_other_output(result, ranks, all_output)
-        self._values(result)
-        first = result.execute_result[0]
-        if first is not None and "text/plain" in first.get("data", {}):
-            print(first["data"]["text/plain"])
+        output = self._wait(result, ranks, stream=True, cell=code)
+        output.show_other_ranks(ranks, all_output)
+        values(result, self._ids)
+        output.show_result()
 
     def status(self) -> list[dict[str, Any]]:
         """Per rank: host, pid, device, alive, memory in use (busy ranks report what is known)."""
@@ -277,23 +255,26 @@ class Cluster:
             rows.append(row)
         return rows
 
-    def interrupt(self) -> None:
-        """Send SIGINT to every engine (the notebook's stop button): directly on this host, through
-        ipyparallel's nanny on others."""
+    def interrupt(self, ranks: Iterable[int] | None = None) -> None:
+        """Send SIGINT to every engine (the notebook's stop button), or to `ranks`: directly on this
+        host, through ipyparallel's nanny on others."""
+        self._signal(signal.SIGINT, range(self.n) if ranks is None else ranks)
+
+    def _signal(self, signum: signal.Signals, ranks: Iterable[int]) -> None:
         if not self.running:
             return
         remote = []
-        for rank in set(range(self.n)) - set(self._dead_ranks()):
+        for rank in set(ranks) - set(self._dead_ranks()):
             info = self._hosts[rank]
             if self._is_local(info):
                 try:
-                    os.kill(info["pid"], signal.SIGINT)
+                    os.kill(info["pid"], signum)
                 except ProcessLookupError:
                     pass
             else:
                 remote.append(self._ids[rank])
         if remote:
-            self._client.send_signal(signal.SIGINT.name, targets=remote, block=False)
+            self._client.send_signal(signum.name, targets=remote, block=False)
 
     # ---- internals ------------------------------------------------------------------------------
     def _resolve_n_backend(self) -> tuple[int, str]:
@@ -321,28 +302,41 @@ class Cluster:
         view = self._client[self._ids]
         view.use_cloudpickle().get(timeout=self.timeout)
         self._hosts = view.apply_async(engine.host_info).get(timeout=self.timeout)
+        self._stack_files = view.apply_async(engine.enable_stack_dumps).get(timeout=self.timeout)
         hosts = [info["host"] for info in self._hosts]
         local_rank = [hosts[:rank].count(host) for rank, host in enumerate(hosts)]
         bind = [self._client[[eid]].apply_async(engine.bind_device, local_rank[r], hosts.count(hosts[r]),
                                               backend) for r, eid in enumerate(self._ids)]
         self.devices = [self._get(result, rank) for rank, result in enumerate(bind)]
-        single_host = all(self._is_local(info) for info in self._hosts)
-        addr = "127.0.0.1" if single_host else self._hosts[0]["ip"]
-        port = self._get(self._client[[self._ids[0]]].apply_async(engine.free_port), 0)
-        joins = [self._client[[eid]].apply_async(engine.init_process_group, backend, addr, port, rank,
-                                               len(self._ids), self.timeout, "lo" if single_host else None)
-                 for rank, eid in enumerate(self._ids)]
-        for rank, result in enumerate(joins):
-            self._get(result, rank)
+        self._join_world()
         for rank, eid in enumerate(self._ids):
             self._client[[eid]].push({"rank": rank, "world_size": len(self._ids),
                                     "local_rank": local_rank[rank], "device": self.devices[rank]},
                                    block=True)
 
+    def _world_addresses(self) -> list[str]:
+        """The addresses the world talks over: loopback on one host, each host's address on several."""
+        if all(self._is_local(info) for info in self._hosts):
+            return ["127.0.0.1"]
+        return list(dict.fromkeys(info["ip"] for info in self._hosts))
+
+    def _join_world(self) -> None:
+        """(Re-)initialise the process group on every rank through a fresh store that listens only
+        on the address the world uses (see `_world_addresses`): rank 0's."""
+        addr = self._world_addresses()[0]
+        single_host = addr == "127.0.0.1"
+        port = self._get(self._client[[self._ids[0]]].apply_async(engine.open_rendezvous, addr), 0)
+        joins = [self._client[[eid]].apply_async(engine.init_process_group, self.backend, addr, port, rank,
+                                               len(self._ids), self.timeout, "lo" if single_host else None)
+                 for rank, eid in enumerate(self._ids)]
+        for rank, result in enumerate(joins):
+            self._get(result, rank)
+
     def _get(self, result: Any, rank: int) -> Any:
         if not result.wait(self.timeout):
-            raise TimeoutError(f"rank {rank} did not answer within {self.timeout:.0f}s during start-up")
-        return self._values(result)[0]
+            raise TimeoutError(f"rank {rank} did not answer within {self.timeout:.0f}s while joining "
+                               "the process group")
+        return values(result, self._ids)[0]
 
     @staticmethod
     def _is_local(info: dict[str, Any]) -> bool:
@@ -358,7 +352,8 @@ class Cluster:
         ranks = list(range(self.n)) if targets is None else list(targets)
         bad = [r for r in ranks if not 0 <= r < self.n]
         if bad:
-            raise ValueError(f"rank(s) {_ranks(bad)} do not exist; this cluster has ranks 0..{self.n - 1}")
+            raise ValueError(f"rank(s) {ranks_text(bad)} do not exist; this cluster has ranks "
+                             f"0..{self.n - 1}")
         self._raise_if_dead(ranks)
         view = self._client[[self._ids[r] for r in ranks]]
         view.block = False
@@ -388,46 +383,30 @@ class Cluster:
                              for r in dead)
             raise DeadEngineError(dead, pids)
 
-    def _wait(self, result: Any, ranks: list[int], *, stream: bool) -> None:
-        """Wait without a deadline (training may be long) but never on a dead rank; stream rank 0."""
-        poll, shown, dashboard = 0.002, 0, None
+    def _wait(self, result: Any, ranks: list[int], *, stream: bool, cell: str | None = None) -> TaskOutput:
+        """Wait without a deadline (training may be long), but never on a dead rank nor on ranks
+        left waiting by another rank's error; stream rank 0 meanwhile."""
+        output = TaskOutput(result, stream=stream, dashboard=self.dashboard)
+        poll, failed_at = 0.002, None
         try:
             while not result.ready():
                 result.wait(poll)
                 poll = min(poll * 2, _POLL_MAX_S)
-                if stream:
-                    shown = self._stream_first(result, shown)
-                dashboard = self._feed_dashboard(result, dashboard)
+                output.poll()
                 self._raise_if_dead(ranks)
+                if failed_at is None and rank_errors(result, ranks):
+                    failed_at = time.monotonic()
+                if failed_at is not None and time.monotonic() - failed_at > _FAILURE_GRACE_S \
+                        and not result.ready():
+                    failure = self._recover_from_rank_failure(result, ranks, cell)
+                    output.finish()
+                    raise failure
         except KeyboardInterrupt:
             self._handle_interrupt(result)
             raise
-        if stream:
-            result.wait_for_output(timeout=5.0)  # iopub output can trail the reply
-            self._stream_first(result, shown)
-        if dashboard is not None:
-            dashboard.finish(_per_rank(result.data))
-
-    def _stream_first(self, result: Any, shown: int) -> int:
-        stdout = result.stdout
-        text = stdout[0] if isinstance(stdout, list) else stdout
-        if text and len(text) > shown:
-            sys.stdout.write(text[shown:])
-            sys.stdout.flush()
-            return len(text)
-        return shown
-
-    def _feed_dashboard(self, result: Any, dashboard: Any) -> Any:
-        if not self.dashboard:
-            return None
-        data = _per_rank(result.data)
-        if dashboard is None and any(data):
-            from colab_par.dashboard import LiveDashboard
-
-            dashboard = LiveDashboard()
-        if dashboard is not None:
-            dashboard.update(data)
-        return dashboard
+        output.finish()
+        self._repair_if_broken(result, ranks)
+        return output
 
     def _handle_interrupt(self, result: Any) -> None:
         """Interrupt every engine; if one stays stuck (e.g. in a collective), restart the world."""
@@ -442,44 +421,79 @@ class Cluster:
                   "Variables defined on the engines are gone.", file=sys.stderr)
             self.restart()
 
-    def _show_other_output(self, result: Any, ranks: list[int], all_output: bool) -> None:
-        outputs = result.stdout if isinstance(result.stdout, list) else [result.stdout]
-        first = outputs[0]
-        for rank, text in zip(ranks[1:], outputs[1:]):
-            if text and (all_output or text != first):
-                sys.stdout.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
+    def _recover_from_rank_failure(self, result: Any, ranks: list[int], cell: str | None) -> Exception:
+        """Some ranks failed, others still run (most likely waiting for them in a collective):
+        record where the others are, make their collectives fail now by taking the failed ranks
+        out of the group, interrupt what still runs, and re-initialise the world."""
+        started = time.monotonic()
+        errors = rank_errors(result, ranks)
+        busy = busy_ranks(result, ranks)
+        waiting = self._where(busy, cell)
+        left: set[int] = set()
+        self._leave_group(left, busy)
+        deadline = time.monotonic() + _ABORT_WAIT_S
+        while not result.ready() and time.monotonic() < deadline:
+            result.wait(0.05)
+            still = busy_ranks(result, ranks)
+            self._leave_group(left, still)  # ranks that just failed may be what others wait on
+        if not result.ready():
+            self.interrupt(busy_ranks(result, ranks))
+            result.wait(_ABORT_WAIT_S)
+        if not result.ready():
+            stuck = busy_ranks(result, ranks)
+            self._signal(signal.SIGKILL, stuck)  # stuck in C++: a polite shutdown would wait for them
+            self.restart()
+            recovery = (f"rank(s) {ranks_text(stuck)} stayed busy after the group was aborted and an "
+                        "interrupt, so the engines and the process group were restarted: every engine "
+                        "variable is gone; re-run the cells that set them up.")
+        else:
+            recovery = self._rejoin_and_report(started)
+        return rank_failure(errors or rank_errors(result, ranks), waiting, recovery)
 
-    def _values(self, result: Any) -> list[Any]:
-        """Results of a list-targeted view (always a list, rank order), or the grouped errors."""
-        try:
-            return result.get()
-        except ipp.error.CompositeError as exc:
-            raise _grouped(exc.elist, self._ids) from None
-        except ipp.error.RemoteError as exc:
-            raise _grouped([(exc.ename, exc.evalue, exc.traceback, exc.engine_info)], self._ids) from None
+    def _repair_if_broken(self, result: Any, ranks: list[int]) -> None:
+        """A task that ended in transport errors (a collective timed out, a peer left) leaves a
+        broken group behind: re-initialise it now and say so, instead of failing the next cell."""
+        errors = rank_errors(result, ranks)
+        if any(is_transport_error(name, value) for name, value, _ in errors.values()):
+            raise rank_failure(errors, {}, self._rejoin_and_report(time.monotonic()))
 
+    def _rejoin_and_report(self, started: float) -> str:
+        self._join_world()
+        stale = sorted(set().union(*self._client[self._ids].apply_sync(engine.names_built_on_the_group)))
+        kept = ("engine variables are kept (none of them held the old group)" if not stale else
+                f"engine variables are kept, but {', '.join(stale)} {'holds' if len(stale) == 1 else 'hold'} "
+                "the old group and must be rebuilt (a ParallelModel, its optimizer and Trainer, "
+                "DTensors, DeviceMesh and DDP/FSDP modules all live on one process group)")
+        return (f"the process group was torn down and re-initialised with a fresh store in "
+                f"{time.monotonic() - started:.1f}s; {kept}.")
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_CELL_NUMBER = re.compile(r"In\s*\[\d+\]")
+    def _leave_group(self, left: set[int], busy: list[int]) -> None:
+        """Idle ranks not yet out of the group leave it, closing their connections."""
+        out = set(busy) | left | set(self._dead_ranks())
+        idle = [r for r in range(self.n) if r not in out]
+        if idle:
+            self._client[[self._ids[r] for r in idle]].apply_async(
+                engine.leave_process_group, self._world_addresses()).wait(5.0)
+            left.update(idle)
 
-
-def _grouped(elist: list[tuple], engine_ids: list[int]) -> EngineError:
-    """One group per distinct error; engines' own cell counters do not make errors distinct."""
-    groups: dict[tuple[str, str, str], tuple[list[int], str]] = {}
-    for name, value, traceback, info in elist:
-        engine_id = (info or {}).get("engine_id")
-        rank = engine_ids.index(engine_id) if engine_id in engine_ids else -1
-        key = (name, str(value), _CELL_NUMBER.sub("In[]", _ANSI.sub("", traceback or "")))
-        groups.setdefault(key, ([], traceback or ""))[0].append(rank)
-    return EngineError([(sorted(ranks), name, value, shown)
-                        for (name, value, _), (ranks, shown) in groups.items()])
-
-
-def _per_rank(data: Any) -> list[dict[str, Any] | None]:
-    if isinstance(data, list):
-        return [d or None for d in data]
-    return [data or None]
-
+    def _where(self, ranks: list[int], cell: str | None) -> dict[int, str]:
+        """Where each busy rank is, from the stack dump its SIGUSR1 handler writes."""
+        local = [r for r in ranks if self._is_local(self._hosts[r])]
+        for rank in local:
+            os.truncate(self._stack_files[rank], 0)
+        self._signal(signal.SIGUSR1, ranks)
+        dumps: dict[int, str] = {}
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and len(dumps) < len(local):
+            time.sleep(0.05)
+            for rank in local:
+                with open(self._stack_files[rank]) as dump:
+                    text = dump.read()
+                if "ipyparallel/engine/app.py" in text:  # the main thread's dump is complete
+                    dumps[rank] = text
+        remote = {r: f"on {self._hosts[r]['host']}: SIGUSR1 asked it to dump its stacks to "
+                     f"{self._stack_files[r]} there" for r in ranks if r not in local}
+        return {**{r: where_waiting(dumps.get(r, ""), cell) for r in local}, **remote}
 
 def _engine_config(nanny: bool) -> Config:
     """Engines import torch while the controller is still starting, instead of after it.

@@ -8,10 +8,16 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
-from typing import Any
+from typing import Any, Sequence
 
-__all__ = ["host_info", "bind_device", "free_port", "init_process_group", "rank_status",
+__all__ = ["host_info", "bind_device", "enable_stack_dumps", "open_rendezvous",
+           "init_process_group", "leave_process_group", "names_built_on_the_group", "rank_status",
            "update_namespace"]
+
+_LISTENER: socket.socket | None = None  # rank 0: the bound rendezvous socket until the store takes it
+_STACKS: Any = None  # the open file faulthandler dumps stacks into on SIGUSR1
+_ENGINE_SOCKETS: set[int] | None = None  # socket inodes the engine had before it joined a world
+_ESTABLISHED = "01"  # TCP state in /proc/net/tcp
 
 
 def host_info() -> dict[str, Any]:
@@ -47,29 +53,175 @@ def bind_device(local_rank: int, local_world: int, backend: str) -> str:
     return "cpu"
 
 
-def free_port() -> int:
-    """A TCP port that is free on this host right now (rank 0 hosts the rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+def enable_stack_dumps() -> str:
+    """Dump every thread's Python stack to a file on SIGUSR1, so the client can see where a rank
+    waits even while its main thread is blocked inside a C++ collective (faulthandler writes from
+    the signal handler itself). The file is opened for appending, so the client may truncate it."""
+    import faulthandler
+    import signal
+    import tempfile
+
+    global _STACKS
+    if _STACKS is None:
+        path = os.path.join(tempfile.gettempdir(), f"colab_par-stacks-{os.getpid()}.txt")
+        _STACKS = open(path, "a")  # noqa: SIM115 - stays open for the engine's lifetime
+        faulthandler.register(signal.SIGUSR1, file=_STACKS, all_threads=True)
+    return _STACKS.name
+
+
+def open_rendezvous(addr: str) -> int:
+    """Listen for the world's rendezvous on `addr` only (never on all interfaces) and return the port.
+
+    The socket is bound here and handed to torch's TCPStore (``master_listen_fd``) by
+    `init_process_group`, so no other process can take the port in between.
+    """
+    global _LISTENER
+    if _LISTENER is not None:
+        _LISTENER.close()
+    _LISTENER = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+    _LISTENER.bind((addr, 0))
+    _LISTENER.listen(128)
+    return _LISTENER.getsockname()[1]
 
 
 def init_process_group(backend: str, addr: str, port: int, rank: int, world: int,
-                       timeout_s: float, gloo_ifname: str | None) -> dict[str, Any]:
-    """Join the torch.distributed world; idempotent so a re-run cell never re-initialises into a hang."""
+                       timeout_s: float, gloo_ifname: str | None) -> None:
+    """Join a fresh torch.distributed world through rank 0's store at addr:port (any old group is
+    left first, so this also re-initialises a broken world). Rank 0 serves the store on the socket
+    `open_rendezvous` bound."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        if dist.get_rank() == rank and dist.get_world_size() == world:
-            return {"rank": rank, "already": True}
-        dist.destroy_process_group()
+    global _LISTENER, _ENGINE_SOCKETS
+    leave_process_group([addr])
+    if _ENGINE_SOCKETS is None:
+        _ENGINE_SOCKETS = set(_socket_fds())
     if gloo_ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = gloo_ifname
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": addr,
                        "MASTER_PORT": str(port)})
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=timeout_s))
-    return {"rank": rank, "already": False}
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        if _LISTENER is None or _LISTENER.getsockname()[1] != port:
+            raise RuntimeError(f"rank 0 holds no rendezvous socket on port {port}; "
+                               "call open_rendezvous first")
+        fd, _LISTENER = _LISTENER.detach(), None  # the store owns and closes it from now on
+        store = dist.TCPStore(addr, port, world, True, timeout=timeout, master_listen_fd=fd)
+    else:
+        store = dist.TCPStore(addr, port, world, False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def leave_process_group(addresses: Sequence[str]) -> None:
+    """Leave the world: close the connections to other ranks, then destroy the process groups.
+
+    On a rank whose peers still wait in a collective, closing the connections makes their pending
+    operations fail at once instead of at the timeout. Destroying the groups alone does not close
+    them while anything (a DeviceMesh, a model, a user variable) still refers to a group.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    _close_connections_to(set(addresses), exclude_port=int(os.environ.get("MASTER_PORT", 0)))
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a broken group may fail to shut down cleanly; it is gone
+        pass
+
+
+def _close_connections_to(addresses: set[str], exclude_port: int) -> None:
+    """Shut down the TCP connections this engine opened since it first joined a world (the gloo
+    pairs) to peers at `addresses`; the store's (`exclude_port`) and ipyparallel's are kept."""
+    fds = _socket_fds()
+    for inode, (local_port, remote_ip, remote_port, state) in _tcp_sockets().items():
+        if (inode in fds and inode not in (_ENGINE_SOCKETS or ()) and state == _ESTABLISHED
+                and remote_ip in addresses and exclude_port not in (local_port, remote_port)):
+            try:
+                with socket.socket(fileno=os.dup(fds[inode])) as connection:
+                    connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed meanwhile
+
+
+def _socket_fds() -> dict[int, int]:
+    """This process's sockets: inode -> file descriptor (empty where there is no /proc)."""
+    found = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            found[int(link[8:-1])] = int(name)
+    return found
+
+
+def _tcp_sockets() -> dict[int, tuple[int, str, int, str]]:
+    """TCP sockets of this network namespace: inode -> (local port, remote ip, remote port, state)."""
+    sockets = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as rows:
+                lines = rows.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, remote, state, inode = fields[1], fields[2], fields[3], int(fields[9])
+            remote_ip, remote_port = remote.split(":")
+            sockets[inode] = (int(local.split(":")[1], 16), _ip(remote_ip), int(remote_port, 16), state)
+    return sockets
+
+
+def _ip(hex_ip: str) -> str:
+    """/proc/net/tcp{,6} address -> dotted IPv4 (also for IPv4-mapped IPv6) or IPv6 text."""
+    raw = b"".join(bytes.fromhex(hex_ip[i:i + 8])[::-1] for i in range(0, len(hex_ip), 8))
+    if len(raw) == 16 and raw[:12] == b"\0" * 10 + b"\xff\xff":
+        raw = raw[12:]
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
+
+
+def names_built_on_the_group() -> list[str]:
+    """Engine variables holding (a few attributes deep) a process group, DeviceMesh or DTensor:
+    they belong to a world that was torn down and must be rebuilt."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+    from IPython import get_ipython
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    kinds = (dist.ProcessGroup, DeviceMesh, DTensor)
+    skip = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType)
+    seen: set[int] = set()
+
+    def holds(value: Any, depth: int) -> bool:
+        if isinstance(value, kinds):
+            return True
+        if depth == 0 or id(value) in seen or isinstance(value, skip + (str, bytes, torch.Tensor)):
+            return False
+        seen.add(id(value))
+        if isinstance(value, torch.nn.Module):
+            return (any(isinstance(p, DTensor) for p in value.parameters())
+                    or any(holds(v, depth - 1) for v in vars(value).values()))
+        if isinstance(value, dict):
+            children = list(value.values())[:50]
+        elif isinstance(value, (list, tuple, set)):
+            children = list(value)[:50]
+        else:
+            children = list(getattr(value, "__dict__", {}).values())
+        return any(holds(child, depth - 1) for child in children)
+
+    shell = get_ipython()
+    seen.update({id(shell), id(shell.user_ns)})  # a walk through the shell would reach every name
+    return sorted(name for name, value in list(shell.user_ns.items())
+                  if not name.startswith("_") and name not in shell.user_ns_hidden
+                  and not isinstance(value, skip) and holds(value, 4))
 
 
 def rank_status() -> dict[str, Any]:

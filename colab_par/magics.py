@@ -15,7 +15,8 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from colab_par.cluster import Cluster
 from colab_par.ship import names_assigned, values_to_ship
 
-__all__ = ["ColossalMagics", "default_cluster", "use_cluster", "shutdown_default_cluster", "parse_ranks"]
+__all__ = ["ColossalMagics", "default_cluster", "use_cluster", "shutdown_default_cluster", "parse_ranks",
+           "relayout_engine_variable"]
 
 _default: Cluster | None = None
 _NOT_STARTED = ("No engines are running. Start them first with `%colossal start` "
@@ -57,6 +58,21 @@ def parse_ranks(text: str, world: int) -> list[int]:
     if bad:
         raise UsageError(f"--targets names rank(s) {bad} but ranks are 0..{world - 1}")
     return ranks
+
+
+def relayout_engine_variable(model: str, layout: str, trainer: str) -> str:
+    """On each engine: replace the ParallelModel in variable `model` by the same model re-laid out
+    as `layout` (`colab_par.checkpoint.relayout`), re-pointing the Trainer in `trainer` if any."""
+    from IPython import get_ipython
+
+    from colab_par.checkpoint import relayout
+
+    user_ns = get_ipython().user_ns
+    if model not in user_ns:
+        raise NameError(f"no engine variable {model!r}: name the one holding your ParallelModel "
+                        "with --model NAME")
+    user_ns[model] = relayout(user_ns[model], layout, trainer=user_ns.get(trainer))
+    return str(user_ns[model].layout)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -136,10 +152,8 @@ class ColossalMagics(Magics):
             from colab_par.layout import Layout
 
             layout = Layout.parse(args.layout).validate(cluster.n)
-            cluster.execute(f"import colab_par.checkpoint as _cp\n"
-                            f"{args.model} = _cp.relayout({args.model}, {str(layout)!r}, "
-                            f"trainer=globals().get({args.trainer!r}))\n"
-                            f"if rank == 0: print('colab_par: {args.model} now runs as', {args.model}.layout)")
+            now = cluster.run(relayout_engine_variable, args.model, str(layout), args.trainer)[0]
+            print(f"colab_par: {args.model} now runs as {now}")
 
     # ---- cell magic -----------------------------------------------------------------------------
     def _cell(self, line: str, cell: str) -> None:

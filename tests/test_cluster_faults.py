@@ -29,12 +29,22 @@ def fresh():
     cluster.stop()
 
 
+@pytest.fixture
+def sigint_raises():
+    """`_thread.interrupt_main()` does nothing while SIGINT is ignored, which is how any process
+    started in the background inherits it: install the handler the interrupt tests rely on."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _interrupt_after(seconds):
     timer = threading.Timer(seconds, _thread.interrupt_main)
     timer.start()
     return timer
 
 
+@pytest.mark.usefixtures("sigint_raises")
 def test_interrupt_stops_every_engine_and_keeps_them(fresh):
     generation = fresh.generation
     _interrupt_after(1.0)
@@ -46,6 +56,7 @@ def test_interrupt_stops_every_engine_and_keeps_them(fresh):
     assert fresh.run(ranks_alive) == [2.0, 2.0]
 
 
+@pytest.mark.usefixtures("sigint_raises")
 def test_stuck_collective_restarts_engines_and_group(fresh, capsys):
     generation = fresh.generation
     _interrupt_after(1.0)

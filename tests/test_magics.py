@@ -109,3 +109,20 @@ def test_status_line_magic(on_cluster, capsys):
     on_cluster.run_line_magic("colossal", "status")
     out = capsys.readouterr().out
     assert out.count("yes") == 2 and "cpu" in out
+
+
+def test_relayout_line_magic_moves_the_engine_model_keeping_its_weights(on_cluster, capsys):
+    on_cluster.run_cell_magic("colossal", "", "import torch\nfrom colab_par import parallelize\n"
+                              "from colab_par.models.gpt import GPT, GPTConfig\ntorch.manual_seed(0)\n"
+                              "pm = parallelize(GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, "
+                              "d_model=32, kernels='torch')), 'dp2')\n"
+                              "before = {k: v.clone() for k, v in pm.full_state_dict().items()}")
+    on_cluster.run_line_magic("colossal", 'relayout "tp2"')
+    assert "colab_par: pm now runs as tp2" in capsys.readouterr().out
+    on_cluster.run_cell_magic("colossal", "--all-output",
+                              "after = pm.full_state_dict()\nprint('layout', pm.layout, 'tp', pm.layout.tp, 'same',"
+                              " sorted(after) == sorted(before) and all(torch.equal(before[k], after[k]) for k in before))")
+    out = capsys.readouterr().out
+    assert "layout tp2 tp 2 same True" in out and "[rank 1] layout tp2 tp 2 same True" in out
+    with pytest.raises(EngineError, match="no engine variable 'missing'.*--model NAME"):
+        on_cluster.run_line_magic("colossal", 'relayout "tp2" --model missing')
