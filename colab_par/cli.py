@@ -118,10 +118,10 @@ def write_csv(results: list[dict], path: Path) -> None:
 def dashboard_png(results: list[dict], steps: int) -> bytes:
     """The live dashboard's final frame, drawn from the rows the engines returned."""
     from colab_par.dashboard import LiveDashboard
-    from colab_par.telemetry import METRICS_KEY
+    from colab_par.telemetry import metrics_data
 
     dashboard = LiveDashboard(mode="text", stream=io.StringIO())
-    dashboard.update([{METRICS_KEY: {"rank": rank, "total_steps": steps, "rows": result["rows"]}}
+    dashboard.update([metrics_data({"rank": rank, "total_steps": steps, "done": True}, result["rows"])
                       for rank, result in enumerate(results)])
     return dashboard.png()
 

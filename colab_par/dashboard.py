@@ -14,16 +14,32 @@ import io
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 from colab_par.telemetry import METRICS_KEY, ROWS_KEY
 
-__all__ = ["LiveDashboard", "progress_line"]
+__all__ = ["LiveDashboard", "Panel", "progress_line"]
 
-MEMORY_PARTS = (("mem_params", "params"), ("mem_grads", "grads"), ("mem_optimizer", "optimizer"),
-                ("mem_activations", "activations"))
-TIME_PARTS = (("time_data", "data"), ("time_forward_backward", "fwd+bwd"), ("time_clip", "clip"),
-              ("time_optimizer", "optimizer"), ("time_telemetry", "telemetry"))
+# (row key, legend label, colour): fixed colours, so a part keeps its colour from frame to frame
+MEMORY_PARTS = (("mem_params", "params", "tab:blue"), ("mem_grads", "grads", "tab:orange"),
+                ("mem_optimizer", "optimizer", "tab:green"),
+                ("mem_activations", "activations", "tab:red"))
+TIME_PARTS = (("time_data", "data", "tab:cyan"), ("time_forward_backward", "fwd+bwd", "tab:blue"),
+              ("time_clip", "clip", "tab:orange"), ("time_optimizer", "optimizer", "tab:green"),
+              ("time_telemetry", "telemetry", "tab:purple"))
+LINE_COLOURS = {"loss": "tab:blue", "tokens_per_s": "tab:blue", "mfu": "tab:orange"}
+
+
+@dataclass(frozen=True)
+class Panel:
+    """Where a frame draws one plot and in which colours, so whoever reads the PNG (a test, a
+    report) can tell a frame with data from an empty one."""
+
+    title: str
+    box: tuple[int, int, int, int]  # left, top, right, bottom: the plot area in PNG pixels
+    colours: tuple[str, ...]  # matplotlib colours the data is drawn in
+    bars: bool  # stacked bars standing on the bottom edge (else lines)
 MAX_INTERVAL = 10.0  # seconds: however slow drawing is, the dashboard never looks frozen
 
 
@@ -116,6 +132,23 @@ class LiveDashboard:
         self._ensure_figure()
         return self._draw_png()
 
+    def panels(self) -> list[Panel]:
+        """The frame's four plots: their pixel boxes in `png()` / display frames, and data colours."""
+        self._ensure_figure()
+        height = int(round(self._figure.bbox.height))
+        (loss_ax, speed_ax), (memory_ax, time_ax) = self._axes
+        specs = ((loss_ax, ("loss",), ()), (speed_ax, ("tokens_per_s", "mfu"), ()),
+                 (memory_ax, (), MEMORY_PARTS), (time_ax, (), TIME_PARTS))
+        panels = []
+        for ax, lines, parts in specs:
+            box = ax.bbox
+            colours = tuple(dict.fromkeys([LINE_COLOURS[key] for key in lines] +
+                                          [colour for _, _, colour in parts]))
+            panels.append(Panel(ax.get_title(), (int(round(box.x0)), int(round(height - box.y1)),
+                                                 int(round(box.x1)), int(round(height - box.y0))),
+                                colours, bool(parts)))
+        return panels
+
     def progress(self) -> str:
         header = self.header.get(min(self.header)) if self.header else {}
         return progress_line(self.latest(), int(header.get("total_steps", 0)))
@@ -164,9 +197,8 @@ class LiveDashboard:
         self._figure.subplots_adjust(left=0.07, right=0.93, top=0.94, bottom=0.09, hspace=0.45,
                                      wspace=0.25)
         mfu_ax = speed_ax.twinx()
-        self._lines = {"loss": loss_ax.plot([], [], color="tab:blue")[0],
-                       "tokens_per_s": speed_ax.plot([], [], color="tab:blue")[0],
-                       "mfu": mfu_ax.plot([], [], color="tab:orange", alpha=0.7)[0]}
+        self._lines = {key: ax.plot([], [], color=LINE_COLOURS[key], linewidth=2)[0]
+                       for key, ax in (("loss", loss_ax), ("tokens_per_s", speed_ax), ("mfu", mfu_ax))}
         self._line_scale = {"loss": 1.0, "tokens_per_s": 1.0, "mfu": 100.0}
         for ax, title in ((loss_ax, "loss by step"), (speed_ax, "tokens/s (blue), MFU % (orange)"),
                           (memory_ax, "memory by rank (MiB)"), (time_ax, "step time by rank (ms)")):
@@ -200,10 +232,10 @@ class LiveDashboard:
         ranks = list(latest)
         positions = list(range(len(ranks)))
         bottoms = [0.0] * len(ranks)
-        for key, label in parts:
+        for key, label, colour in parts:
             heights = [float(latest[r].get(key) or 0.0) * scale for r in ranks]
             if any(heights):
-                self._bars.append(ax.bar(positions, heights, bottom=bottoms, label=label))
+                self._bars.append(ax.bar(positions, heights, bottom=bottoms, label=label, color=colour))
                 bottoms = [b + h for b, h in zip(bottoms, heights)]
         for i, r in enumerate(ranks):
             value = latest[r].get(note) if note else None

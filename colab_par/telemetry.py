@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["METRICS_KEY", "StepClock", "ActivationMeter", "Publisher", "device_peak_flops",
-           "model_flops_per_token", "memory_sample", "grad_bytes",
+__all__ = ["METRICS_KEY", "StepClock", "ActivationMeter", "Publisher", "metrics_data",
+           "device_peak_flops", "model_flops_per_token", "memory_sample", "grad_bytes",
            "pipeline_bubble"]
 
 METRICS_KEY = "colab_par.metrics"
@@ -184,14 +184,24 @@ class Publisher:
         if not force and now - self._last < self.min_interval:
             return
         self._last = now
-        message: dict[str, Any] = {METRICS_KEY: {**self.header, "done": done, "time": time.time()}}
-        for chunk in range(self._sent // CHUNK, (len(rows) + CHUNK - 1) // CHUNK):
-            message[f"{ROWS_KEY}{chunk}"] = rows[chunk * CHUNK:(chunk + 1) * CHUNK]
+        message = metrics_data({**self.header, "done": done, "time": time.time()}, rows,
+                               since=self._sent)
         self._sent = len(rows)
         if self._send is not None:
             self._send(message)
         elif self._local_sink is not None:
             self._local_sink([message])
+
+
+def metrics_data(header: dict[str, Any], rows: list[dict], *, since: int = 0) -> dict[str, Any]:
+    """The one format the dashboard reads: `header` under `METRICS_KEY`, rows in CHUNK-sized lists
+    under `ROWS_KEY<n>`. With `since=0` it is the whole data dict a client holds after every
+    publish (what `colab-par demo` draws from returned rows); with `since=n` only the chunks that
+    hold rows from the n-th on (one publish)."""
+    data: dict[str, Any] = {METRICS_KEY: header}
+    for chunk in range(since // CHUNK, (len(rows) + CHUNK - 1) // CHUNK):
+        data[f"{ROWS_KEY}{chunk}"] = rows[chunk * CHUNK:(chunk + 1) * CHUNK]
+    return data
 
 
 def engine_publisher() -> Callable[[dict], None] | None:

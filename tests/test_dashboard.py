@@ -8,12 +8,12 @@ import io
 import time
 
 import pytest
-import torch
 from IPython.core.displaypub import CapturingDisplayPublisher
 from IPython.core.interactiveshell import InteractiveShell
+from picture import assert_shows_data, blank_frame, empty_plots
 
 from colab_par.dashboard import LiveDashboard, progress_line
-from colab_par.telemetry import CHUNK, METRICS_KEY, ROWS_KEY, Publisher
+from colab_par.telemetry import CHUNK, METRICS_KEY, ROWS_KEY, Publisher, metrics_data
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -60,6 +60,26 @@ def test_silent_until_metrics_then_one_handle_updated_in_place(captured):
     assert final["image/png"].startswith(PNG_MAGIC)
     assert final["text/plain"].startswith("step 7/10 · loss 3.3000")
     assert "data:image/png;base64," in final["text/html"]
+    assert_shows_data(final["image/png"])
+
+
+def test_picture_check_fails_on_frames_without_data():
+    """The negative controls of every picture test: no rows at all, and rows in a shape the
+    dashboard does not read (what `colab-par demo` once sent), both draw four empty plots."""
+    assert len(empty_plots(blank_frame())) == 4
+    dash = LiveDashboard(mode="text", stream=io.StringIO())
+    dash.update([{METRICS_KEY: {"rank": 0, "total_steps": 7, "rows": [row(s, 0) for s in range(1, 8)]}}])
+    assert len(empty_plots(dash.png())) == 4
+
+
+def test_rows_sent_as_metrics_data_are_drawn():
+    """`metrics_data` is the one format: a whole history packed by it (more than one chunk) is
+    drawn in full."""
+    dash = LiveDashboard(mode="text", stream=io.StringIO())
+    dash.update([metrics_data({"rank": r, "total_steps": 100}, [row(s, r) for s in range(1, 101)])
+                 for r in (0, 1)])
+    assert dash.series("loss")[0] == list(range(1, 101)) and sorted(dash.latest()) == [0, 1]
+    assert_shows_data(dash.png())
 
 
 def test_redraws_at_most_twice_a_second(captured):
@@ -156,13 +176,7 @@ def test_live_run_on_two_engines_updates_one_display(cluster2, captured):
     final = captured[-1]["data"]
     assert final["image/png"].startswith(PNG_MAGIC)
     assert final["text/plain"].startswith("step 60/60 · loss ")
-    image = _decode_png(final["image/png"])
-    assert image.shape[0] > 100 and image.shape[1] > 100
-
-
-def _decode_png(png: bytes) -> torch.Tensor:
-    from matplotlib.image import imread
-    return torch.from_numpy(imread(io.BytesIO(png), format="png"))
+    assert_shows_data(final["image/png"])
 
 
 NOTEBOOK_CELL = """
@@ -191,4 +205,4 @@ def test_executed_notebook_keeps_the_final_frame(tmp_path):
     assert len(outputs) == 1 and outputs[0].output_type == "display_data"
     data = outputs[0]["data"]
     assert data["text/plain"].startswith("step 12/12 · loss ")
-    assert base64.b64decode(data["image/png"]).startswith(PNG_MAGIC)
+    assert_shows_data(base64.b64decode(data["image/png"]))

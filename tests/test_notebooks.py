@@ -5,6 +5,7 @@ The kernel is the test interpreter: a kernelspec written into a temporary JUPYTE
 """
 from __future__ import annotations
 
+import base64
 import json
 import re
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from picture import assert_shows_data
 
 from colab_par.layout import Layout
 
@@ -69,11 +71,13 @@ def mime_types(cell: nbformat.NotebookNode) -> list[str]:
 
 
 def assert_dashboard(cell: nbformat.NotebookNode) -> None:
-    """The training cell kept the dashboard's final frame: a PNG with a progress line."""
+    """The training cell kept the dashboard's final frame: a progress line, and a PNG whose four
+    plots show data."""
     frames = [o for o in cell.outputs if o.output_type in ("display_data", "update_display_data")
               and "image/png" in o.get("data", {})]
     assert frames, f"no dashboard image in the training cell; outputs: {mime_types(cell)}"
     assert re.search(r"step \d+/\d+ · loss", frames[-1].data["text/plain"])
+    assert_shows_data(base64.b64decode(frames[-1].data["image/png"]))
 
 
 def test_01_quickstart(kernel_path, tmp_path):
