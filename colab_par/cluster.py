@@ -19,7 +19,7 @@ import cloudpickle
 import ipyparallel as ipp
 from traitlets.config import Config
 
-from colab_par import engine
+from colab_par import compat, engine
 from colab_par.output import (DeadEngineError, EngineError, TaskOutput, busy_ranks,
                               is_transport_error, rank_errors, rank_failure, ranks_text, values,
                               where_waiting)
@@ -139,6 +139,10 @@ class Cluster:
         options["controller_args"] = ["--HeartMonitor.period=500"]
         if self.launcher in ("local", "mpi"):
             options["controller_ip"] = "127.0.0.1"
+        if self.launcher == "local":
+            # Engines on this host read the controller's connection file as soon as it exists, so
+            # they can start with the controller instead of waiting for its connection info.
+            options["send_engines_connection_env"] = False
         options.update(self._ipp_options)
         self._ipp = ipp.Cluster(**options)
         try:
@@ -489,7 +493,7 @@ class Cluster:
             for rank in local:
                 with open(self._stack_files[rank]) as dump:
                     text = dump.read()
-                if "ipyparallel/engine/app.py" in text:  # the main thread's dump is complete
+                if compat.ENGINE_MAIN_FILE in text:  # the main thread's dump is complete
                     dumps[rank] = text
         remote = {r: f"on {self._hosts[r]['host']}: SIGUSR1 asked it to dump its stacks to "
                      f"{self._stack_files[r]} there" for r in ranks if r not in local}
@@ -507,7 +511,7 @@ def _engine_config(nanny: bool) -> Config:
     """
     config = Config()
     config.EngineLauncher.engine_cmd = [
-        sys.executable, "-c", "import torch.distributed; from ipyparallel.engine.app import main; main()",
+        sys.executable, "-c", f"import torch.distributed; {compat.ENGINE_MAIN_CODE}",
         f"--IPEngine.enable_nanny={nanny}"]
     config.LocalEngineSetLauncher.delay = 0.0  # ranks come from sorted engine ids, not launch order
     return config

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_path", "flatten_mesh",
            "STAGE_COMPUTE_HOOKS", "check_stage_compute_hooks", "create_causal_mask", "hf_tp_plan",
-           "ipp_engine_kernel_class", "ENGINE_MAIN_CODE", "checkpoint_wrapper", "sdpa_aten_ops"]
+           "ipp_engine_kernel_class", "ENGINE_MAIN_CODE", "ENGINE_MAIN_FILE", "task_futures", "checkpoint_wrapper", "sdpa_aten_ops"]
 
 SUPPORTED = {"torch": "torch>=2.6,<3", "ipyparallel": "ipyparallel>=9",
              "transformers": "transformers>=5.9"}
@@ -116,6 +116,21 @@ def hf_tp_plan(model: Any) -> dict[str, str]:
 # ---- ipyparallel -----------------------------------------------------------------------------------
 ENGINE_MAIN_CODE = "from ipyparallel.engine.app import main; main()"
 """Python that starts an engine (`ipyparallel.engine.app.main`, what `ipengine` runs)."""
+
+ENGINE_MAIN_FILE = "ipyparallel/engine/app.py"
+"""The source file of that entry point: the bottom frame of an engine's main thread in a stack dump."""
+
+
+def task_futures(result: Any) -> list[Any]:
+    """One future per engine of an AsyncResult (`AsyncResult._children`, undocumented).
+
+    The public API reports a task only once every engine is done; a rank that failed while another
+    still waits in a collective is visible only here.
+    """
+    futures = getattr(result, "_children", None)
+    if futures is None:
+        raise _missing("ipyparallel", "AsyncResult._children (per-engine futures)")
+    return list(futures)
 
 
 def ipp_engine_kernel_class() -> type:

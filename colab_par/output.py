@@ -14,6 +14,8 @@ from typing import Any, Iterable, Sequence
 
 import ipyparallel as ipp
 
+from colab_par import compat
+
 __all__ = ["EngineError", "DeadEngineError", "RankFailureError", "TaskOutput", "ranks_text", "values",
            "grouped", "rank_errors", "busy_ranks", "rank_failure", "is_transport_error", "transport_reason",
            "where_waiting"]
@@ -182,11 +184,11 @@ def _groups(errors: list[tuple[int, str, str, str]]) -> list[tuple[list[int], st
 def rank_errors(result: Any, ranks: list[int]) -> dict[int, tuple[str, str, str]]:
     """(name, value, traceback) of the ranks whose part of `result` already failed, first failure first.
 
-    Reads ipyparallel's per-engine futures (`AsyncResult._children`): its public API only reports
+    Reads ipyparallel's per-engine futures (`compat.task_futures`): its public API only reports
     a task once every engine is done, which is exactly what a rank waiting in a collective prevents.
     """
     finished = []
-    for order, (rank, future) in enumerate(zip(ranks, result._children)):
+    for order, (rank, future) in enumerate(zip(ranks, compat.task_futures(result))):
         reply = future.result() if future.done() else None
         if isinstance(reply, ipp.error.RemoteError):
             completed = future.output.metadata.get("completed")
@@ -197,7 +199,7 @@ def rank_errors(result: Any, ranks: list[int]) -> dict[int, tuple[str, str, str]
 
 def busy_ranks(result: Any, ranks: list[int]) -> list[int]:
     """The ranks whose part of `result` is still running."""
-    return [rank for rank, future in zip(ranks, result._children) if not future.done()]
+    return [rank for rank, future in zip(ranks, compat.task_futures(result)) if not future.done()]
 
 
 def rank_failure(errors: dict[int, tuple[str, str, str]], waiting: dict[int, str],
@@ -245,7 +247,7 @@ _FRAMEWORK = ("/IPython/", "/ipykernel/", "/ipyparallel/", "/tornado/", "/asynci
 def where_waiting(dump: str, cell: str | None) -> str:
     """Where a rank's main thread is, from a faulthandler dump: the innermost call (e.g. the
     collective) and the line of the cell (or of the function run on the engines) that made it."""
-    main = next((block for block in dump.split("\n\n") if "ipyparallel/engine/app.py" in block), "")
+    main = next((block for block in dump.split("\n\n") if compat.ENGINE_MAIN_FILE in block), "")
     frames = [(m["file"], int(m["line"]), m["func"]) for m in map(_FRAME.match, main.splitlines()) if m]
     user = []
     for frame in frames:  # innermost first; the user's code ends where the engine's own begins

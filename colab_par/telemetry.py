@@ -206,15 +206,18 @@ def metrics_data(header: dict[str, Any], rows: list[dict], *, since: int = 0) ->
 
 def engine_publisher() -> Callable[[dict], None] | None:
     """`publish_data` when this process is an ipyparallel engine running a task, else None."""
+    from colab_par import compat
+
     try:
         from ipykernel.kernelbase import Kernel
-        from ipyparallel.engine.kernel import IPythonParallelKernel
-    except ImportError:
+
+        engine_kernel = compat.ipp_engine_kernel_class()
+    except (ImportError, compat.CompatError):
         return None
     if not Kernel.initialized():  # plain Python: no kernel at all
         return None
     kernel = Kernel.instance()
-    if not isinstance(kernel, IPythonParallelKernel):  # a notebook's own kernel, not an engine
+    if not isinstance(kernel, engine_kernel):  # a notebook's own kernel, not an engine
         return None
     data_pub = getattr(kernel.shell, "data_pub", None)
     return data_pub.publish_data if data_pub is not None else None

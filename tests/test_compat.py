@@ -209,3 +209,26 @@ def test_sdpa_aten_ops_include_the_kernel_sdpa_runs_here():
     with Record():
         F.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert set(seen) & set(compat.sdpa_aten_ops())
+
+
+def test_task_futures_show_a_finished_rank_while_another_still_runs(cluster2):
+    view = cluster2._client[cluster2._client.ids[:2]]
+    result = view.execute("import time\nif rank == 1: time.sleep(2.0)", block=False)
+    futures = compat.task_futures(result)
+    assert len(futures) == 2
+    futures[0].result(timeout=30)
+    assert futures[0].done() and not futures[1].done() and not result.ready()
+    result.get(timeout=30)
+
+
+def test_engine_main_file_is_where_an_engine_main_thread_starts(cluster2):
+    import faulthandler
+    import tempfile
+
+    def dump() -> str:
+        with tempfile.TemporaryFile("w+") as handle:
+            faulthandler.dump_traceback(handle, all_threads=False)
+            handle.seek(0)
+            return handle.read()
+
+    assert all(compat.ENGINE_MAIN_FILE in text for text in cluster2.run(dump))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import time
 
 import pytest
@@ -92,6 +93,35 @@ def test_redraws_at_most_twice_a_second(captured):
     assert 1 <= dash.frames <= 1 + elapsed * 2
 
 
+def test_drawing_keeps_to_its_share_of_the_cpu(captured):
+    """Even the first frame's CPU cost sets the pace: the second frame waits until that cost fits
+    `max_duty` of the machine's cores, so drawing never takes more than that from the engines."""
+    duty = 0.05
+    dash = LiveDashboard(mode="display", max_fps=100.0, max_duty=duty)
+    dash.update([published(0, range(1, 2))])
+    first_at, first_cost = dash._last_render, dash._render_cost
+    deadline = time.monotonic() + 30.0
+    step = 1
+    while dash.frames < 2 and time.monotonic() < deadline:
+        step += 1
+        dash.update([published(0, range(1, step + 1))])
+        time.sleep(0.01)
+    assert first_cost > 0 and dash.frames == 2
+    budget = duty * (os.cpu_count() or 1)  # CPU seconds per wall second
+    assert dash._last_render - first_at >= first_cost / budget
+
+
+def test_progress_line_moves_while_no_picture_is_due(captured):
+    """Between pictures the progress line still advances, under the same picture: nothing drawn."""
+    dash = LiveDashboard(mode="display", max_fps=1e9, max_duty=1e-9, progress_interval=0.0)
+    for last in (1, 2, 3):
+        dash.update([published(0, range(1, last + 1))])
+    assert dash.frames == 1 and len(captured) == 3
+    assert [o["data"]["text/plain"].split(" · ")[0] for o in captured] == ["step 1/10", "step 2/10",
+                                                                           "step 3/10"]
+    assert len({o["data"]["image/png"] for o in captured}) == 1
+
+
 def test_client_holds_every_row_despite_missed_publishes():
     """Real Publisher messages, merged into one dict as ipyparallel's datapub does, read by a
     client that polls only now and then."""
@@ -170,9 +200,9 @@ def test_live_run_on_two_engines_updates_one_display(cluster2, captured):
     finally:
         cluster2.dashboard = False
     ids = display_ids(captured)
-    assert len(captured) >= 3, f"{len(captured)} frames in {max(seconds):.1f}s"
+    assert len(captured) >= 2, f"{len(captured)} frames in {max(seconds):.1f}s"
     assert len(set(ids)) == 1 and ids[0]
-    assert sum(o["update"] for o in captured) >= 2
+    assert sum(o["update"] for o in captured) >= 1
     final = captured[-1]["data"]
     assert final["image/png"].startswith(PNG_MAGIC)
     assert final["text/plain"].startswith("step 60/60 · loss ")
