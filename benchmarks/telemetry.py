@@ -113,10 +113,11 @@ def main() -> None:
                 wall[telemetry].append(max(w for w, _ in per_rank))
                 engine_cpu[telemetry].append(sum(c for _, c in per_rank))
                 cpu[telemetry].append(engine_cpu[telemetry][-1] + client_cpu)
-    frames = len(shell.display_pub.outputs)
+    outputs = shell.display_pub.outputs
+    frames = f"{len(outputs)} display updates, {len({o['data']['image/png'] for o in outputs})} pictures"
     print(f"layout {args.layout!r}, {args.engines} engines, {args.steps} steps × {args.rounds} rounds, "
           f"GPT {MODEL}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-    print(f"{frames} dashboard frames drawn in the 'on' rounds")
+    print(f"dashboard in the 'on' rounds: {frames} drawn")
     for name, unit, series in (("wall time per step", "ms", wall),
                                ("CPU time per step, all engines + client", "ms", cpu),
                                ("CPU time per step, engines only", "ms", engine_cpu)):

@@ -155,15 +155,16 @@ def main() -> None:
                 results[arm].append(run_ddp(args.steps, args.warmup, out) if arm == "ddp"
                                     else run_kit(shell, args.steps, args.warmup, out))
                 load.append(os.getloadavg()[0])
-    frames = len(shell.display_pub.outputs)
+    outputs = shell.display_pub.outputs
+    frames = f"{len(outputs)} display updates, {len({o['data']['image/png'] for o in outputs})} pictures"
     report(results, args, frames, load)
 
 
-def report(results: dict, args: argparse.Namespace, frames: int, load: list[float]) -> None:
+def report(results: dict, args: argparse.Namespace, frames: str, load: list[float]) -> None:
     print(f"GPT {MODEL}, global batch {BATCH}, AdamW lr {LR}, dp2 on 2 gloo ranks, "
           f"{args.steps} timed steps after {args.warmup} warm-up steps, {args.rounds} rounds "
           f"(alternated), {os.cpu_count()} CPUs, load average {min(load):.1f}-{max(load):.1f}, "
-          f"{frames} dashboard frames drawn")
+          f"dashboard: {frames} drawn")
     per_step = {arm: [max(rank["per_step"] for rank in round_) for round_ in rounds]
                 for arm, rounds in results.items()}
     for arm in results:
