@@ -36,7 +36,7 @@ class LayoutError(ValueError):
     """An impossible layout; the message names the broken rule and a valid alternative."""
 
 
-def default_microbatches(pp: int, pp_schedule: str) -> int:
+def default_microbatches(pp: int) -> int:
     """The count a Layout gets when none is given: the smallest that fills the pipeline (pp: every
     stage busy in steady state) for every schedule, and 1 (the whole batch) without pipeline."""
     return pp
@@ -69,8 +69,7 @@ class Layout:
         """Refuse values outside a field's domain here, so no impossible Layout ever exists."""
         if self.microbatches is None:
             _check_domain("pp", self.pp)
-            _check_domain("pp_schedule", self.pp_schedule)
-            object.__setattr__(self, "microbatches", default_microbatches(self.pp, self.pp_schedule))
+            object.__setattr__(self, "microbatches", default_microbatches(self.pp))
         for name in FIELDS:
             _check_domain(name, getattr(self, name))
 
@@ -93,7 +92,7 @@ class Layout:
             parts.append(self.cp_mode)
         if self.pp > 1 or self.pp_schedule != "1f1b":
             parts.append(self.pp_schedule)
-        if self.microbatches != default_microbatches(self.pp, self.pp_schedule):
+        if self.microbatches != default_microbatches(self.pp):
             parts.append(f"mb{self.microbatches}")
         if self.virtual_stages != 1:
             parts.append(f"v{self.virtual_stages}")
@@ -121,9 +120,9 @@ class Layout:
         return cls(**fields)
 
     def replace(self, **changes: Any) -> "Layout":
-        """A copy with `changes`; a default microbatch count follows a new pp or schedule."""
+        """A copy with `changes`; a default microbatch count follows a new pp."""
         if "microbatches" not in changes and \
-                self.microbatches == default_microbatches(self.pp, self.pp_schedule):
+                self.microbatches == default_microbatches(self.pp):
             changes["microbatches"] = None
         return dataclasses.replace(self, **changes)
 
@@ -224,7 +223,7 @@ def valid_layouts(world_size: int, model_config: Any = None, *, device: str | No
         partial = SimpleNamespace(**chosen)
         options = grid[name](partial) if callable(grid[name]) else grid[name]
         if name == "microbatches":  # resolve the default count once, then drop repeats
-            options = dict.fromkeys(default_microbatches(chosen["pp"], chosen["pp_schedule"])
+            options = dict.fromkeys(default_microbatches(chosen["pp"])
                                     if m is None else m for m in options)
         for value in options:
             _check_domain(name, value)

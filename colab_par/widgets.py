@@ -117,18 +117,16 @@ class LayoutPicker:
                 return
             if name in ("tp", "pp", "cp"):
                 self._rebalance_dp()
-            if name in ("pp", "pp_schedule"):
-                self._follow_default_microbatches(name, change["old"])
+            if name == "pp":
+                self._follow_default_microbatches(change["old"])
             self._refresh()
         return handler
 
-    def _follow_default_microbatches(self, name: str, old: Any) -> None:
-        """A default microbatch count follows pp and the schedule, as in `Layout.replace`."""
+    def _follow_default_microbatches(self, old_pp: int) -> None:
+        """A default microbatch count follows pp, as in `Layout.replace`."""
         c = self.controls
-        before = {"pp": c["pp"].value, "pp_schedule": c["pp_schedule"].value, name: old}
-        new = default_microbatches(c["pp"].value, c["pp_schedule"].value)
-        if (c["microbatches"].value == default_microbatches(before["pp"], before["pp_schedule"])
-                and new in c["microbatches"].options):
+        new = default_microbatches(c["pp"].value)
+        if c["microbatches"].value == default_microbatches(old_pp) and new in c["microbatches"].options:
             self._set_quietly("microbatches", new)
 
     def _rebalance_dp(self) -> None:

@@ -289,7 +289,7 @@ def _accepted_in_search_space(spec: ModelSpec, world: int, global_batch: int, se
     kept = set()
     for values in itertools.product(*grid.values()):
         fields = SimpleNamespace(**dict(zip(grid, values)))
-        if not all(getattr(fields, name) in [default_microbatches(fields.pp, fields.pp_schedule)
+        if not all(getattr(fields, name) in [default_microbatches(fields.pp)
                                              if v is None else v for v in choice(fields)]
                    for name, choice in space.items() if callable(choice)):
             continue
