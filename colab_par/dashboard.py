@@ -226,6 +226,9 @@ class LiveDashboard:
     def _draw_png(self) -> bytes:
         for key, line in self._lines.items():
             steps, values = self.series(key)
+            if key == "tokens_per_s" and not steps:  # models without tokens: samples/s instead
+                steps, values = self.series("samples_per_s")
+                line.axes.set_title("samples/s (blue), MFU % (orange)", fontsize=10)
             line.set_data(steps, [self._line_scale[key] * v for v in values])
             line.axes.relim()
             line.axes.autoscale_view()
@@ -271,6 +274,8 @@ def progress_line(latest: dict[int, dict], total_steps: int) -> str:
     parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}", f"loss {row['loss']:.4f}"]
     if row.get("tokens_per_s") is not None:
         parts.append(f"{_si(row['tokens_per_s'])} tok/s")
+    elif row.get("samples_per_s") is not None:
+        parts.append(f"{_si(row['samples_per_s'])} samples/s")
     if row.get("mfu") is not None:
         parts.append(f"MFU {100 * row['mfu']:.1f}%")
     if row.get("lr") is not None:

@@ -1,4 +1,5 @@
-"""Token data for training from a notebook: real text that needs no download, and synthetic data.
+"""Data for training from a notebook: real text that needs no download, synthetic tokens, and
+global batches of any form (`BatchList`).
 
 Every dataset is a pure function of (batch index, dp rank): the global batch number `index` is the
 whole data position, so it fits in a checkpoint as one integer, is identical under every layout
@@ -10,11 +11,11 @@ from __future__ import annotations
 import os
 import sysconfig
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
-__all__ = ["TokenDataset", "TextDataset", "SyntheticDataset", "stdlib_source_dir"]
+__all__ = ["TokenDataset", "TextDataset", "SyntheticDataset", "BatchList", "stdlib_source_dir"]
 
 
 def stdlib_source_dir() -> Path:
@@ -132,3 +133,31 @@ class SyntheticDataset(TokenDataset):
         start = int(torch.randint(self.vocab_size, (1,), generator=generator))
         stride = int(torch.randint(1, self.max_stride + 1, (1,), generator=generator))
         return (start + stride * torch.arange(self.seq_len + 1)) % self.vocab_size
+
+
+class BatchList:
+    """Global batches of any form (`(images, labels)`, dicts with attention masks: see
+    `colab_par/parallel/batch.py`), for models that do not train on token windows.
+
+    `source` is a list (or anything indexable with a length) of global batches, cycled by index,
+    or a function `index -> global batch` (a pure function of the index, like the token datasets,
+    so a checkpoint's data position stays one integer). `name` identifies the data in checkpoints.
+    """
+
+    def __init__(self, source: Any, *, name: str | None = None):
+        if callable(source) and not hasattr(source, "__getitem__"):
+            self._get, self.count = source, None
+        elif hasattr(source, "__getitem__") and hasattr(source, "__len__"):
+            if len(source) == 0:
+                raise ValueError("BatchList got no batches; give at least one global batch")
+            self._get, self.count = (lambda index: source[index % len(source)]), len(source)
+        else:
+            raise TypeError(f"BatchList takes a list of global batches or a function index -> batch, "
+                            f"not {type(source).__name__}")
+        self.name = name or getattr(source, "__name__", type(source).__name__)
+
+    def global_batch(self, index: int) -> Any:
+        return self._get(index)
+
+    def describe(self) -> dict:
+        return {"kind": "BatchList", "name": self.name, "count": self.count}

@@ -285,6 +285,11 @@ _SIZE_NAMES = {
     "n_kv_head": ("n_kv_head", "num_key_value_heads", "n_kv_heads"),
     "seq_len": ("seq_len", "max_position_embeddings", "block_size"),
     "ffn_hidden": ("ffn_hidden", "intermediate_size", "n_inner"),
+    # a model the kit did not write (module_spec.ModuleSpec.config): its repeated blocks, and
+    # whether a tensor-parallel plan exists for it
+    "n_blocks": ("n_blocks",),
+    "generic_model": ("generic_model",),
+    "tp_plan": ("tp_plan",),
 }
 
 
@@ -453,6 +458,36 @@ def _check_layers(layout: Any, world: int | None, sizes: dict, device: str | Non
     if layers and layers % stages:
         raise LayoutError(f"{layers} layers do not split into pp·virtual_stages = {stages} equal "
                           f"stages; {_suggest(layers, 'pp·virtual_stages')}")
+
+
+@_rule("tp", "cp", "sequence_parallel")
+def _check_generic_model(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    if not sizes.get("generic_model"):
+        return
+    if layout.cp > 1:
+        raise LayoutError("context parallel splits token sequences by position, which only the kit's "
+                          "GPT and Hugging Face decoders take; use cp=1 for this model")
+    if layout.sequence_parallel:
+        raise LayoutError("sequence_parallel follows the kit's GPT plan; for this model drop 'sp'")
+    if layout.tp > 1 and not sizes.get("tp_plan"):
+        raise LayoutError("this model has no tensor-parallel plan; pass parallelize(..., tp_plan="
+                          "{'pattern': 'colwise', ...}) (and to the picker), or use tp=1")
+
+
+@_rule("checkpointing")
+def _check_blocks_to_recompute(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    if sizes.get("generic_model") and not sizes.get("n_blocks") and layout.checkpointing != "none":
+        raise LayoutError("activation checkpointing wraps repeated blocks and this model has none; "
+                          "use checkpointing='none', or name blocks with blocks=[...]")
+
+
+@_rule("pp", "virtual_stages")
+def _check_blocks(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    stages = layout.pp * layout.virtual_stages
+    if sizes.get("generic_model") and stages > 1 and sizes.get("n_blocks", 0) < stages:
+        raise LayoutError(f"pipeline parallel cuts between repeated blocks, and this model has "
+                          f"{sizes.get('n_blocks', 0)} for pp·virtual_stages = {stages} stages; "
+                          "use fewer stages, or name the blocks with blocks=[...]")
 
 
 @_rule("cp", "cp_mode")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from colab_par.layout import CP_MODES, Choices, Layout, LayoutError, model_sizes, valid_layouts
+from colab_par.module_spec import ModuleSpec
 
 __all__ = ["MemoryBreakdown", "ModelSpec", "DeviceSpec", "Plan", "DEVICES", "GiB", "model_state_bytes",
            "activation_bytes_per_layer", "pipeline_bubble", "get_device", "measure_cpu_device",
@@ -140,9 +141,9 @@ class ModelSpec:
             object.__setattr__(self, "ffn_hidden", 4 * self.d_model * 2 // 3 // 8 * 8 or 8)
 
     @classmethod
-    def of(cls, model: Any) -> "ModelSpec":
+    def of(cls, model: Any) -> "ModelSpec | ModuleSpec":
         """From a ModelSpec, GPTConfig, GPT module, Hugging Face config/model or a mapping."""
-        if isinstance(model, ModelSpec):
+        if isinstance(model, (ModelSpec, ModuleSpec)):
             return model
         if not isinstance(model, Mapping) and hasattr(model, "config") and not hasattr(model, "d_model"):
             model = model.config
@@ -150,8 +151,10 @@ class ModelSpec:
         missing = [k for k in ("n_layer", "d_model", "n_head", "vocab_size") if k not in sizes]
         if missing:
             raise ValueError(f"model sizes {', '.join(missing)} are missing; pass a GPTConfig, a "
-                             "Hugging Face config, or a dict like {'n_layer': 12, 'd_model': 768, "
-                             "'n_head': 12, 'vocab_size': 50257}")
+                             "Hugging Face config, a dict like {'n_layer': 12, 'd_model': 768, "
+                             "'n_head': 12, 'vocab_size': 50257}, or for any other nn.Module "
+                             "ModuleSpec.probe(model, example_batch) (the picker takes "
+                             "example_batch=... and probes it)")
         get = model.get if isinstance(model, Mapping) else lambda k, d=None: getattr(model, k, d)
         return cls(n_layer=sizes["n_layer"], d_model=sizes["d_model"], n_head=sizes["n_head"],
                    vocab_size=sizes["vocab_size"], n_kv_head=sizes.get("n_kv_head", 0),
@@ -398,10 +401,17 @@ class Plan:
     capacity: float = 0.0
     resting: MemoryBreakdown | None = None
     times: Mapping[str, float] = field(default_factory=dict)
+    samples_per_s: float = 0.0
+
+    @property
+    def throughput(self) -> str:
+        """tokens/s for language models, samples/s for models without tokens."""
+        return (f"{self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s
+                else f"{self.samples_per_s:,.1f} samples/s")
 
     def __str__(self) -> str:
         return (f"{str(self.layout):<32} {self.memory.total / GiB:8.2f} GiB  "
-                f"{self.step_time * 1e3:9.1f} ms  {self.tokens_per_s:11.0f} tok/s  "
+                f"{self.step_time * 1e3:9.1f} ms  {self.throughput:>18}  "
                 f"MFU {self.mfu:6.1%}  {'fits' if self.fits else 'OOM'}")
 
 
@@ -432,6 +442,9 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
     layout = Layout.parse(layout)
     spec = ModelSpec.of(model)
     dev = get_device(device, layout.world_size)
+    if isinstance(spec, ModuleSpec):
+        return _estimate_module(spec, layout, dev, global_batch=global_batch, gpus_per_node=gpus_per_node,
+                                optimizer=optimizer, validate=validate)
     if validate:
         layout.validate(layout.world_size, spec.config(seq_len), device=dev.name, global_batch=global_batch)
     precision = layout.precision if layout.precision in dev.peak_flops else "fp32"
@@ -471,6 +484,56 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
     capacity = 0.9 * dev.memory  # allocator fragmentation, CUDA context, NCCL buffers
     return Plan(layout, memory, step, mfu, memory.total <= capacity, tokens / step, capacity,
                 resting, times)
+
+
+def _estimate_module(spec: ModuleSpec, layout: Layout, dev: DeviceSpec, *, global_batch: int,
+                     gpus_per_node: int, optimizer: str, validate: bool) -> Plan:
+    """`estimate` for a model the kit did not write, from its probe (`module_spec.py`).
+
+    Parameters split evenly over tp and pp (the pipeline is cut to balance parameters); under
+    zero3 the largest FSDP unit is gathered whole (with the next one prefetched), so a model
+    without repeated blocks holds all its parameters unsharded during forward and backward.
+    Activations and FLOPs scale the measured single sample. Tensor-parallel traffic and pipeline
+    activations crossing stages are not modelled for such models (only their latency).
+    """
+    if validate:
+        layout.validate(layout.world_size, spec.config(), device=dev.name, global_batch=global_batch)
+    precision = layout.precision if layout.precision in dev.peak_flops else "fp32"
+    act_bytes = 2 if precision == "bf16" else 4
+    state_precision = "mixed" if precision == "bf16" else "fp32"
+    local = spec.n_params / (layout.tp * layout.pp)
+    state = model_state_bytes(local, zero=layout.zero, dp=layout.dp, precision=state_precision,
+                              optimizer=optimizer, offload=layout.offload)
+    resting = model_state_bytes(local, zero=3 if layout.zero == 2 else layout.zero, dp=layout.dp,
+                                precision=state_precision, optimizer=optimizer, offload=layout.offload)
+    units_in_memory = 2 if spec.n_blocks else 1
+    gathered = units_in_memory * spec.unit_params / layout.tp * act_bytes if layout.zero == 3 else 0.0
+    micro = global_batch // layout.dp // layout.microbatches
+    recompute = {"none": 1.0, "selective": 0.5, "full": 0.1}[layout.checkpointing]  # share kept
+    activations = (spec.activation_bytes * act_bytes / 4 * recompute * micro
+                   * _microbatches_in_flight(layout) / layout.pp / layout.tp)
+    memory = MemoryBreakdown(state.params + gathered, state.grads, state.optimizer, activations,
+                             state.host_params, state.host_grads, state.host_optimizer)
+
+    passes = {"none": 1.0, "selective": 1.1, "full": 4 / 3}[layout.checkpointing]
+    flops = spec.flops_per_sample * global_batch
+    compute = flops * passes / layout.world_size / (dev.peak_flops[precision] * dev.efficiency)
+    bubble = pipeline_bubble(layout.pp, layout.microbatches, layout.pp_schedule, layout.virtual_stages)
+    times = {"compute": compute, "bubble": max(0.0, compute * dev.core_share / (1 - bubble) - compute)}
+    if layout.dp > 1:
+        inter = _spans_nodes(layout.tp, layout.dp, gpus_per_node)
+        units = max(spec.n_blocks, 1) / layout.pp + 1
+        times["dp"] = _data_parallel_seconds(layout, local, units, act_bytes, compute, dev,
+                                             dev.inter_bandwidth if inter else dev.intra_bandwidth)
+    if layout.pp > 1:
+        times["pp"] = 2 * layout.microbatches * layout.virtual_stages * dev.latency
+    times["optimizer"] = 2 * (resting.total + resting.host_total) / dev.hbm_bandwidth
+    if layout.offload:
+        times["offload"] = 2 * local / layout.dp * act_bytes / dev.host_bandwidth
+    step = sum(times.values())
+    mfu = flops / (step * layout.world_size * dev.peak_flops[precision])
+    return Plan(layout, memory, step, mfu, memory.total <= 0.9 * dev.memory, 0.0, 0.9 * dev.memory,
+                resting, times, samples_per_s=global_batch / step)
 
 
 def _microbatches_in_flight(layout: Layout) -> float:
@@ -550,21 +613,9 @@ def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str
     # DDP's bucketed all-reduce behind backward only, FSDP's prefetched gathers behind forward too.
     # Zero 0 with tensor or pipeline parallel cannot use DDP: one flat all-reduce after backward
     # (data_parallel.GradientAverager), which nothing hides.
-    n = dp * c
-    if n > 1:
-        grad_bytes = 4  # fp32 gradient reduction (MixedPrecisionPolicy reduce_dtype) and fp32 runs
-        flat = layout.zero == 0 and (t > 1 or p > 1)
-        if layout.zero >= 2:
-            gathers = 2 if layout.zero == 3 else 1
-            volume = local_params * (gathers * act_bytes + grad_bytes) * (n - 1) / n
-            hops = (gathers + 1) * (layers + 1) * (n - 1)  # per block and the root module
-        else:
-            buckets = 1 if flat else 1 + local_params * grad_bytes / 25e6  # DDP's 25 MB buckets
-            volume = local_params * (2 * grad_bytes + (4 if layout.zero == 1 else 0)) * (n - 1) / n
-            hops = buckets * 2 * (n - 1) + (n - 1 if layout.zero == 1 else 0)
-        comm = volume / bandwidth(t, n) + hops * dev.latency
-        window = 0.0 if flat else compute if layout.zero >= 2 else compute * 2 / 3
-        times["dp"] = max(0.0, comm - dev.overlap * window)
+    if dp * c > 1:
+        times["dp"] = _data_parallel_seconds(layout, local_params, layers + 1, act_bytes, compute, dev,
+                                             bandwidth(t, dp * c))
     # pipeline: each microbatch crosses each of this rank's stage boundaries forward and backward
     if p > 1:
         hidden = activation / (t if layout.sequence_parallel else 1)
@@ -574,8 +625,35 @@ def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str
     state_bytes = resting.total + resting.host_total
     times["optimizer"] = 2 * state_bytes / dev.hbm_bandwidth
     if layout.offload:
-        times["offload"] = 2 * local_params / n * act_bytes / dev.host_bandwidth
+        times["offload"] = 2 * local_params / (dp * c) * act_bytes / dev.host_bandwidth
     return times
+
+
+def _data_parallel_seconds(layout: Layout, local_params: float, units: float, act_bytes: int,
+                           compute: float, dev: DeviceSpec, bandwidth: float) -> float:
+    """Exposed gradient/parameter traffic over the dp·cp group.
+
+    DDP all-reduce 2Ψ(N−1)/N; ZeRO-1 (ZeroRedundancyOptimizer) adds the all-gather of updated
+    parameters, 3Ψ; FSDP zero2 gathers once and reduce-scatters, 2Ψ; zero3 gathers again for
+    backward, 3Ψ, with one collective per FSDP unit (`units`). Hidden behind compute as far as the
+    device allows: DDP's bucketed all-reduce behind backward only, FSDP's prefetched gathers behind
+    forward too. Zero 0 with tensor or pipeline parallel cannot use DDP: one flat all-reduce after
+    backward (data_parallel.GradientAverager), which nothing hides.
+    """
+    n = layout.dp * layout.cp
+    grad_bytes = 4  # fp32 gradient reduction (MixedPrecisionPolicy reduce_dtype) and fp32 runs
+    flat = layout.zero == 0 and (layout.tp > 1 or layout.pp > 1)
+    if layout.zero >= 2:
+        gathers = 2 if layout.zero == 3 else 1
+        volume = local_params * (gathers * act_bytes + grad_bytes) * (n - 1) / n
+        hops = (gathers + 1) * units * (n - 1)
+    else:
+        buckets = 1 if flat else 1 + local_params * grad_bytes / 25e6  # DDP's 25 MB buckets
+        volume = local_params * (2 * grad_bytes + (4 if layout.zero == 1 else 0)) * (n - 1) / n
+        hops = buckets * 2 * (n - 1) + (n - 1 if layout.zero == 1 else 0)
+    comm = volume / bandwidth + hops * dev.latency
+    window = 0.0 if flat else compute if layout.zero >= 2 else compute * 2 / 3
+    return max(0.0, comm - dev.overlap * window)
 
 
 # ---- the search ----------------------------------------------------------------------------------
@@ -632,12 +710,13 @@ def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batc
          gpus_per_node: int = 8, top: int | None = 10, optimizer: str = "adam") -> list[Plan]:
     """Valid layouts for `model` on `world_size` devices, best first: fitting before not fitting,
     then by predicted step time, then fewer parallel dimensions, then less memory.
-    `model` is a GPTConfig, a Hugging Face config, or a dict of sizes."""
+    `model` is a GPTConfig, a Hugging Face config, a dict of sizes, or a `ModuleSpec` (any
+    nn.Module, probed; `seq_len` is then unused)."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer, e.g. 8")
-    if global_batch < 1 or seq_len < 1:
-        raise ValueError(f"global_batch={global_batch} and seq_len={seq_len} must be positive")
     spec = ModelSpec.of(model)
+    if global_batch < 1 or (seq_len < 1 and not isinstance(spec, ModuleSpec)):
+        raise ValueError(f"global_batch={global_batch} and seq_len={seq_len} must be positive")
     dev = get_device(device, world_size)
     options = dict(device=dev, global_batch=global_batch, seq_len=seq_len,
                    gpus_per_node=gpus_per_node, optimizer=optimizer, validate=False)

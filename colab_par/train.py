@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from colab_par import telemetry as telem
-from colab_par.data import TokenDataset
+from colab_par.data import BatchList, TokenDataset
+from colab_par.parallel.batch import batch_size, check_batch
 
 __all__ = ["Trainer", "WarmupCosine"]
 
@@ -48,15 +49,16 @@ class WarmupCosine:
 class Trainer:
     """Train `pm` on `data` for `steps` optimizer steps.
 
-    `data` is a `TokenDataset`; its `batch_size` is the global batch of ONE micro-step, so a step
-    sees `batch_size * grad_accum` sequences. `lr_schedule(step) -> factor` multiplies each param
+    `data` is a `TokenDataset` (its `batch_size` is the global batch of ONE micro-step, so a step
+    sees `batch_size * grad_accum` sequences) or, for any other model, a `BatchList` of global
+    batches (a plain list is wrapped in one). `lr_schedule(step) -> factor` multiplies each param
     group's initial LR. `grad_clip` clips the global norm across all shards. `log_every` sets how
     often a telemetry row is recorded and published (with `telemetry=True` a log step also
     measures memory, activations and the grad norm). With `ckpt_dir`, a checkpoint is saved at the
     end of every `fit` and every `ckpt_every` steps.
     """
 
-    def __init__(self, pm: Any, data: TokenDataset, *, steps: int,
+    def __init__(self, pm: Any, data: TokenDataset | BatchList | list, *, steps: int,
                  lr_schedule: Callable[[int], float] | None = None, grad_clip: float | None = None,
                  grad_accum: int = 1, log_every: int = 1, ckpt_dir: str | os.PathLike | None = None,
                  ckpt_every: int | None = None, seed: int = 0, telemetry: bool = True):
@@ -67,9 +69,13 @@ class Trainer:
             _check_positive(ckpt_every=ckpt_every)
             if ckpt_dir is None:
                 raise ValueError("ckpt_every is set but ckpt_dir is None; pass ckpt_dir='<folder>'")
-        if not isinstance(data, TokenDataset):
-            raise TypeError(f"data must be a colab_par.data dataset (TextDataset, SyntheticDataset), "
-                            f"not {type(data).__name__}")
+        if isinstance(data, (list, tuple)):
+            data = BatchList(data)
+        if not isinstance(data, (TokenDataset, BatchList)):
+            raise TypeError(f"data must be a colab_par.data dataset (TextDataset, SyntheticDataset) or "
+                            f"a BatchList / list of global batches, not {type(data).__name__}")
+        if isinstance(data, BatchList):
+            check_batch(data.global_batch(0))
         self.pm, self.data, self.steps = pm, data, steps
         self.lr_schedule, self.grad_clip, self.grad_accum = lr_schedule, grad_clip, grad_accum
         self.log_every, self.ckpt_dir, self.ckpt_every = log_every, ckpt_dir, ckpt_every
@@ -80,7 +86,9 @@ class Trainer:
         self.base_lrs = [group.get("initial_lr", group["lr"]) for group in pm.optimizer.param_groups]
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         torch.manual_seed(seed * 1_000_003 + self.rank)
-        self._flops_per_token = telemetry_flops_per_token(pm, data.seq_len) if telemetry else 0.0
+        tokens = isinstance(data, TokenDataset)
+        self._flops_per_token = telemetry_flops_per_token(pm, data.seq_len) if telemetry and tokens else 0.0
+        self._measured_flops: float | None = None  # per rank and step, counted where no formula applies
         self._peak = telem.device_peak_flops(pm.device, pm.layout.precision) if telemetry else 0.0
         self._activations = telem.ActivationMeter()
 
@@ -110,17 +118,20 @@ class Trainer:
         measure = self.telemetry and log
         clock = telem.StepClock(torch.device(pm.device))
         start = time.perf_counter()
-        losses, bubbles = [], []
+        losses, bubbles, samples, tokens = [], [], 0, 0
         for micro in range(self.grad_accum):
             with clock.phase("data"):
-                inputs, targets = self.data.batch(self.data_position, pm.dp_rank, pm.dp_size)
-                inputs, targets = inputs.to(pm.device), targets.to(pm.device)
+                batch = self._next_batch()
             meter = self._activations.measure() if measure and micro == 0 else contextlib.nullcontext()
-            with clock.phase("forward_backward"), meter:
-                losses.append(pm.forward_backward(inputs, targets, loss_scale=1.0 / self.grad_accum,
-                                                  sync_grads=micro == self.grad_accum - 1, local=True))
+            count = self._count_flops() if measure and micro == 0 else contextlib.nullcontext()
+            options = dict(loss_scale=1.0 / self.grad_accum, sync_grads=micro == self.grad_accum - 1)
+            with clock.phase("forward_backward"), meter, count:
+                if isinstance(self.data, TokenDataset):
+                    losses.append(pm.forward_backward(*batch, local=True, **options))
+                else:
+                    losses.append(pm.forward_backward(batch, **options))
+            samples, tokens = (a + b for a, b in zip((samples, tokens), _counts(batch, self.data)))
             bubbles.append(telem.pipeline_bubble(pm) if measure else None)
-            self.data_position += 1
         lr = self._apply_lr()
         grad_norm = None
         if self.grad_clip is not None or measure:
@@ -137,16 +148,46 @@ class Trainer:
                "grad_norm": grad_norm, "step_time": step_time,
                **{f"time_{name}": seconds for name, seconds in clock.phases.items()}}
         if measure:
-            self._add_telemetry(row, grads, bubbles)
+            self._add_telemetry(row, grads, bubbles, samples, tokens)
         self.history.append(row)
         return row
 
-    def _add_telemetry(self, row: dict, grads: int, bubbles: list[float | None]) -> None:
+    def _next_batch(self) -> Any:
+        """Token data: this rank's rows, on the device. Other data: the global batch (the model
+        takes its dp share)."""
+        pm = self.pm
+        if isinstance(self.data, TokenDataset):
+            inputs, targets = self.data.batch(self.data_position, pm.dp_rank, pm.dp_size)
+            batch = inputs.to(pm.device), targets.to(pm.device)
+        else:
+            batch = self.data.global_batch(self.data_position)
+        self.data_position += 1
+        return batch
+
+    @contextlib.contextmanager
+    def _count_flops(self) -> Any:
+        """Count this rank's FLOPs of one micro-step once (torch's FlopCounterMode), for models
+        with no FLOP formula; the count includes recomputation, so MFU is then hardware FLOPs."""
+        if self._flops_per_token or self._measured_flops is not None:
+            yield
+            return
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:
+            yield
+        self._measured_flops = float(counter.get_total_flops()) * self.grad_accum
+
+    def _add_telemetry(self, row: dict, grads: int, bubbles: list[float | None], samples: int,
+                       tokens: int) -> None:
         started = time.perf_counter()
-        tokens = self.data.batch_size * self.data.seq_len * self.grad_accum
         world = dist.get_world_size() if dist.is_initialized() else 1
-        row["tokens_per_s"] = tokens / row["step_time"]
-        row["flops_per_s"] = self._flops_per_token * tokens / world / row["step_time"]
+        row["samples_per_s"] = samples / row["step_time"]
+        if tokens:
+            row["tokens_per_s"] = tokens / row["step_time"]
+        if self._flops_per_token:
+            row["flops_per_s"] = self._flops_per_token * tokens / world / row["step_time"]
+        else:
+            row["flops_per_s"] = (self._measured_flops or 0.0) / row["step_time"]
         row["mfu"] = row["flops_per_s"] / self._peak if self._peak else None
         row["bubble"] = sum(bubbles) / len(bubbles) if None not in bubbles else None
         row.update(telem.memory_sample(self.pm, self._activations.bytes, grads))
@@ -214,6 +255,17 @@ def telemetry_flops_per_token(pm: Any, seq_len: int) -> float:
     model = getattr(model, "module", model)  # DDP keeps the model under .module
     num_params = sum(p.numel() for part in pm.model_parts for p in part.parameters())
     return telem.model_flops_per_token(model, num_params, seq_len)
+
+
+def _counts(batch: Any, data: Any) -> tuple[int, int]:
+    """(samples, tokens) of one global micro-batch: tokens are the token dataset's windows or the
+    unmasked `input_ids` of a dict batch, 0 where there are none (throughput is then samples/s)."""
+    if isinstance(data, TokenDataset):
+        return data.batch_size, data.batch_size * data.seq_len
+    if isinstance(batch, dict) and "input_ids" in batch:
+        mask = batch.get("attention_mask")
+        return batch_size(batch), int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+    return batch_size(batch), 0
 
 
 def _check_positive(**values: int) -> None:

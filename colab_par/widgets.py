@@ -12,6 +12,7 @@ from typing import Any
 import ipywidgets as w
 
 from colab_par.layout import FIELDS, Layout, LayoutError, default_microbatches, field_options
+from colab_par.module_spec import ModuleSpec
 from colab_par.planner import GiB, DeviceSpec, ModelSpec, Plan, estimate, get_device, plan
 
 __all__ = ["LayoutPicker"]
@@ -30,10 +31,15 @@ class LayoutPicker:
     """
 
     def __init__(self, world_size: int, *, model: Any, device: "str | DeviceSpec", global_batch: int,
-                 seq_len: int, gpus_per_node: int = 8, top: int = 5):
+                 seq_len: int = 0, example_batch: Any = None, gpus_per_node: int = 8, top: int = 5,
+                 **probe_options: Any):
+        """`model`: a GPTConfig / Hugging Face config / sizes dict (with `seq_len`), or any
+        nn.Module with an `example_batch` it takes (probed once: `module_spec.ModuleSpec`;
+        `probe_options` are parallelize's blocks / tp_plan / loss_fn)."""
         self.world_size, self.global_batch, self.seq_len = world_size, global_batch, seq_len
         self.gpus_per_node = gpus_per_node
-        self.spec = ModelSpec.of(model)
+        self.spec = (ModuleSpec.probe(model, example_batch, **probe_options) if example_batch is not None
+                     else ModelSpec.of(model))
         self.device = get_device(device, world_size)
         self.plans: list[Plan] = plan(self.spec, world_size, device=self.device,
                                       global_batch=global_batch, seq_len=seq_len,
@@ -102,8 +108,7 @@ class LayoutPicker:
     def _assemble(self) -> w.VBox:
         c = self.controls
         title = w.HTML(f"<b>Layout for {self.world_size} × {html.escape(self.device.name)}</b> "
-                       f"({self.spec.n_params / 1e6:,.1f} M parameters, global batch "
-                       f"{self.global_batch} × {self.seq_len} tokens)")
+                       f"({self.spec.n_params / 1e6:,.1f} M parameters, {self._batch_text()})")
         rows = [w.HBox([c["dp"], c["tp"], c["pp"], c["cp"]]),
                 w.HBox([c["zero"], c["offload"], c["sequence_parallel"], c["precision"]]),
                 w.HBox([c["cp_mode"], c["pp_schedule"], c["microbatches"], c["virtual_stages"]]),
@@ -168,7 +173,7 @@ class LayoutPicker:
         e = self.estimate
         if e is None:
             return "no estimate for an invalid layout"
-        return (f"step {e.step_time * 1e3:,.1f} ms · {e.tokens_per_s:,.0f} tokens/s · MFU {e.mfu:.1%} · "
+        return (f"step {e.step_time * 1e3:,.1f} ms · {e.throughput} · MFU {e.mfu:.1%} · "
                 f"{_size(e.memory.total)} of {_size(e.capacity)} per device"
                 + (f" (+{_size(e.memory.host_total)} on the host)" if e.memory.host_total else ""))
 
@@ -189,17 +194,22 @@ class LayoutPicker:
                 f"background:#eee'>{segments}{limit}</div><small>{legend} · dashed line: usable "
                 f"capacity {_size(capacity)}</small>")
 
+    def _batch_text(self) -> str:
+        if isinstance(self.spec, ModuleSpec):
+            return f"{self.spec.name}, global batch {self.global_batch} samples"
+        return f"global batch {self.global_batch} × {self.seq_len} tokens"
+
     def _plans_table(self) -> str:
         rows = "".join(
             f"<tr><td><code>{html.escape(str(p.layout))}</code></td><td>{_size(p.memory.total)}</td>"
-            f"<td>{p.step_time * 1e3:,.1f}</td><td>{p.tokens_per_s:,.0f}</td><td>{p.mfu:.1%}</td>"
+            f"<td>{p.step_time * 1e3:,.1f}</td><td>{p.throughput}</td><td>{p.mfu:.1%}</td>"
             f"<td>{'yes' if p.fits else 'no'}</td></tr>" for p in self.plans)
-        return ("<table><tr><th>top plans</th><th>memory/device</th><th>step ms</th><th>tokens/s</th>"
+        return ("<table><tr><th>top plans</th><th>memory/device</th><th>step ms</th><th>throughput</th>"
                 f"<th>MFU</th><th>fits</th></tr>{rows}</table>")
 
     def __repr__(self) -> str:
-        lines = [f"LayoutPicker({self.world_size} × {self.device.name}, global batch "
-                 f"{self.global_batch} × {self.seq_len})", f"  {self.message}",
+        lines = [f"LayoutPicker({self.world_size} × {self.device.name}, {self._batch_text()})",
+                 f"  {self.message}",
                  f"  {self._estimate_line()}", "  top plans:"]
         lines += [f"    {p}" for p in self.plans]
         return "\n".join(lines)

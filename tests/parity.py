@@ -7,12 +7,15 @@ proves that `parallelize` starts every rank from rank 0's parameters.
 """
 from __future__ import annotations
 
+import math
 import sys
 from functools import lru_cache
 from typing import Any
 
 import cloudpickle
 import torch
+
+import any_models
 
 # Engines cannot import this test module by name: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -24,7 +27,14 @@ LR = 1e-3
 GPT_SIZES = dict(vocab_size=64, seq_len=16, n_layer=4, n_head=4, n_kv_head=2, d_model=32,
                  kernels="torch")
 LLAMA_SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, head_dim=8)
+HF_TOKENS = dict(pad_token_id=None, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary
+
+
+# Hugging Face decoder families that ship a tensor-parallel plan: kind -> (config, model) class names.
+HF_DECODERS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+               "phi3": ("Phi3Config", "Phi3ForCausalLM")}
 
 
 def batches(vocab_size: int, seq_len: int, steps: int = STEPS, batch: int = BATCH) -> list[tuple]:
@@ -41,15 +51,19 @@ def batches(vocab_size: int, seq_len: int, steps: int = STEPS, batch: int = BATC
 
 
 def build_model(kind: str, seed: int) -> torch.nn.Module:
+    if kind in any_models.BUILDERS:
+        return any_models.build(kind, seed)
     torch.manual_seed(seed)
     if kind == "gpt":
         from colab_par.models import GPT, GPTConfig
         return GPT(GPTConfig(**GPT_SIZES))
-    if kind == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-        config = LlamaConfig(**LLAMA_SIZES, attn_implementation="sdpa")
-        return LlamaForCausalLM(config)
-    raise ValueError(kind)
+    if kind in HF_DECODERS:
+        import transformers
+        config_name, model_name = HF_DECODERS[kind]
+        config = getattr(transformers, config_name)(**LLAMA_SIZES, **HF_TOKENS, attn_implementation="sdpa",
+                                                    tie_word_embeddings=False)
+        return getattr(transformers, model_name)(config)
+    raise ValueError(f"unknown model kind {kind!r}; choose 'gpt' or one of {sorted(HF_DECODERS)}")
 
 
 def _vocab_seq(kind: str) -> tuple[int, int]:
@@ -58,11 +72,24 @@ def _vocab_seq(kind: str) -> tuple[int, int]:
     return LLAMA_SIZES["vocab_size"], LLAMA_SIZES["max_position_embeddings"]
 
 
-def engine_run(layout: str, kind: str = "gpt", steps: int = STEPS) -> dict[str, Any]:
+def takes_tokens(kind: str) -> bool:
+    """Language models train on (tokens, targets) pairs, passed to the kit as two arguments."""
+    return kind not in any_models.BUILDERS or kind in any_models.TOKEN_KINDS
+
+
+def training_batches(kind: str, steps: int = STEPS) -> list[Any]:
+    """Global batches: (tokens, targets) pairs for language models, the kind's own otherwise."""
+    if not takes_tokens(kind):
+        return any_models.make_batches(kind, steps)
+    return batches(*_vocab_seq(kind), steps)
+
+
+def engine_run(layout: str, kind: str = "gpt", steps: int = STEPS, **options: Any) -> dict[str, Any]:
     """Runs on every engine: parallelize, train `steps` steps, return losses, gradient norms and state.
 
     The global gradient norm is read between backward and the optimizer step (clipping at infinity
-    changes nothing): Adam is blind to a uniformly scaled gradient, the norm is not.
+    changes nothing): Adam is blind to a uniformly scaled gradient, the norm is not. `options` go
+    to `parallelize` (loss_fn, blocks, tp_plan).
     """
     import math
 
@@ -71,10 +98,11 @@ def engine_run(layout: str, kind: str = "gpt", steps: int = STEPS) -> dict[str, 
     from colab_par import parallelize
 
     model = build_model(kind, SEED + dist.get_rank())  # only rank 0's init must survive
-    pm = parallelize(model, layout, optimizer_fn=lambda p: torch.optim.AdamW(p, lr=LR))
+    pm = parallelize(model, layout, optimizer_fn=lambda p: torch.optim.AdamW(p, lr=LR), **options)
     losses, grad_norms = [], []
-    for x, y in batches(*_vocab_seq(kind), steps):
-        losses.append(pm.forward_backward(x, y))
+    for batch in training_batches(kind, steps):
+        # Language models take (tokens, targets) as two arguments; other models one batch object.
+        losses.append(pm.forward_backward(*batch) if takes_tokens(kind) else pm.forward_backward(batch))
         grad_norms.append(pm.clip_grad_norm_(math.inf))
         pm.optimizer_step()
     return {"losses": losses, "grad_norms": grad_norms, "state": pm.full_state_dict()}
@@ -99,21 +127,16 @@ def reference_run(kind: str = "gpt", steps: int = STEPS, *, lr: float = LR,
     `_adam_sensitivity`). `frozen` (a parameter name) and `grad_scale` build deliberately wrong
     variants, which tests use to prove `assert_parity` rejects real errors.
     """
-    import torch.nn.functional as F
-
     model = build_model(kind, SEED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     names = {id(p): name for name, p in model.state_dict(keep_vars=True).items()}
     slack = {name: torch.zeros_like(t, dtype=torch.float64) for name, t in model.state_dict().items()}
     noise: dict[str, torch.Tensor] = {}  # per element: the largest gradient noise seen so far
     losses, grad_norms = [], []
-    for step, (x, y) in enumerate(batches(*_vocab_seq(kind), steps), start=1):
-        if kind == "gpt":
-            loss = model.loss_fn(model(x), y)
-        else:
-            logits = model(input_ids=x, use_cache=False).logits
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+    for step, batch in enumerate(training_batches(kind, steps), start=1):
+        loss = _plain_loss(kind, model, batch)
         loss.backward()
+        cancelled = _cancelled_gradients(kind, model, batch)
         params = [p for p in model.parameters() if p.grad is not None]
         for p in params:
             if names[id(p)] == frozen:
@@ -127,8 +150,13 @@ def reference_run(kind: str = "gpt", steps: int = STEPS, *, lr: float = LR,
             if p.grad is not None:
                 name = names[id(p)]
                 # An exactly zero gradient had no terms to reorder (e.g. an embedding row no token
-                # used); earlier noise still reaches this step through Adam's moments.
+                # used); earlier noise still reaches this step through Adam's moments. A tensor
+                # whose true gradient is zero (an attention key bias, to which softmax is blind)
+                # holds only the rounding of terms that cancel, whose size its own values do not
+                # show: Adam may turn it into up to a full step (the cap in _adam_sensitivity).
                 here = torch.where(p.grad != 0, NOISE_UNITS * ROUNDOFF * p.grad.abs().max().double(), 0.0)
+                if id(p) in cancelled:
+                    here = torch.where(cancelled[id(p)], math.inf, here)
                 noise[name] = torch.maximum(noise.get(name, here), here)
         optimizer.step()
         for p in params:
@@ -137,9 +165,44 @@ def reference_run(kind: str = "gpt", steps: int = STEPS, *, lr: float = LR,
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    # Storing a float32 parameter rounds it once per step.
-    tolerance = {k: slack[k] + steps * ROUNDOFF * state[k].double().abs() for k in state}
+    # Tied parameters (an MLM head sharing the embedding) appear under several names and their
+    # slack was summed under one of them. Storing a float32 parameter rounds it once per step.
+    owner = {k: names[id(v)] for k, v in model.state_dict(keep_vars=True).items()}
+    tolerance = {k: slack[owner[k]] + steps * ROUNDOFF * state[k].double().abs() for k in state}
     return {"losses": losses, "grad_norms": grad_norms, "state": state, "tolerance": tolerance}
+
+
+def _plain_loss(kind: str, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The loss as a single-process script computes it (no kit code)."""
+    import torch.nn.functional as F
+
+    if not takes_tokens(kind):
+        return any_models.plain_loss(kind, model, batch)
+    x, y = batch
+    if kind in ("gpt", "tinylm"):
+        return model.loss_fn(model(x), y)
+    logits = model(input_ids=x, use_cache=False).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+def _cancelled_gradients(kind: str, model: torch.nn.Module, batch: Any) -> dict[int, torch.Tensor]:
+    """Per parameter id, the elements whose gradient on `batch` is zero in exact arithmetic though
+    terms reach them: float64 gradients below 1e-9 of the largest one (float32 rounding alone is
+    ~1e-7 relative) while float32 shows rounding there. Elements exactly zero in both had no terms
+    (an unused embedding row, a dead ReLU's weights) and stay noise-free."""
+    import copy
+
+    from torch.utils._pytree import tree_map
+
+    exact = copy.deepcopy(model).double()
+    exact.zero_grad(set_to_none=True)
+    batch = tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                     batch)
+    _plain_loss(kind, exact, batch).backward()
+    pairs = [(p, q.grad) for p, q in zip(model.parameters(), exact.parameters()) if q.grad is not None]
+    largest = max(g.abs().max().item() for _, g in pairs)
+    rounded = {id(p): p.grad for p in model.parameters() if p.grad is not None}
+    return {id(p): (g.abs() <= 1e-9 * largest) & (rounded[id(p)] != 0) for p, g in pairs}
 
 
 def _adam_sensitivity(optimizer: torch.optim.Optimizer, param: torch.Tensor, step: int,

@@ -154,7 +154,9 @@ def test_bad_arguments_fail_before_any_work(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Trainer(None, SyntheticDataset(), **kwargs)
     with pytest.raises(TypeError, match="colab_par.data dataset"):
-        Trainer(None, [(torch.zeros(1), torch.zeros(1))], steps=1)
+        Trainer(None, 42, steps=1)
+    with pytest.raises(TypeError, match=r"a batch is a tuple \(\*inputs, target\) or a dict"):
+        Trainer(None, [torch.zeros(3)], steps=1)  # a list of tensors, not of batches
 
 
 def test_plain_python_prints_one_line_per_log_step(tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from colab_par.layout import Layout
 from colab_par.models.hf import causal_lm_logits, is_hf_model
+from colab_par.parallel.batch import (LabelMean, batch_to, call_model, check_batch, counted_labels,
+                                      labels_of, slice_batch)
+from colab_par.parallel.blocks import find_blocks
 from colab_par.parallel.checkpointing import apply_activation_checkpointing
 from colab_par.parallel.context import apply_context_parallel, sequence_positions, shard_sequence
 from colab_par.parallel.data_parallel import (GradientAverager, apply_ddp, apply_fsdp, build_optimizer,
@@ -31,7 +34,7 @@ from colab_par.parallel.data_parallel import (GradientAverager, apply_ddp, apply
 from colab_par.parallel.memory import memory_report
 from colab_par.parallel.mesh import broadcast_from_rank0, build_mesh, default_device
 from colab_par.parallel.pipeline import PipelineRunner, split_model
-from colab_par.parallel.tensor_parallel import apply_tensor_parallel, gpt_tp_plan, hf_tp_plan
+from colab_par.parallel.tensor_parallel import apply_tensor_parallel, tp_plan_for
 
 __all__ = ["parallelize", "ParallelModel", "memory_report"]
 
@@ -46,15 +49,19 @@ class ParallelModel:
     """A model spread over a mesh, with one training API for every layout (see module docstring)."""
 
     def __init__(self, parts: list[nn.Module], layout: Layout, mesh: Any, optimizer: torch.optim.Optimizer,
-                 loss_fn: LossFn, device: torch.device, hf: bool,
+                 loss_fns: tuple[LossFn, Callable], device: torch.device, hf: bool,
                  grad_averager: GradientAverager | None, runner: Any = None, *,
                  optimizer_fn: Callable | None = None, model_factory: Callable | None = None,
-                 takes_positions: bool = True):
+                 takes_positions: bool = True, options: dict[str, Any] | None = None):
         self.model_parts, self.layout, self.mesh, self.optimizer = parts, layout, mesh, optimizer
         self.model = parts[0]
-        self.loss_fn, self.device, self._hf = loss_fn, device, hf
+        # Token batches are scored by loss_fn(logits, targets), other batches by loss_fn(outputs, batch).
+        (self.loss_fn, self.batch_loss_fn), self.device, self._hf = loss_fns, device, hf
         # What re-layout needs to build the same model and optimizer again under another layout.
         self.optimizer_fn, self.model_factory = optimizer_fn, model_factory
+        self.parallelize_options = dict(options or {})  # loss_fn, blocks, tp_plan as the user gave them
+        self._whole_model_names: dict[str, list[str]] = {}  # name -> every name of that tensor
+        self._fused_loss = False  # a Hugging Face decoder scored by the fused linear cross-entropy
         self._takes_positions = takes_positions
         self._grad_averager, self._runner = grad_averager, runner
         self.dp_rank, self.dp_size = mesh["dp"].get_local_rank(), layout.dp
@@ -64,28 +71,64 @@ class ParallelModel:
         self.is_last_stage = self.pp_rank == layout.pp - 1
 
     # ---- training ------------------------------------------------------------------------------
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def train_step(self, batch: Any, targets: torch.Tensor | None = None) -> float:
         """forward + backward + optimizer step on the GLOBAL batch; the global mean loss."""
-        loss = self.forward_backward(inputs, targets)
+        loss = self.forward_backward(batch, targets)
         self.optimizer_step()
         return loss
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float = 1.0,
-                         sync_grads: bool = True, local: bool = False) -> float:
-        """Accumulate gradients of `loss_scale` × loss; returns the unscaled global mean loss."""
+    def forward_backward(self, batch: Any, targets: torch.Tensor | None = None, *,
+                         loss_scale: float = 1.0, sync_grads: bool = True, local: bool = False) -> float:
+        """Accumulate gradients of `loss_scale` × loss; returns the unscaled global mean loss.
+
+        Token models take `(inputs, targets)` as two arguments and `loss_fn(logits, targets)`; any
+        other batch comes as one object (see `batch.py`) and is scored by `loss_fn(outputs, batch)`.
+        `local`: the batch is already this rank's dp share.
+        """
+        self._set_gradient_sync(sync_grads)
+        if targets is None:
+            loss_sum = self._forward_backward_batch(batch, loss_scale, local)
+        else:
+            loss_sum = self._forward_backward_tokens(batch, targets, loss_scale, local)
+        if sync_grads and self._grad_averager is not None:
+            self._grad_averager()
+        return loss_sum.item() / dist.get_world_size()
+
+    def _forward_backward_tokens(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float,
+                                 local: bool) -> torch.Tensor:
         inputs, targets = self._dp_slice(inputs, local), self._dp_slice(targets, local)
         inputs, targets = inputs.to(self.device), targets.to(self.device)
-        self._set_gradient_sync(sync_grads)
         if self._runner is not None:
             loss_sum = torch.tensor(self._runner.step(inputs, targets, loss_scale=loss_scale),
                                     dtype=torch.float64, device=self.device)
             dist.all_reduce(loss_sum)
-        else:
-            loss_sum, pending = self._forward_backward_local(inputs, targets, loss_scale)
-            pending.wait()
-        if sync_grads and self._grad_averager is not None:
-            self._grad_averager()
-        return loss_sum.item() / dist.get_world_size()
+            return loss_sum
+        loss_sum, pending = self._forward_backward_local(inputs, targets, loss_scale)
+        pending.wait()
+        return loss_sum
+
+    def _forward_backward_batch(self, batch: Any, loss_scale: float, local: bool) -> torch.Tensor:
+        check_batch(batch)
+        if self.cp_size > 1:
+            raise ValueError("context parallel splits token sequences; it takes (inputs, targets) "
+                             "token batches, not a general batch; use cp=1")
+        if not local and self.dp_size > 1:
+            batch = slice_batch(batch, self.dp_size, self.dp_rank)
+        batch = batch_to(batch, self.device)
+        inputs = self._set_label_scale(batch)
+        if self._runner is not None:
+            loss_sum = torch.tensor(self._runner.step_batch(batch, loss_scale=loss_scale),
+                                    dtype=torch.float64, device=self.device)
+            dist.all_reduce(loss_sum)
+            return loss_sum
+        autocast = (self.layout.precision == "bf16" and not isinstance(self.model, FSDPModule))
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = self.batch_loss_fn(call_model(self.model, inputs), batch)
+        loss_sum = loss.detach().to(torch.float64)
+        pending = dist.all_reduce(loss_sum, async_op=True)
+        (loss * loss_scale).backward()
+        pending.wait()
+        return loss_sum
 
     def _forward_backward_local(self, inputs: torch.Tensor, targets: torch.Tensor,
                                 loss_scale: float) -> tuple[torch.Tensor, Any]:
@@ -102,12 +145,30 @@ class ParallelModel:
             positions = sequence_positions(positions.numel(), self.cp_rank, self.cp_size, mode, self.device)
         autocast = (self.layout.precision == "bf16" and not isinstance(self.model, FSDPModule))
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = self._logits(inputs, positions)
-            loss = self.loss_fn(logits, targets)
+            if self._fused_loss:  # through the model's own call, so DDP / FSDP wrap it as usual
+                loss = self.model(input_ids=inputs, position_ids=positions.expand(inputs.shape[0], -1),
+                                  use_cache=False, colab_par_targets=targets)
+            else:
+                loss = self.loss_fn(self._logits(inputs, positions), targets)
         loss_sum = loss.detach().to(torch.float64)
         pending = dist.all_reduce(loss_sum, async_op=True)
         (loss * loss_scale).backward()
         return loss_sum, pending
+
+    def _set_label_scale(self, batch: Any) -> Any:
+        """With the default loss and labels: count them over the dp ranks and set `LabelMean`'s
+        scale for this step; returns what the model is called with (labels left out, the loss
+        is computed here)."""
+        labels = labels_of(batch)
+        if not isinstance(self.batch_loss_fn, LabelMean) or labels is None:
+            return batch
+        counted = torch.tensor(float(counted_labels(labels, self.batch_loss_fn.causal)),
+                               dtype=torch.float64, device=self.device)
+        if self.dp_size > 1:
+            dist.all_reduce(counted, group=self.mesh["dp"].get_group())
+        pieces = self.dp_size * (self.layout.microbatches if self._runner is not None else 1)
+        self.batch_loss_fn.scale = pieces / max(counted.item(), 1.0)
+        return {k: v for k, v in batch.items() if k != "labels"}
 
     def _logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self._hf:
@@ -119,10 +180,7 @@ class ParallelModel:
     def _dp_slice(self, batch: torch.Tensor, local: bool) -> torch.Tensor:
         if local or self.dp_size == 1:
             return batch
-        if batch.shape[0] % self.dp_size:
-            raise ValueError(f"global batch of {batch.shape[0]} sequences does not split over "
-                             f"dp={self.dp_size} ranks; use a batch size that is a multiple of {self.dp_size}")
-        return batch.chunk(self.dp_size)[self.dp_rank]
+        return slice_batch(batch, self.dp_size, self.dp_rank)
 
     def _set_gradient_sync(self, enabled: bool) -> None:
         for part in self.model_parts:
@@ -179,13 +237,35 @@ class ParallelModel:
         dist.gather_object(mine if first_of_stage else {}, gathered, dst=0)
         if gathered is None:
             return {}
-        return {k: v for piece in gathered for k, v in piece.items()}
+        state = {k: v for piece in gathered for k, v in piece.items()}
+        if not self._whole_model_names:
+            return state
+        # Stages traced by pipeline() hold a tied tensor under one of its names and turn buffers
+        # into their own: give back exactly the model's names, each tied name its tensor.
+        return {name: next(state[alias] for alias in aliases if alias in state)
+                for name, aliases in self._whole_model_names.items()}
 
 
 def parallelize(model: nn.Module, layout: Layout | str, *, optimizer_fn: Callable | None = None,
-                loss_fn: LossFn | None = None) -> ParallelModel:
-    """Spread `model` over this world as `layout` says; see the module docstring for the order."""
+                loss_fn: Callable | None = None, blocks: Sequence[type | str] | None = None,
+                tp_plan: dict[str, Any] | None = None, split_points: Sequence[str] | None = None,
+                example_batch: Any = None, kernels: str = "auto") -> ParallelModel:
+    """Spread `model` (any nn.Module) over this world as `layout` says; see the module docstring.
+
+    `loss_fn`: `(logits, targets)` for token batches, `(outputs, batch)` for any other batch.
+    `blocks`: the block classes (or names) FSDP shards and checkpointing wraps one by one, instead
+    of the repeated blocks found automatically (`blocks.py`).
+    `tp_plan` (module pattern -> DTensor ParallelStyle or Hugging Face style string) replaces the
+    model's own tensor-parallel plan.
+    Pipeline parallel cuts the kit's GPT and Hugging Face decoders by their layers; any other model
+    is traced by torch's `pipeline()` on `example_batch` (a global batch like the training ones)
+    and cut before the modules named in `split_points`, or between blocks balanced by parameters.
+    `kernels` ("auto": on CUDA, "triton", "torch") puts the kit's Triton RMSNorm, SwiGLU and RoPE
+    into Hugging Face decoders, and, where the whole vocabulary is on the rank (no tensor
+    parallel), scores them with the fused linear cross-entropy so logits are never built."""
     layout = Layout.parse(layout)
+    if kernels not in ("torch", "triton", "auto"):
+        raise ValueError(f"kernels={kernels!r}; choose 'auto' (Triton on CUDA), 'triton' or 'torch'")
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; run parallelize on the engines of a "
                            "colab_par.Cluster (e.g. inside a %%colossal cell)")
@@ -197,18 +277,31 @@ def parallelize(model: nn.Module, layout: Layout | str, *, optimizer_fn: Callabl
         raise ValueError(f"context parallel gives each rank scattered sequence chunks, so "
                          f"{type(model).__name__}.forward must accept `positions` (the tokens' global "
                          "positions, for rotary/position embeddings); add it or use cp=1")
+    model_blocks = find_blocks(model, blocks)
+    block_types = tuple(dict.fromkeys(type(block) for _, _, block in model_blocks))
+    block_names = frozenset(name for name, module in model.named_modules()
+                            if any(module is block for _, _, block in model_blocks))
+    if layout.checkpointing != "none" and not block_types:
+        raise ValueError(f"activation checkpointing wraps repeated blocks, and "
+                         f"{type(model).__name__} has none (no ModuleList/Sequential of one class); "
+                         "name them with blocks=[...] or use checkpointing='none'")
     optimizer_fn = optimizer_fn or (lambda params: torch.optim.AdamW(params, lr=1e-3))
-    loss_fn = loss_fn or getattr(model, "loss_fn", None) or _default_loss
     device = default_device()
 
+    fused_loss = _apply_hf_kernels(model, kernels, layout, device, fuse=loss_fn is None) if hf else False
+    token_loss = loss_fn or getattr(model, "loss_fn", None) or _default_loss
+    batch_loss = loss_fn or LabelMean(model)
     model.to(device)
     broadcast_from_rank0(model)
     mesh, dp_cp_mesh = build_mesh(layout, device)
 
-    parts = [model]
+    parts, names = [model], _state_names(model) if layout.pp > 1 else {}
     if layout.pp > 1:
-        parts = split_model(model, layout, mesh["pp"].get_local_rank())
-    parts = [_parallelize_part(part, layout, mesh, dp_cp_mesh, device, hf) for part in parts]
+        example = None if example_batch is None else _first_microbatch(example_batch, layout, mesh)
+        parts = split_model(model, layout, mesh["pp"].get_local_rank(), split_points=split_points,
+                            block_types=block_types, example_batch=example)
+    parts = [_parallelize_part(part, layout, mesh, dp_cp_mesh, device, hf, tp_plan,
+                               _part_blocks(part, block_types, block_names)) for part in parts]
 
     params = [p for part in parts for p in part.parameters()]
     optimizer = build_optimizer(params, optimizer_fn, layout, mesh["dp"].get_group())
@@ -216,10 +309,16 @@ def parallelize(model: nn.Module, layout: Layout | str, *, optimizer_fn: Callabl
                 if needs_gradient_averager(parts[0], layout) else None)
     runner = None
     if layout.pp > 1:
-        runner = PipelineRunner(parts, layout, mesh["pp"].get_group(), loss_fn, device)
-    return ParallelModel(parts, layout, mesh, optimizer, loss_fn, device, hf, averager, runner,
+        runner = PipelineRunner(parts, layout, mesh["pp"].get_group(), token_loss, device,
+                                batch_loss_fn=batch_loss)
+    pm = ParallelModel(parts, layout, mesh, optimizer, (token_loss, batch_loss), device, hf, averager, runner,
                          optimizer_fn=optimizer_fn, model_factory=_rebuilder(model),
-                         takes_positions=takes_positions)
+                         takes_positions=takes_positions,
+                         options=dict(loss_fn=loss_fn, blocks=blocks, tp_plan=tp_plan,
+                                      split_points=split_points, example_batch=example_batch,
+                                      kernels=kernels))
+    pm._whole_model_names, pm._fused_loss = names, fused_loss
+    return pm
 
 
 def _rebuilder(model: nn.Module) -> Callable[[], nn.Module] | None:
@@ -232,17 +331,59 @@ def _rebuilder(model: nn.Module) -> Callable[[], nn.Module] | None:
     return build
 
 
-def _parallelize_part(part: nn.Module, layout: Layout, mesh: Any, dp_cp_mesh: Any,
-                      device: torch.device, hf: bool) -> nn.Module:
+def _apply_hf_kernels(model: nn.Module, kernels: str, layout: Layout, device: torch.device, *,
+                      fuse: bool) -> bool:
+    """Patch a Hugging Face decoder's modules with the kit's kernels; True when its loss is then
+    the fused linear cross-entropy (the default loss, the vocabulary whole on this rank, no
+    pipeline stages)."""
+    from colab_par.models.hf_kernels import apply_kernels, fuse_loss_into_forward, supports_kernels
+
+    on = kernels == "triton" or (kernels == "auto" and device.type == "cuda")
+    if not on or not supports_kernels(model):
+        return False
+    apply_kernels(model, kernels)
+    if not fuse or layout.tp > 1 or layout.pp > 1:
+        return False
+    fuse_loss_into_forward(model)
+    return True
+
+
+def _state_names(model: nn.Module) -> dict[str, list[str]]:
+    """Each state-dict name of `model` -> all names of the same tensor (tied weights share one)."""
+    state = model.state_dict(keep_vars=True)
+    aliases: dict[int, list[str]] = {}
+    for name, tensor in state.items():
+        aliases.setdefault(id(tensor), []).append(name)
+    return {name: aliases[id(tensor)] for name, tensor in state.items()}
+
+
+def _first_microbatch(batch: Any, layout: Layout, mesh: Any) -> Any:
+    """One microbatch of this rank's dp share: what a pipeline stage is traced on."""
+    mine = slice_batch(batch, layout.dp, mesh["dp"].get_local_rank()) if layout.dp > 1 else batch
+    return slice_batch(mine, layout.microbatches, 0)
+
+
+def _part_blocks(part: nn.Module, block_types: tuple[type, ...], block_names: frozenset[str]) -> list:
+    """The blocks inside one part: by class, or (stages traced by pipeline(), whose modules are
+    torch's stand-ins) by the blocks' names in the whole model, which the stages keep."""
+    found = find_blocks(part, block_types, strict=False)
+    if found or not block_names:
+        return found
+    return [(part.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], module)
+            for name, module in part.named_modules() if name in block_names]
+
+
+def _parallelize_part(part: nn.Module, layout: Layout, mesh: Any, dp_cp_mesh: Any, device: torch.device,
+                      hf: bool, tp_plan: dict | None, blocks: list) -> nn.Module:
     """TP(+SP) -> CP -> AC -> FSDP/DDP on one module (the whole model or one pipeline stage)."""
     if layout.tp > 1:
-        plan = hf_tp_plan(part) if hf else gpt_tp_plan(part, layout.sequence_parallel)
+        plan = tp_plan_for(part, tp_plan, hf=hf, sequence_parallel=layout.sequence_parallel)
         apply_tensor_parallel(part, mesh["tp"], plan)
     if layout.cp > 1:
         apply_context_parallel(part, mesh["cp"].get_group(), layout.cp_mode)
-    apply_activation_checkpointing(part, layout.checkpointing)
+    apply_activation_checkpointing(part, layout.checkpointing, blocks)
     if layout.zero >= 2:
-        return apply_fsdp(part, layout, dp_cp_mesh)
+        return apply_fsdp(part, layout, dp_cp_mesh, blocks)
     if layout.dp * layout.cp > 1 and not needs_gradient_averager(part, layout):
         return apply_ddp(part, dp_cp_mesh.get_group(), device)
     return part

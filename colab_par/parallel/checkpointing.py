@@ -1,4 +1,4 @@
-"""Activation checkpointing per decoder block (trade recomputation for activation memory).
+"""Activation checkpointing per block (trade recomputation for activation memory).
 
 "full" recomputes each whole block in backward; "selective" keeps the matmul and attention outputs
 (the expensive ops) and recomputes only the cheap elementwise ones (norms, SwiGLU, RoPE), following
@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from colab_par.compat import checkpoint_wrapper, sdpa_aten_ops
-from colab_par.parallel.data_parallel import transformer_blocks
+from colab_par.parallel.blocks import Block, replace_block
 
 __all__ = ["apply_activation_checkpointing"]
 
@@ -25,8 +25,9 @@ def _save_expensive_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(module: nn.Module, mode: str) -> nn.Module:
-    """Wrap every decoder block of `module` in place; mode is "none", "selective" or "full"."""
+def apply_activation_checkpointing(module: nn.Module, mode: str, blocks: list[Block]) -> nn.Module:
+    """Wrap each of `module`'s `blocks` (see `blocks.py`) in place; mode is "none", "selective" or
+    "full"."""
     if mode == "none":
         return module
     if mode not in ("selective", "full"):
@@ -34,10 +35,6 @@ def apply_activation_checkpointing(module: nn.Module, mode: str) -> nn.Module:
     options = {"preserve_rng_state": False}
     if mode == "selective":
         options["context_fn"] = partial(create_selective_checkpoint_contexts, _save_expensive_ops)
-    for container, key, block in transformer_blocks(module):
-        wrapped = checkpoint_wrapper(block, **options)
-        if isinstance(container, nn.ModuleDict):
-            container[key] = wrapped
-        else:
-            container[int(key)] = wrapped
+    for container, key, block in blocks:
+        replace_block(container, key, checkpoint_wrapper(block, **options))
     return module

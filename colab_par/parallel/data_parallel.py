@@ -25,34 +25,21 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from colab_par.layout import Layout
+from colab_par.parallel.blocks import Block
 
-__all__ = ["transformer_blocks", "apply_fsdp", "apply_ddp", "GradientAverager", "build_optimizer",
+__all__ = ["apply_fsdp", "apply_ddp", "GradientAverager", "build_optimizer",
            "needs_gradient_averager"]
 
 
-def transformer_blocks(module: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    """(container, key, block) for each decoder block: GPT ``layers`` or Hugging Face ``model.layers``."""
-    container = getattr(module, "layers", None)
-    if container is None and getattr(module, "model", None) is not None:
-        container = getattr(module.model, "layers", None)
-    if container is None:
-        raise ValueError(f"{type(module).__name__} has no decoder blocks under 'layers' or "
-                         "'model.layers'; parallelize supports colab_par GPT and Hugging Face "
-                         "causal LMs")
-    keys = list(container.keys()) if isinstance(container, nn.ModuleDict) else [
-        str(i) for i in range(len(container))]
-    return [(container, key, container[key] if isinstance(container, nn.ModuleDict)
-             else container[int(key)]) for key in keys]
-
-
-def apply_fsdp(module: nn.Module, layout: Layout, dp_mesh: DeviceMesh) -> nn.Module:
-    """fully_shard each decoder block, then the root (embedding, norm, head)."""
+def apply_fsdp(module: nn.Module, layout: Layout, dp_mesh: DeviceMesh, blocks: list[Block]) -> nn.Module:
+    """fully_shard each of `blocks` (see `blocks.py`), then the root (whatever is left: embeddings,
+    norms, heads; the whole model when it has no repeated blocks)."""
     mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
              if layout.precision == "bf16" else MixedPrecisionPolicy())
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if layout.offload else OffloadPolicy()
     options = dict(mesh=dp_mesh, reshard_after_forward=layout.zero == 3, mp_policy=mixed,
                    offload_policy=offload)
-    for _, _, block in transformer_blocks(module):
+    for _, _, block in blocks:
         fully_shard(block, **options)
     fully_shard(module, **options)
     return module

@@ -1,0 +1,138 @@
+"""Batches beyond (tokens, targets): how a batch is sliced over ranks, fed to the model and scored.
+
+A batch is whatever the model takes, as one object:
+- a tuple or list ``(*inputs, target)``: the model is called as ``model(*inputs)``, the last element
+  is the target (images and labels: ``(images, labels)``);
+- a dict of named tensors: the model is called with the keys its ``forward`` accepts
+  (``input_ids``, ``attention_mask``, ``labels``, ...), Hugging Face style.
+Data parallel slices every tensor in it along dim 0 (the batch dimension). The loss is
+``loss_fn(outputs, batch)``; without one, the model's own ``outputs.loss`` (Hugging Face models
+given ``labels``), else cross-entropy of the outputs (or ``outputs.logits``) against the target.
+With `labels` in a dict batch the default loss is the mean over counted labels (-100 ignored), and
+ranks may hold different numbers of them (masked-LM batches): `LabelMean` takes each rank's sum
+and the model divides by the count over all ranks, exactly as one process would. A user's
+`loss_fn` is averaged over ranks (and pipeline microbatches) as it is.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["Batch", "BatchLossFn", "check_batch", "batch_size", "slice_batch", "batch_to", "call_model",
+           "default_batch_loss", "labels_of", "counted_labels", "LabelMean"]
+
+Batch = Any  # tuple/list (*inputs, target) or dict of tensors
+BatchLossFn = Callable[[Any, Batch], torch.Tensor]
+
+
+def check_batch(batch: Batch) -> None:
+    """Refuse what the kit cannot slice over ranks, before any work."""
+    if isinstance(batch, dict):
+        if not any(isinstance(v, torch.Tensor) for v in batch.values()):
+            raise TypeError("the batch dict holds no tensor; give e.g. {'input_ids': ..., 'labels': ...}")
+        return
+    if isinstance(batch, (tuple, list)):
+        if len(batch) < 2:
+            raise TypeError(f"a tuple batch is (*inputs, target); got {len(batch)} element(s). "
+                            "Add the target, or pass a dict batch and loss_fn(outputs, batch)")
+        return
+    raise TypeError(f"a batch is a tuple (*inputs, target) or a dict of tensors, not "
+                    f"{type(batch).__name__}")
+
+
+def batch_size(batch: Batch) -> int:
+    """The batch dimension shared by every tensor of the batch."""
+    sizes = {t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim()}
+    if len(sizes) != 1:
+        raise ValueError(f"the batch's tensors disagree on the batch dimension (dim 0): {sorted(sizes)}; "
+                         "every tensor in a batch needs the same first dimension")
+    return sizes.pop()
+
+
+def slice_batch(batch: Batch, parts: int, index: int) -> Batch:
+    """This rank's equal share along dim 0 of every tensor (non-tensors are kept whole)."""
+    size = batch_size(batch)
+    if size % parts:
+        raise ValueError(f"global batch of {size} samples does not split over {parts} ranks; "
+                         f"use a batch size that is a multiple of {parts}")
+    step = size // parts
+    return tree_map(lambda t: t[index * step:(index + 1) * step]
+                    if isinstance(t, torch.Tensor) and t.dim() else t, batch)
+
+
+def batch_to(batch: Batch, device: torch.device) -> Batch:
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
+
+
+def call_model(model: nn.Module, batch: Batch) -> Any:
+    """The model's outputs for `batch` (see the module docstring for the calling convention)."""
+    if isinstance(batch, dict):
+        return model(**{k: v for k, v in batch.items() if k in _forward_keywords(model)})
+    return model(*batch[:-1])
+
+
+def default_batch_loss(outputs: Any, batch: Batch) -> torch.Tensor:
+    """outputs.loss when the model computed one, else cross-entropy against the target."""
+    loss = getattr(outputs, "loss", None)
+    if loss is not None:
+        return loss
+    logits = getattr(outputs, "logits", outputs)
+    target = batch.get("labels") if isinstance(batch, dict) else batch[-1]
+    if not isinstance(logits, torch.Tensor) or target is None:
+        raise ValueError("no default loss for this batch: the model returned no `.loss` and the batch "
+                         "has no target; pass parallelize(..., loss_fn=lambda outputs, batch: ...)")
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+
+
+def labels_of(batch: Batch) -> torch.Tensor | None:
+    """A dict batch's `labels` (what the default loss averages over), else None."""
+    labels = batch.get("labels") if isinstance(batch, dict) else None
+    return labels if isinstance(labels, torch.Tensor) else None
+
+
+def counted_labels(labels: torch.Tensor, causal: bool) -> int:
+    """Labels a loss averages over: not -100 (ignored), after a causal LM's shift by one."""
+    return int(((labels[..., 1:] if causal else labels) != -100).sum())
+
+
+class LabelMean:
+    """The default loss: `default_batch_loss`, except that with labels it is the sum of the
+    cross-entropy over this piece's counted labels times `scale`, which the model sets every step
+    (ranks × microbatches / labels counted over all dp ranks) so the average over ranks and
+    microbatches is the mean over all labels, as in one process. -100 is ignored and a causal LM
+    predicts label t+1 from position t, as transformers' own losses do."""
+
+    def __init__(self, model: nn.Module):
+        self.causal = type(model).__name__.endswith("ForCausalLM")
+        self.scale: float | None = None
+
+    def __call__(self, outputs: Any, batch: Batch) -> torch.Tensor:
+        labels = labels_of(batch)
+        if labels is None or self.scale is None:
+            return default_batch_loss(outputs, batch)
+        logits = getattr(outputs, "logits", outputs)
+        if self.causal:
+            logits, labels = logits[..., :-1, :], labels[..., 1:]
+        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                labels.reshape(-1).to(logits.device), ignore_index=-100, reduction="sum")
+        return total * self.scale
+
+
+def _forward_keywords(model: nn.Module) -> set[str] | _Everything:
+    forward = getattr(model, "module", model).forward  # DDP wraps the user's module
+    params = inspect.signature(forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return _Everything()
+    return set(params)
+
+
+class _Everything:
+    """A forward taking **kwargs accepts every key."""
+
+    def __contains__(self, key: object) -> bool:
+        return True

@@ -1,0 +1,78 @@
+"""The planner and picker for models the kit did not write: sized from parameters plus a measured
+probe, offering only layouts `parallelize` accepts for the model."""
+from __future__ import annotations
+
+import pytest
+from any_models import build, make_batches
+
+from colab_par import LayoutPicker
+from colab_par.layout import LayoutError
+from colab_par.module_spec import ModuleSpec
+from colab_par.planner import estimate
+
+
+def _spec(kind: str, **options) -> ModuleSpec:
+    return ModuleSpec.probe(build(kind, 0), make_batches(kind, 1, batch=8)[0], **options)
+
+
+def test_probe_counts_parameters_units_and_flops_of_a_cnn() -> None:
+    spec = _spec("cnn")
+    model = build("cnn", 0)
+    assert spec.n_params == sum(p.numel() for p in model.parameters())
+    assert spec.n_blocks == 3 and spec.unit_params == 4 * 4 * 9 + 4  # the largest conv
+    # forward 2·MACs; backward 2·MACs for weight and for input gradients, except the first conv's input
+    macs = 64 * (1 * 4 * 9 + 4 * 4 * 9 + 4 * 4 * 9) + 256 * 5
+    assert spec.flops_per_sample == 2 * (3 * macs - 64 * 1 * 4 * 9)
+    assert spec.activation_bytes > 0 and not spec.tensor_parallel
+
+
+def test_a_model_without_blocks_is_gathered_whole_under_zero3() -> None:
+    """With no repeated block FSDP's only unit is the model: zero3 gathers all of it at once."""
+    mlp, cnn = _spec("mlp"), _spec("cnn")
+    options = dict(device="cpu", global_batch=8, seq_len=0)
+    zero2 = estimate(mlp, "dp2 zero2", **options).memory.params
+    assert estimate(mlp, "dp2 zero3", **options).memory.params == pytest.approx(
+        zero2 / 2 + mlp.n_params * 4)  # sharded at rest, plus the whole model gathered
+    assert estimate(cnn, "dp2 zero3", **options).memory.params == pytest.approx(
+        estimate(cnn, "dp2 zero2", **options).memory.params / 2 + 2 * cnn.unit_params * 4)
+
+
+def test_picker_offers_only_what_the_model_supports() -> None:
+    model, batch = build("mlp", 0), make_batches("mlp", 1, batch=8)[0]
+    picker = LayoutPicker(2, model=model, example_batch=batch, device="cpu", global_batch=8)
+    assert picker.controls["tp"].options == (1,) and picker.controls["cp"].options == (1,)
+    assert picker.controls["pp"].options == (1,)  # no blocks to cut between
+    assert picker.controls["checkpointing"].options == ("none",)
+    assert "samples/s" in repr(picker) and "NoBlocksMLP" in repr(picker)
+    picker.controls["zero"].value = 3
+    assert str(picker.layout) == "dp2 zero3"
+
+
+def test_rules_refuse_tensor_parallel_without_a_plan_and_accept_it_with_one() -> None:
+    with pytest.raises(LayoutError, match="no tensor-parallel plan.*tp_plan="):
+        estimate(_spec("mlp"), "tp2", device="cpu", global_batch=8, seq_len=0)
+    with_plan = _spec("mlp", tp_plan={"inp": "colwise", "out": "rowwise"})
+    assert estimate(with_plan, "tp2", device="cpu", global_batch=8, seq_len=0).fits
+
+
+def _trains(layouts: list[str]) -> list[float]:
+    """Engine side: each layout parallelizes the CNN and takes two steps; the last losses."""
+    import torch
+
+    from colab_par import parallelize
+
+    losses = []
+    for layout in layouts:
+        pm = parallelize(build("cnn", 0), layout, example_batch=make_batches("cnn", 1, batch=8)[0],
+                         optimizer_fn=lambda p: torch.optim.AdamW(p, lr=1e-2))
+        losses.append([pm.train_step(batch) for batch in make_batches("cnn", 2, batch=8)][-1])
+    return losses
+
+
+def test_every_plan_the_picker_offers_trains(cluster2) -> None:
+    model, batch = build("cnn", 0), make_batches("cnn", 1, batch=8)[0]
+    picker = LayoutPicker(2, model=model, example_batch=batch, device="cpu", global_batch=8, top=None)
+    layouts = [str(p.layout) for p in picker.plans]
+    assert any("pp2" in l for l in layouts) and any("zero3" in l for l in layouts)
+    first, second = cluster2.run(_trains, layouts)
+    assert first == second and all(loss == loss for loss in first)  # same everywhere, finite
