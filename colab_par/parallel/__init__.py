@@ -90,6 +90,8 @@ class ParallelModel:
             loss_sum = self._forward_backward_batch(batch, loss_scale, local)
         else:
             loss_sum = self._forward_backward_tokens(batch, targets, loss_scale, local)
+        if sync_grads and self._runner is not None:
+            self._runner.sync_tied_gradients()
         if sync_grads and self._grad_averager is not None:
             self._grad_averager()
         return loss_sum.item() / dist.get_world_size()
@@ -192,11 +194,13 @@ class ParallelModel:
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale gradients so their total 2-norm over ALL shards (dp/tp/pp) is at most `max_norm`."""
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        grads = [p.grad for part in self.model_parts for p in part.parameters() if p.grad is not None]
+        params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
+        copies = self._runner.duplicate_copies() if self._runner is not None else set()
         # One reduction per kind of sharding, not one per parameter: DTensors sharing a mesh and
-        # placements stack into one norm whose full_tensor() is a single collective.
+        # placements stack into one norm whose full_tensor() is a single collective. A tensor tied
+        # across pipeline stages counts once.
         kinds: dict[Any, list[torch.Tensor]] = {}
-        for grad in grads:
+        for grad in (p.grad for p in params if id(p) not in copies):
             key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
             kinds.setdefault(key, []).append(grad)
         # Norms in the gradients' own dtype (torch's foreach kernels, no float64 copies); float32
@@ -209,8 +213,8 @@ class ParallelModel:
         total = squares.sqrt().item()
         scale = max_norm / (total + 1e-6)
         if scale < 1.0:
-            for grad in grads:
-                grad.mul_(scale)
+            for param in params:
+                param.grad.mul_(scale)
         return total
 
     @property

@@ -24,7 +24,7 @@ import operator
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -334,11 +334,12 @@ def _split_traced(model: nn.Module, layout: Layout, pp_rank: int,
               else auto_split_points(model, n_stages, block_types))
     pipe, interface = _trace(model, example_batch, points)
     plan = _StagePlan(pipe.split_gm, n_stages, type(model).__name__)
-    _check_every_tensor_on_one_stage(model, plan.modules)
+    ties = _tensors_across_stages(model, plan.modules, layout)
     parts = []
     for stage in stage_ids(layout, pp_rank):
         part = plan.rewire(stage)
         part.pipeline_io = interface  # PipelineRunner.step_batch feeds the stage through it
+        part.pipeline_ties = ties  # every rank knows every tie: the gradient sum is collective
         parts.append(part)
     return parts
 
@@ -386,26 +387,47 @@ def _trace(model: nn.Module, example_batch: Batch, points: list[str]) -> tuple[A
     return pipe, TracedInterface(dict_keys, in_spec, fed_meta, seen["spec"], seen["constants"])
 
 
-def _check_every_tensor_on_one_stage(model: nn.Module, stages: list[nn.Module]) -> None:
-    """Refuse a split that would train a tensor as two copies or lose one from checkpoints."""
+def _tensors_across_stages(model: nn.Module, stages: list[nn.Module], layout: Layout) -> list["TiedTensor"]:
+    """Refuse a split that would lose a tensor from checkpoints; return the tensors several stages
+    use (an MLM head tied to the word embeddings). Each of those stages trains a copy, and
+    `PipelineRunner.sync_tied_gradients` sums their gradients so the copies stay one tensor, as
+    Megatron does for embeddings shared by the first and last stage."""
     holders: dict[str, set[int]] = {}
     for k, stage in enumerate(stages):
         for name in stage.state_dict():
             holders.setdefault(name, set()).add(k)
     aliases: dict[int, list[str]] = {}  # a tied tensor has several names
+    tensors: dict[int, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         aliases.setdefault(id(tensor), []).append(name)
-    for names in aliases.values():
+        tensors[id(tensor)] = tensor
+    ties = []
+    for key, names in aliases.items():
         held = set().union(*(holders.get(name, set()) for name in names))
-        what = f"{names} are one tied tensor" if len(names) > 1 else f"{names[0]} is"
-        if len(held) > 1:
-            untie = "untie them (e.g. tie_word_embeddings=False) or " if len(names) > 1 else ""
-            raise ValueError(f"{what} used by stages {sorted(held)}, which would train it as two "
-                             f"copies; {untie}split so that its users share a stage")
         if not held:
+            what = f"{names} are one tied tensor" if len(names) > 1 else f"{names[0]} is"
             raise ValueError(f"{what} not used by forward on the example batch, so no stage would "
                              "hold it and checkpoints would lose it; delete the unused module, or "
                              "use pp=1")
+        if len(held) == 1:
+            continue
+        if layout.zero >= 2:
+            raise ValueError(f"{names} are one tied tensor used by stages {sorted(held)}; its copies "
+                             "are kept equal by summing their gradients, which FSDP's sharded "
+                             "gradients (zero 2/3) do not support yet; use zero=0 or 1, or untie them "
+                             "(e.g. tie_word_embeddings=False)")
+        ties.append(TiedTensor(tuple(name for name in names if name in holders), min(held),
+                               tuple(tensors[key].shape), tensors[key].dtype))
+    return ties
+
+
+class TiedTensor(NamedTuple):
+    """One tensor whose names live on several pipeline stages (see `_tensors_across_stages`)."""
+
+    names: tuple[str, ...]  # the names stages hold it under
+    first_stage: int  # the copy a norm counts
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 class _StagePlan:
@@ -585,9 +607,44 @@ class PipelineRunner:
         first = self.parts[0]
         inner = first.module if isinstance(first, DistributedDataParallel) else first
         self._traced: TracedInterface | None = getattr(inner, "pipeline_io", None)
+        self._ties: list[TiedTensor] = list(getattr(inner, "pipeline_ties", ()))
         self._clock = _BusyClock(self.device)
         self._schedule = None
         self._built_for: tuple | None = None
+
+    def tied_copies(self) -> list[list[tuple[int, nn.Parameter]]]:
+        """Per tensor several stages use, this rank's copies of it with their stage ids."""
+        copies: list[list[tuple[int, nn.Parameter]]] = []
+        for tie in self._ties:
+            mine: dict[int, tuple[int, nn.Parameter]] = {}
+            for stage, part in zip(self.stage_ids, self.parts):
+                for name, param in part.named_parameters(remove_duplicate=False):
+                    if name in tie.names:
+                        mine.setdefault(id(param), (stage, param))
+            copies.append(list(mine.values()))
+        return copies
+
+    def duplicate_copies(self) -> set[int]:
+        """ids of the copies a norm must skip: all but the first one on the first stage (a stage
+        may hold a tensor twice, under two names), so each tensor counts once."""
+        skip: set[int] = set()
+        for tie, copies in zip(self._ties, self.tied_copies()):
+            counted = [param for stage, param in copies if stage == tie.first_stage][:1]
+            skip |= {id(param) for _, param in copies if all(param is not kept for kept in counted)}
+        return skip
+
+    @torch.no_grad()
+    def sync_tied_gradients(self) -> None:
+        """Sum each tied tensor's gradient over its copies on all stages and give every copy the
+        sum, so the optimizer moves them alike (they start equal)."""
+        for tie, copies in zip(self._ties, self.tied_copies()):
+            total = torch.zeros(tie.shape, dtype=tie.dtype, device=self.device)
+            for _, param in copies:
+                if param.grad is not None:
+                    total += param.grad
+            dist.all_reduce(total, group=self.pp_group)
+            for _, param in copies:
+                param.grad = total.clone()
 
     def _stage_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         # Each microbatch loss carries loss_scale / n_microbatches, so the summed gradients are the
