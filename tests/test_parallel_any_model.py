@@ -101,11 +101,12 @@ def test_user_named_split_points(cluster2) -> None:
                                split_points=["layers.1"]), reference_run("classifier"))
 
 
-def test_pipeline_refuses_a_tied_tensor_across_stages_under_fsdp(cluster4) -> None:
-    """Tied copies on two stages are kept equal by summing their gradients (the `bert` case above);
-    FSDP's sharded gradients are refused for that, with the way out."""
-    from colab_par.output import EngineError
+@pytest.mark.parametrize("layout", ["dp2 zero3", "pp2 1f1b", "tp2"])
+def test_notebook_tinylm_under_zero3_pipeline_and_its_tensor_parallel_plan(cluster2, layout: str) -> None:
+    """Notebook 01's TinyLM (torch's encoder layers) with the plan the notebook shows for tp."""
+    from any_models import TINYLM_TP_PLAN
+    from parity import batches
 
-    pytest.importorskip("transformers")
-    with pytest.raises(EngineError, match="one tied tensor used by stages.*zero=0 or 1"):
-        cluster4.run(engine_run, "dp2 pp2 zero3 1f1b", "bert", example_batch=make_batches("bert", 1)[0])
+    options = {"pp2 1f1b": {"example_batch": batches(64, 16, 1)[0]},
+               "tp2": {"tp_plan": TINYLM_TP_PLAN}}.get(layout, {})
+    assert_parity(cluster2.run(engine_run, layout, "tinylm", **options), reference_run("tinylm"))
