@@ -288,7 +288,7 @@ def relayout(pm: Any, layout: Any, *, trainer: Any = None,
         save(pm, scratch, trainer=trainer, keep=1)
         optimizer_fn = getattr(pm, "optimizer_fn", None) or _same_optimizer(pm.optimizer)
         options = getattr(pm, "parallelize_options", {})  # the same loss_fn, blocks, tp_plan
-        new_pm = parallelize(factory(), new_layout, **{**options, "optimizer_fn": optimizer_fn})
+        new_pm = parallelize(factory, new_layout, **{**options, "optimizer_fn": optimizer_fn})
         load(new_pm, scratch, trainer=trainer)
     finally:
         _barrier()

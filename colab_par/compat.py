@@ -152,6 +152,25 @@ def checkpoint_wrapper(module: Any, **options: Any) -> Any:
     return wrap(module, **options)
 
 
+def unwrapped_name(name: str) -> str:
+    """A parameter name with the checkpoint wrapper's inserted module name taken out."""
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+    except ImportError:
+        raise _missing("torch", "checkpoint_wrapper._CHECKPOINT_PREFIX") from None
+    return name.replace(_CHECKPOINT_PREFIX, "")
+
+
+# ---- DTensor -------------------------------------------------------------------------------------------
+def local_shard_offsets(shape: Any, mesh: Any, placements: Any) -> tuple[int, ...]:
+    """Where this rank's block of a Shard/Replicate DTensor starts in the full tensor, per dim."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:
+        raise _missing("torch", "torch.distributed.tensor._utils.compute_local_shape_and_global_offset") from None
+    return tuple(compute_local_shape_and_global_offset(shape, mesh, placements)[1])
+
+
 _SDPA_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
              "_scaled_dot_product_flash_attention_for_cpu")
 

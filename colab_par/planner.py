@@ -21,7 +21,8 @@ from typing import Any, Iterable, Mapping
 from colab_par.layout import CP_MODES, Choices, Layout, LayoutError, model_sizes, valid_layouts
 from colab_par.module_spec import ModuleSpec
 
-__all__ = ["MemoryBreakdown", "ModelSpec", "DeviceSpec", "Plan", "DEVICES", "GiB", "model_state_bytes",
+__all__ = ["MemoryBreakdown", "ModelSpec", "DeviceSpec", "Plan", "DEVICES", "GiB", "INIT_MODES",
+           "model_state_bytes", "init_peak_bytes",
            "activation_bytes_per_layer", "pipeline_bubble", "get_device", "measure_cpu_device",
            "cpu_device", "cpu_compute_costs", "estimate", "search_space", "preferred",
            "candidate_layouts", "plan", "flops_per_token"]
@@ -32,7 +33,13 @@ GiB = 2 ** 30
 # ---- model state (ZeRO paper) --------------------------------------------------------------------
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes per device; ``host_*`` is what CPU offload keeps in host memory instead."""
+    """Bytes per device; ``host_*`` is what CPU offload keeps in host memory instead.
+
+    `total` is the training peak (model state, activations and the step's communication
+    `buffers`); `init` the peak while the model is built or loaded and sharded, before training;
+    `baseline` what the process holds before any model (a CPU engine's torch and gloo). `peak`,
+    what must fit, is the baseline plus the larger of the two phases.
+    """
 
     params: float
     grads: float
@@ -41,10 +48,17 @@ class MemoryBreakdown:
     host_params: float = 0.0
     host_grads: float = 0.0
     host_optimizer: float = 0.0
+    buffers: float = 0.0
+    init: float = 0.0
+    baseline: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    @property
+    def peak(self) -> float:
+        return self.baseline + max(self.total, self.init)
 
     @property
     def host_total(self) -> float:
@@ -81,6 +95,37 @@ def model_state_bytes(n_params: float, *, zero: int, dp: int, precision: str = "
         device.append(0.0 if moved else amount)
         host.append(amount if moved else 0.0)
     return MemoryBreakdown(*device, host_params=host[0], host_grads=host[1], host_optimizer=host[2])
+
+
+# ---- building the model (before training) -------------------------------------------------------
+INIT_MODES = ("meta", "full", "pretrained")
+INIT_BYTES = 4  # parameters materialise in fp32 (bf16 layouts keep fp32 master weights)
+
+
+def _check_init(init: str) -> None:
+    if init not in INIT_MODES:
+        raise ValueError(f"init={init!r}; choose 'meta' (parallelize a factory or a meta-device model), "
+                         "'full' (a model built whole on every rank) or 'pretrained' (from_pretrained)")
+
+
+def init_peak_bytes(init: str, *, model_params: float, local_params: float, largest_tensor: float,
+                    block_params: float, param_bytes: int = INIT_BYTES) -> float:
+    """Bytes one rank holds at the peak of building (or loading) and sharding its model.
+
+    `local_params` is what the rank keeps once sharded, `largest_tensor` the largest parameter
+    whole, `block_params` one repeated block as a rank reads it.
+    - "meta" (`parallelize(factory)` or a meta model): the rank's own shards plus two full
+      tensors: recording the init runs each random op once on a full-size temporary, and
+      materialising computes one full tensor on the CPU before copying its shard out.
+    - "full" (a model built normally): the whole model on every rank plus one tensor in flight
+      of the per-tensor broadcast from rank 0; sharding happens after this peak.
+    - "pretrained" (`from_pretrained`): the rank's own shards plus one block read from the
+      safetensors files.
+    """
+    _check_init(init)
+    extra = {"meta": local_params + 2 * largest_tensor, "full": model_params + largest_tensor,
+             "pretrained": local_params + block_params}
+    return extra[init] * param_bytes
 
 
 # ---- activations (Korthikanti et al. 2022) -------------------------------------------------------
@@ -177,6 +222,12 @@ class ModelSpec:
         return embeddings + self.n_layer * (self.layer_matrix_params + 2 * self.d_model) + self.d_model
 
     @property
+    def largest_tensor(self) -> int:
+        """Elements of the largest single parameter, whole (embedding/head, or a layer matrix)."""
+        d, hd = self.d_model, self.head_dim
+        return max(self.vocab_size * d, d * self.ffn_hidden, d * self.n_head * hd, d * self.n_kv_head * hd)
+
+    @property
     def matmul_params(self) -> int:
         """Parameters that take part in matmuls (all but the embedding lookup and the norms)."""
         return self.n_layer * self.layer_matrix_params + self.vocab_size * self.d_model
@@ -201,7 +252,9 @@ class DeviceSpec:
     behind the device's work when launches are asynchronous (GPUs), added to it on a CPU;
     `wrapper_overhead` the extra host time per layer pass of each wrapper that is on ("tp":
     DTensor tensor parallel, "fsdp": zero 2/3, "cp": ring / Ulysses attention);
-    `core_share` < 1 when more CPU engines than cores take turns (an idle rank lends its core).
+    `core_share` < 1 when more CPU engines than cores take turns (an idle rank lends its core);
+    `process_memory` the bytes a rank's process holds before any model (counted in a CPU engine's
+    peak; a GPU's CUDA context and NCCL buffers sit in the 10 % the capacity leaves free).
     """
 
     name: str
@@ -219,6 +272,7 @@ class DeviceSpec:
     wrapper_overhead: Mapping[str, float] = field(default_factory=dict)
     async_launch: bool = True
     core_share: float = 1.0
+    process_memory: float = 0.0
 
     @property
     def bf16(self) -> bool:
@@ -255,10 +309,13 @@ def _cpu_measurements() -> dict[str, float]:
 # machine: tp 15.7-22.3, fsdp 1.9-5.6, cp 4.3-5.3), which measures them afresh on the engines it
 # runs on. Measuring needs a process group, so the notebook-side `measure_cpu_device` takes these.
 CPU_WRAPPER_COST = {"tp": 22.0, "fsdp": 5.6, "cp": 5.3}
+# Resident memory of a CPU engine before any model: interpreter, torch, ipyparallel and the gloo
+# process group; measured by benchmarks/scale.py (2 engines, torch 2.13, 2026-11-23: 401 MiB).
+CPU_PROCESS_BYTES = 401 * 2 ** 20
 
 
 def cpu_device(engines: int, *, cores: int, peak_flops: float, efficiency: float, layer_overhead: float,
-               bandwidth: float, latency: float) -> DeviceSpec:
+               bandwidth: float, latency: float, process_memory: float = CPU_PROCESS_BYTES) -> DeviceSpec:
     """A DeviceSpec for `engines` engines sharing `cores` cores, from single-core measurements."""
     share = min(1.0, cores / max(engines, 1))  # a core's share per engine when they take turns
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(engines, 1)
@@ -266,7 +323,7 @@ def cpu_device(engines: int, *, cores: int, peak_flops: float, efficiency: float
                       bandwidth * share, math.inf, latency=latency / share, efficiency=efficiency,
                       half_tokens=0, overlap=share / 2, layer_overhead=layer_overhead / share,
                       wrapper_overhead={k: v * layer_overhead / share for k, v in CPU_WRAPPER_COST.items()},
-                      async_launch=False, core_share=share)
+                      async_launch=False, core_share=share, process_memory=process_memory)
 
 
 def cpu_compute_costs() -> dict[str, float]:
@@ -389,7 +446,8 @@ class Plan:
     """The estimate for one layout: per-device peak memory, step time (s), MFU and whether it fits.
 
     `resting` is the model state between steps (what `memory_report` measures); `times` splits the
-    step into compute, bubble and exposed communication seconds.
+    step into compute, bubble and exposed communication seconds; `init` is how the model is built
+    (`INIT_MODES`), and `fits` holds only if that build's peak fits too.
     """
 
     layout: Layout
@@ -402,6 +460,12 @@ class Plan:
     resting: MemoryBreakdown | None = None
     times: Mapping[str, float] = field(default_factory=dict)
     samples_per_s: float = 0.0
+    init: str = "meta"
+
+    @property
+    def limit(self) -> str:
+        """The phase that sets the peak: "init" (building or loading the model) or "training"."""
+        return "init" if self.memory.init > self.memory.total else "training"
 
     @property
     def throughput(self) -> str:
@@ -410,7 +474,7 @@ class Plan:
                 else f"{self.samples_per_s:,.1f} samples/s")
 
     def __str__(self) -> str:
-        return (f"{str(self.layout):<32} {self.memory.total / GiB:8.2f} GiB  "
+        return (f"{str(self.layout):<32} {self.memory.peak / GiB:8.2f} GiB  "
                 f"{self.step_time * 1e3:9.1f} ms  {self.throughput:>18}  "
                 f"MFU {self.mfu:6.1%}  {'fits' if self.fits else 'OOM'}")
 
@@ -437,14 +501,18 @@ def _spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
 
 def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", global_batch: int,
              seq_len: int, gpus_per_node: int = 8, optimizer: str = "adam",
-             validate: bool = True) -> Plan:
-    """Predict memory and step time of `layout` for `model` (raises LayoutError if impossible)."""
+             validate: bool = True, init: str = "meta") -> Plan:
+    """Predict memory and step time of `layout` for `model` (raises LayoutError if impossible).
+
+    `init` says how the model reaches the ranks (`INIT_MODES`, see `init_peak_bytes`): the plan
+    fits only if both that peak and the training peak do."""
+    _check_init(init)
     layout = Layout.parse(layout)
     spec = ModelSpec.of(model)
     dev = get_device(device, layout.world_size)
     if isinstance(spec, ModuleSpec):
         return _estimate_module(spec, layout, dev, global_batch=global_batch, gpus_per_node=gpus_per_node,
-                                optimizer=optimizer, validate=validate)
+                                optimizer=optimizer, validate=validate, init=init)
     if validate:
         layout.validate(layout.world_size, spec.config(seq_len), device=dev.name, global_batch=global_batch)
     precision = layout.precision if layout.precision in dev.peak_flops else "fp32"
@@ -460,7 +528,13 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
                               optimizer=optimizer, offload=layout.offload)
     resting = model_state_bytes(local, zero=3 if layout.zero == 2 else layout.zero, dp=shard,
                                 precision=state_precision, optimizer=optimizer, offload=layout.offload)
-    gathered = 2 * layer_params * act_bytes if layout.zero == 3 else 0.0  # current + prefetched layer
+    # FSDP (zero 2/3): the root unit (embedding, head, final norm) stays gathered from forward to
+    # the end of backward, with the current and the prefetched layer; a unit's reduce-scatter
+    # holds its unsharded gradients and the flat fp32 input they are copied into (on gloo: the
+    # input and a staging copy of the same size), the largest unit's at the peak.
+    root = local - spec.n_layer / layout.pp * layer_params
+    gathered = (root + 2 * layer_params) * act_bytes if layout.zero == 3 else 0.0
+    buffers = 2 * max(root, layer_params) * 4 if layout.zero >= 2 else 0.0
 
     # activations of the fullest rank: the first stage holds the most microbatches in flight
     local_batch = global_batch // layout.dp
@@ -472,8 +546,16 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
     in_flight = _microbatches_in_flight(layout)
     logits = micro * s_local * spec.vocab_size * (act_bytes + 4)  # gathered logits + fp32 loss
     activations = spec.n_layer / layout.pp * per_layer * in_flight + logits
+    if layout.checkpointing != "none":  # backward recomputes one layer at a time, whole
+        activations += activation_bytes_per_layer(s_local, micro, spec.d_model, spec.n_head, tp=layout.tp,
+                                                  sp=layout.sequence_parallel, dtype_bytes=act_bytes) - per_layer
+    init_bytes = init_peak_bytes(init, model_params=spec.n_params,
+                                 local_params=local / shard if layout.zero >= 2 else local,
+                                 largest_tensor=spec.largest_tensor,
+                                 block_params=(spec.layer_matrix_params + 2 * spec.d_model) / layout.tp)
     memory = MemoryBreakdown(state.params + gathered, state.grads, state.optimizer, activations,
-                             state.host_params, state.host_grads, state.host_optimizer)
+                             state.host_params, state.host_grads, state.host_optimizer, buffers,
+                             init_bytes, dev.process_memory)
 
     times = _step_times(spec, layout, dev, precision, global_batch, seq_len, gpus_per_node,
                         local, act_bytes, resting)
@@ -482,19 +564,20 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
     model_flops = tokens * flops_per_token(spec, seq_len, "none")
     mfu = model_flops / (step * layout.world_size * dev.peak_flops[precision])
     capacity = 0.9 * dev.memory  # allocator fragmentation, CUDA context, NCCL buffers
-    return Plan(layout, memory, step, mfu, memory.total <= capacity, tokens / step, capacity,
-                resting, times)
+    return Plan(layout, memory, step, mfu, memory.peak <= capacity, tokens / step, capacity,
+                resting, times, init=init)
 
 
 def _estimate_module(spec: ModuleSpec, layout: Layout, dev: DeviceSpec, *, global_batch: int,
-                     gpus_per_node: int, optimizer: str, validate: bool) -> Plan:
+                     gpus_per_node: int, optimizer: str, validate: bool, init: str) -> Plan:
     """`estimate` for a model the kit did not write, from its probe (`module_spec.py`).
 
     Parameters split evenly over tp and pp (the pipeline is cut to balance parameters); under
     zero3 the largest FSDP unit is gathered whole (with the next one prefetched), so a model
     without repeated blocks holds all its parameters unsharded during forward and backward.
     Activations and FLOPs scale the measured single sample. Tensor-parallel traffic and pipeline
-    activations crossing stages are not modelled for such models (only their latency).
+    activations crossing stages are not modelled for such models (only their latency). The probe
+    does not record the largest single tensor; the init peak takes the largest unit for it.
     """
     if validate:
         layout.validate(layout.world_size, spec.config(), device=dev.name, global_batch=global_batch)
@@ -508,12 +591,17 @@ def _estimate_module(spec: ModuleSpec, layout: Layout, dev: DeviceSpec, *, globa
                                 precision=state_precision, optimizer=optimizer, offload=layout.offload)
     units_in_memory = 2 if spec.n_blocks else 1
     gathered = units_in_memory * spec.unit_params / layout.tp * act_bytes if layout.zero == 3 else 0.0
+    buffers = 2 * spec.unit_params / layout.tp * 4 if layout.zero >= 2 else 0.0
+    init_bytes = init_peak_bytes(init, model_params=spec.n_params,
+                                 local_params=local / layout.dp if layout.zero >= 2 else local,
+                                 largest_tensor=spec.unit_params, block_params=spec.unit_params / layout.tp)
     micro = global_batch // layout.dp // layout.microbatches
     recompute = {"none": 1.0, "selective": 0.5, "full": 0.1}[layout.checkpointing]  # share kept
     activations = (spec.activation_bytes * act_bytes / 4 * recompute * micro
                    * _microbatches_in_flight(layout) / layout.pp / layout.tp)
     memory = MemoryBreakdown(state.params + gathered, state.grads, state.optimizer, activations,
-                             state.host_params, state.host_grads, state.host_optimizer)
+                             state.host_params, state.host_grads, state.host_optimizer, buffers,
+                             init_bytes, dev.process_memory)
 
     passes = {"none": 1.0, "selective": 1.1, "full": 4 / 3}[layout.checkpointing]
     flops = spec.flops_per_sample * global_batch
@@ -532,8 +620,8 @@ def _estimate_module(spec: ModuleSpec, layout: Layout, dev: DeviceSpec, *, globa
         times["offload"] = 2 * local / layout.dp * act_bytes / dev.host_bandwidth
     step = sum(times.values())
     mfu = flops / (step * layout.world_size * dev.peak_flops[precision])
-    return Plan(layout, memory, step, mfu, memory.total <= 0.9 * dev.memory, 0.0, 0.9 * dev.memory,
-                resting, times, samples_per_s=global_batch / step)
+    return Plan(layout, memory, step, mfu, memory.peak <= 0.9 * dev.memory, 0.0, 0.9 * dev.memory,
+                resting, times, samples_per_s=global_batch / step, init=init)
 
 
 def _microbatches_in_flight(layout: Layout) -> float:
@@ -707,11 +795,14 @@ def candidate_layouts(spec: ModelSpec, world_size: int, *, global_batch: int, se
 
 
 def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batch: int, seq_len: int,
-         gpus_per_node: int = 8, top: int | None = 10, optimizer: str = "adam") -> list[Plan]:
+         gpus_per_node: int = 8, top: int | None = 10, optimizer: str = "adam",
+         init: str = "meta") -> list[Plan]:
     """Valid layouts for `model` on `world_size` devices, best first: fitting before not fitting,
     then by predicted step time, then fewer parallel dimensions, then less memory.
     `model` is a GPTConfig, a Hugging Face config, a dict of sizes, or a `ModuleSpec` (any
-    nn.Module, probed; `seq_len` is then unused)."""
+    nn.Module, probed; `seq_len` is then unused). A plan fits only if building the model the
+    `init` way fits too (see `estimate`)."""
+    _check_init(init)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer, e.g. 8")
     spec = ModelSpec.of(model)
@@ -719,7 +810,7 @@ def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batc
         raise ValueError(f"global_batch={global_batch} and seq_len={seq_len} must be positive")
     dev = get_device(device, world_size)
     options = dict(device=dev, global_batch=global_batch, seq_len=seq_len,
-                   gpus_per_node=gpus_per_node, optimizer=optimizer, validate=False)
+                   gpus_per_node=gpus_per_node, optimizer=optimizer, validate=False, init=init)
     plans = [_cheapest_fitting(spec, layout, options)
              for layout in candidate_layouts(spec, world_size, global_batch=global_batch, seq_len=seq_len,
                                              bf16=dev.bf16, gpus_per_node=gpus_per_node, device=dev.name)]
@@ -729,7 +820,7 @@ def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batc
                           f"that is a multiple of {world_size}")
     plans.sort(key=lambda option: (not option.fits, round(option.step_time, 9),
                                    sum(getattr(option.layout, d) > 1 for d in ("tp", "pp", "cp")),
-                                   option.memory.total))
+                                   option.memory.peak))
     return plans[:top] if top else plans
 
 

@@ -19,7 +19,9 @@ __all__ = ["LayoutPicker"]
 
 _CHECKBOXES = {"offload": "CPU offload", "sequence_parallel": "sequence parallel"}
 _PARTS = (("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868"),
-          ("activations", "#c44e52"))
+          ("activations", "#c44e52"), ("buffers", "#8172b3"))
+_BUILDS = {"meta": "built on the meta device", "full": "built whole on every rank",
+           "pretrained": "loaded from a checkpoint"}
 
 
 class LayoutPicker:
@@ -27,23 +29,28 @@ class LayoutPicker:
     per-device memory bar, predicted step time / tokens/s / MFU, an Auto button and the top plans.
 
     ``picker.layout`` is the chosen Layout (raises `LayoutError` saying why when it is not valid);
-    ``%%colossal --layout picker`` hands it to the cell.
+    ``%%colossal --layout picker`` hands it to the cell. Only plans that fit, building the model
+    included (`init`, see `planner.init_peak_bytes`), are listed and applied by Auto.
     """
 
     def __init__(self, world_size: int, *, model: Any, device: "str | DeviceSpec", global_batch: int,
                  seq_len: int = 0, example_batch: Any = None, gpus_per_node: int = 8, top: int = 5,
-                 **probe_options: Any):
+                 init: str = "meta", **probe_options: Any):
         """`model`: a GPTConfig / Hugging Face config / sizes dict (with `seq_len`), or any
         nn.Module with an `example_batch` it takes (probed once: `module_spec.ModuleSpec`;
-        `probe_options` are parallelize's blocks / tp_plan / loss_fn)."""
+        `probe_options` are parallelize's blocks / tp_plan / loss_fn). `init`: how the model
+        reaches the ranks, "meta" (parallelize a factory), "full" (a model built normally) or
+        "pretrained" (from_pretrained)."""
         self.world_size, self.global_batch, self.seq_len = world_size, global_batch, seq_len
+        self.init = init
         self.gpus_per_node = gpus_per_node
         self.spec = (ModuleSpec.probe(model, example_batch, **probe_options) if example_batch is not None
                      else ModelSpec.of(model))
         self.device = get_device(device, world_size)
-        self.plans: list[Plan] = plan(self.spec, world_size, device=self.device,
-                                      global_batch=global_batch, seq_len=seq_len,
-                                      gpus_per_node=gpus_per_node, top=top)
+        ranked = plan(self.spec, world_size, device=self.device, global_batch=global_batch,
+                      seq_len=seq_len, gpus_per_node=gpus_per_node, top=None, init=init)
+        self.plans: list[Plan] = [p for p in ranked if p.fits][:top]  # only what the kit can start
+        self._start = (self.plans or ranked)[0].layout
         self.message = ""
         self.estimate: Plan | None = None
         self.controls = self._build_controls()
@@ -81,14 +88,19 @@ class LayoutPicker:
         self._refresh()
 
     def auto(self) -> None:
-        """Apply the planner's best plan (fitting ones come first)."""
+        """Apply the planner's best fitting plan; with none, say so and leave the choice as is."""
+        if not self.plans:
+            self._refresh()
+            self.message = f"✗ {self._no_plan_text()}"
+            self._message_html.value = f"<span style='color:#c62828'>{html.escape(self.message)}</span>"
+            return
         self.apply(self.plans[0].layout)
 
     # ---- widgets --------------------------------------------------------------------------------
     def _build_controls(self) -> dict[str, w.ValueWidget]:
         """A dropdown per field offering the values that some valid layout for this world, model,
         device and batch takes (`field_options`: the picker knows no rule itself)."""
-        start = self.plans[0].layout
+        start = self._start
         options = field_options(self.world_size, self.spec.config(self.seq_len), device=self.device.name,
                                 global_batch=self.global_batch)
         labels = {"cp_mode": "cp mode", "pp_schedule": "schedule", "virtual_stages": "virtual st.",
@@ -160,13 +172,27 @@ class LayoutPicker:
         else:
             self.estimate = estimate(self.spec, layout, device=self.device,
                                      global_batch=self.global_batch, seq_len=self.seq_len,
-                                     gpus_per_node=self.gpus_per_node, validate=False)
-            verdict = "fits" if self.estimate.fits else "does NOT fit in device memory"
-            self.message = f"✓ {layout} is valid and {verdict}"
+                                     gpus_per_node=self.gpus_per_node, validate=False, init=self.init)
+            self.message = f"✓ {layout} is valid and {self._verdict(self.estimate)}"
         colour = "#2e7d32" if self.estimate is not None and self.estimate.fits else "#c62828"
         self._message_html.value = f"<span style='color:{colour}'>{html.escape(self.message)}</span>"
         self._memory_html.value = self._memory_bar()
         self._estimate_html.value = html.escape(self._estimate_line())
+
+    def _verdict(self, option: Plan) -> str:
+        if option.fits:
+            return "fits"
+        if option.limit == "training":
+            return "does NOT fit in device memory"
+        hint = ("; build it on the meta device instead (parallelize(lambda: Model(config), layout), "
+                "init='meta')" if self.init == "full" else "")
+        return (f"does NOT fit in device memory: the model {_BUILDS[self.init]} peaks at "
+                f"{_size(option.memory.baseline + option.memory.init)} per device before training{hint}")
+
+    def _no_plan_text(self) -> str:
+        hint = (" Building the model on the meta device (init='meta') may fit." if self.init == "full" else "")
+        return (f"no layout fits {self.world_size} × {self.device.name} with the model "
+                f"{_BUILDS[self.init]}: use more devices, a smaller global batch or a smaller model.{hint}")
 
     # ---- rendering ------------------------------------------------------------------------------
     def _estimate_line(self) -> str:
@@ -174,24 +200,29 @@ class LayoutPicker:
         if e is None:
             return "no estimate for an invalid layout"
         return (f"step {e.step_time * 1e3:,.1f} ms · {e.throughput} · MFU {e.mfu:.1%} · "
-                f"{_size(e.memory.total)} of {_size(e.capacity)} per device"
+                f"{_size(e.memory.peak)} of {_size(e.capacity)} per device (building "
+                f"{_size(e.memory.baseline + e.memory.init)}, training "
+                f"{_size(e.memory.baseline + e.memory.total)})"
                 + (f" (+{_size(e.memory.host_total)} on the host)" if e.memory.host_total else ""))
 
     def _memory_bar(self) -> str:
         if self.estimate is None:
             return ""
         memory, capacity = self.estimate.memory, self.estimate.capacity
-        scale = max(memory.total, capacity)
+        scale = max(memory.total, memory.init, capacity)
         segments = "".join(
             f"<div title='{part}: {_size(getattr(memory, part))}' style='width:"
             f"{100 * getattr(memory, part) / scale:.2f}%;background:{colour}'></div>"
             for part, colour in _PARTS)
         limit = (f"<div style='position:absolute;left:{100 * capacity / scale:.2f}%;top:0;bottom:0;"
-                 "border-left:2px dashed #000'></div>")
+                 "border-left:2px dashed #000'></div>"
+                 f"<div style='position:absolute;left:{100 * memory.init / scale:.2f}%;top:0;bottom:0;"
+                 "border-left:2px solid #000'></div>")
         legend = " ".join(f"<span style='color:{colour}'>■</span> {part} "
                           f"{_size(getattr(memory, part))}" for part, colour in _PARTS)
         return (f"<div style='position:relative;display:flex;height:18px;width:100%;"
-                f"background:#eee'>{segments}{limit}</div><small>{legend} · dashed line: usable "
+                f"background:#eee'>{segments}{limit}</div><small>{legend} · solid line: building "
+                f"the model (init='{self.init}') {_size(memory.init)} · dashed line: usable "
                 f"capacity {_size(capacity)}</small>")
 
     def _batch_text(self) -> str:
@@ -200,18 +231,20 @@ class LayoutPicker:
         return f"global batch {self.global_batch} × {self.seq_len} tokens"
 
     def _plans_table(self) -> str:
+        if not self.plans:
+            return f"<b>{html.escape(self._no_plan_text())}</b>"
         rows = "".join(
-            f"<tr><td><code>{html.escape(str(p.layout))}</code></td><td>{_size(p.memory.total)}</td>"
-            f"<td>{p.step_time * 1e3:,.1f}</td><td>{p.throughput}</td><td>{p.mfu:.1%}</td>"
-            f"<td>{'yes' if p.fits else 'no'}</td></tr>" for p in self.plans)
-        return ("<table><tr><th>top plans</th><th>memory/device</th><th>step ms</th><th>throughput</th>"
-                f"<th>MFU</th><th>fits</th></tr>{rows}</table>")
+            f"<tr><td><code>{html.escape(str(p.layout))}</code></td><td>{_size(p.memory.peak)}</td>"
+            f"<td>{p.step_time * 1e3:,.1f}</td><td>{p.throughput}</td><td>{p.mfu:.1%}</td></tr>"
+            for p in self.plans)
+        return ("<table><tr><th>top plans that fit</th><th>peak/device</th><th>step ms</th>"
+                f"<th>throughput</th><th>MFU</th></tr>{rows}</table>")
 
     def __repr__(self) -> str:
         lines = [f"LayoutPicker({self.world_size} × {self.device.name}, {self._batch_text()})",
                  f"  {self.message}",
                  f"  {self._estimate_line()}", "  top plans:"]
-        lines += [f"    {p}" for p in self.plans]
+        lines += [f"    {p}" for p in self.plans] or [f"    {self._no_plan_text()}"]
         return "\n".join(lines)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict:

@@ -8,6 +8,7 @@ proves that `parallelize` starts every rank from rank 0's parameters.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from functools import lru_cache
 from typing import Any
@@ -50,10 +51,12 @@ def batches(vocab_size: int, seq_len: int, steps: int = STEPS, batch: int = BATC
     return out
 
 
-def build_model(kind: str, seed: int) -> torch.nn.Module:
+def build_model(kind: str, seed: int | None) -> torch.nn.Module:
+    """The model of `kind`, seeded with `seed` first (None: from the generator as it stands)."""
+    if seed is not None:
+        torch.manual_seed(seed)
     if kind in any_models.BUILDERS:
-        return any_models.build(kind, seed)
-    torch.manual_seed(seed)
+        return any_models.BUILDERS[kind]()
     if kind == "gpt":
         from colab_par.models import GPT, GPTConfig
         return GPT(GPTConfig(**GPT_SIZES))
@@ -84,7 +87,31 @@ def training_batches(kind: str, steps: int = STEPS) -> list[Any]:
     return batches(*_vocab_seq(kind), steps)
 
 
-def engine_run(layout: str, kind: str = "gpt", steps: int = STEPS, **options: Any) -> dict[str, Any]:
+# How engines build the model: "module" (built normally), "meta" (under torch.device("meta")) or
+# "factory" (a zero-argument callable parallelize builds on meta). PARITY_SOURCE runs the whole
+# parity suite one way; tests/test_parallel_meta.py runs a cross-section the other ways.
+SOURCES = ("module", "meta", "factory")
+DEFAULT_SOURCE = os.environ.get("PARITY_SOURCE", "module")
+
+
+def engine_model(kind: str, source: str) -> Any:
+    """The model (or factory) an engine passes to parallelize, seeded per rank on purpose: only
+    rank 0's initialisation may survive."""
+    import torch.distributed as dist
+
+    if source not in SOURCES:
+        raise ValueError(f"source={source!r}; choose one of {SOURCES}")
+    torch.manual_seed(SEED + dist.get_rank())
+    if source == "factory":
+        return lambda: build_model(kind, None)
+    if source == "meta":
+        with torch.device("meta"):
+            return build_model(kind, None)
+    return build_model(kind, None)
+
+
+def engine_run(layout: str, kind: str = "gpt", steps: int = STEPS, source: str = DEFAULT_SOURCE,
+               **options: Any) -> dict[str, Any]:
     """Runs on every engine: parallelize, train `steps` steps, return losses, gradient norms and state.
 
     The global gradient norm is read between backward and the optimizer step (clipping at infinity
@@ -93,12 +120,10 @@ def engine_run(layout: str, kind: str = "gpt", steps: int = STEPS, **options: An
     """
     import math
 
-    import torch.distributed as dist
-
     from colab_par import parallelize
 
-    model = build_model(kind, SEED + dist.get_rank())  # only rank 0's init must survive
-    pm = parallelize(model, layout, optimizer_fn=lambda p: torch.optim.AdamW(p, lr=LR), **options)
+    pm = parallelize(engine_model(kind, source), layout, optimizer_fn=lambda p: torch.optim.AdamW(p, lr=LR),
+                     **options)
     losses, grad_norms = [], []
     for batch in training_batches(kind, steps):
         # Language models take (tokens, targets) as two arguments; other models one batch object.

@@ -32,11 +32,13 @@ from colab_par.parallel.context import apply_context_parallel, sequence_position
 from colab_par.parallel.data_parallel import (GradientAverager, apply_ddp, apply_fsdp, build_optimizer,
                                               needs_gradient_averager)
 from colab_par.parallel.memory import memory_report
+from colab_par.parallel.init_record import InitRecord, record_build, record_reset
+from colab_par.parallel.materialize import WeightSource, broadcast_rng_state, is_meta_model, materialize
 from colab_par.parallel.mesh import broadcast_from_rank0, build_mesh, default_device
 from colab_par.parallel.pipeline import PipelineRunner, split_model
 from colab_par.parallel.tensor_parallel import apply_tensor_parallel, tp_plan_for
 
-__all__ = ["parallelize", "ParallelModel", "memory_report"]
+__all__ = ["parallelize", "ParallelModel", "WeightSource", "memory_report"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -250,11 +252,17 @@ class ParallelModel:
                 for name, aliases in self._whole_model_names.items()}
 
 
-def parallelize(model: nn.Module, layout: Layout | str, *, optimizer_fn: Callable | None = None,
-                loss_fn: Callable | None = None, blocks: Sequence[type | str] | None = None,
-                tp_plan: dict[str, Any] | None = None, split_points: Sequence[str] | None = None,
-                example_batch: Any = None, kernels: str = "auto") -> ParallelModel:
+def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str, *,
+                optimizer_fn: Callable | None = None, loss_fn: Callable | None = None,
+                blocks: Sequence[type | str] | None = None, tp_plan: dict[str, Any] | None = None,
+                split_points: Sequence[str] | None = None, example_batch: Any = None,
+                kernels: str = "auto", weights: WeightSource | None = None) -> ParallelModel:
     """Spread `model` (any nn.Module) over this world as `layout` says; see the module docstring.
+
+    `model` may be built on the meta device, or be a zero-argument factory (run on meta here):
+    then every step below is applied on meta and each rank allocates only its own shards, filled
+    with exactly the weights a one-process CPU build with rank 0's seed would have
+    (`init_record.py`), or read from `weights` (e.g. Hugging Face safetensors) block by block.
 
     `loss_fn`: `(logits, targets)` for token batches, `(outputs, batch)` for any other batch.
     `blocks`: the block classes (or names) FSDP shards and checkpointing wraps one by one, instead
@@ -273,6 +281,9 @@ def parallelize(model: nn.Module, layout: Layout | str, *, optimizer_fn: Callabl
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; run parallelize on the engines of a "
                            "colab_par.Cluster (e.g. inside a %%colossal cell)")
+    factory = model if not isinstance(model, nn.Module) else None
+    layout.validate(dist.get_world_size(), getattr(model, "config", None))  # before building anything
+    model, record = _shard_first_model(model, layout, weights, example_batch)
     config = getattr(model, "config", None)
     layout.validate(dist.get_world_size(), config)
     hf = is_hf_model(model)
@@ -295,9 +306,12 @@ def parallelize(model: nn.Module, layout: Layout | str, *, optimizer_fn: Callabl
     fused_loss = _apply_hf_kernels(model, kernels, layout, device, fuse=loss_fn is None) if hf else False
     token_loss = loss_fn or getattr(model, "loss_fn", None) or _default_loss
     batch_loss = loss_fn or LabelMean(model)
-    model.to(device)
-    broadcast_from_rank0(model)
+    if record is None:
+        model.to(device)
+        broadcast_from_rank0(model)
     mesh, dp_cp_mesh = build_mesh(layout, device)
+    fill = (lambda part: None) if record is None else functools.partial(
+        materialize, record=record, device=device, weights=weights)
 
     parts, names = [model], _state_names(model) if layout.pp > 1 else {}
     if layout.pp > 1:
@@ -305,7 +319,7 @@ def parallelize(model: nn.Module, layout: Layout | str, *, optimizer_fn: Callabl
         parts = split_model(model, layout, mesh["pp"].get_local_rank(), split_points=split_points,
                             block_types=block_types, example_batch=example)
     parts = [_parallelize_part(part, layout, mesh, dp_cp_mesh, device, hf, tp_plan,
-                               _part_blocks(part, block_types, block_names)) for part in parts]
+                               _part_blocks(part, block_types, block_names), fill) for part in parts]
 
     params = [p for part in parts for p in part.parameters()]
     optimizer = build_optimizer(params, optimizer_fn, layout, mesh["dp"].get_group())
@@ -316,13 +330,45 @@ def parallelize(model: nn.Module, layout: Layout | str, *, optimizer_fn: Callabl
         runner = PipelineRunner(parts, layout, mesh["pp"].get_group(), token_loss, device,
                                 batch_loss_fn=batch_loss)
     pm = ParallelModel(parts, layout, mesh, optimizer, (token_loss, batch_loss), device, hf, averager, runner,
-                         optimizer_fn=optimizer_fn, model_factory=_rebuilder(model),
+                         optimizer_fn=optimizer_fn, model_factory=factory or _rebuilder(model),
                          takes_positions=takes_positions,
                          options=dict(loss_fn=loss_fn, blocks=blocks, tp_plan=tp_plan,
                                       split_points=split_points, example_batch=example_batch,
                                       kernels=kernels))
     pm._whole_model_names, pm._fused_loss = names, fused_loss
     return pm
+
+
+def _shard_first_model(model: nn.Module | Callable[[], nn.Module], layout: Layout,
+                       weights: WeightSource | None, example_batch: Any) -> tuple[nn.Module, InitRecord | None]:
+    """The model to parallelize and, when it is (or will be built) on meta, its recorded init."""
+    if isinstance(model, nn.Module) and not is_meta_model(model):
+        if weights is not None:
+            raise ValueError("weights= fills a model built on the meta device; pass a zero-argument "
+                             "factory (e.g. lambda: MyModel(config)) or a meta model, not a built one")
+        return model, None
+    if not isinstance(model, nn.Module) and not callable(model):
+        raise TypeError(f"parallelize takes an nn.Module or a zero-argument factory building one, "
+                        f"not {type(model).__name__}")
+    broadcast_rng_state(default_device())
+    if isinstance(model, nn.Module):
+        record = record_reset(model)
+    else:
+        model, record = record_build(model, draw=weights is None)  # a checkpoint replaces random values
+    _refuse_rank_dependent_init(record)
+    return model, record
+
+
+def _refuse_rank_dependent_init(record: InitRecord) -> None:
+    """Every rank must record the same init, or the shards would not fit together."""
+    mine = torch.tensor([record.fingerprint()], dtype=torch.int64, device=default_device())
+    low, high = mine.clone(), mine.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    if low.item() != high.item():
+        raise ValueError("the model initialised differently on different ranks (does the factory call "
+                         "torch.manual_seed with a rank-dependent seed?); seed once with the same value "
+                         "on every rank, or not at all: the kit starts every rank from rank 0's generator")
 
 
 def _rebuilder(model: nn.Module) -> Callable[[], nn.Module] | None:
@@ -378,8 +424,11 @@ def _part_blocks(part: nn.Module, block_types: tuple[type, ...], block_names: fr
 
 
 def _parallelize_part(part: nn.Module, layout: Layout, mesh: Any, dp_cp_mesh: Any, device: torch.device,
-                      hf: bool, tp_plan: dict | None, blocks: list) -> nn.Module:
-    """TP(+SP) -> CP -> AC -> FSDP/DDP on one module (the whole model or one pipeline stage)."""
+                      hf: bool, tp_plan: dict | None, blocks: list, fill: Callable[[nn.Module], None]) -> nn.Module:
+    """TP(+SP) -> CP -> AC -> FSDP/DDP on one module (the whole model or one pipeline stage).
+
+    `fill` gives a meta part its local shards: after FSDP has sharded it, before DDP (which
+    broadcasts real parameters)."""
     if layout.tp > 1:
         plan = tp_plan_for(part, tp_plan, hf=hf, sequence_parallel=layout.sequence_parallel)
         apply_tensor_parallel(part, mesh["tp"], plan)
@@ -387,7 +436,10 @@ def _parallelize_part(part: nn.Module, layout: Layout, mesh: Any, dp_cp_mesh: An
         apply_context_parallel(part, mesh["cp"].get_group(), layout.cp_mode)
     apply_activation_checkpointing(part, layout.checkpointing, blocks)
     if layout.zero >= 2:
-        return apply_fsdp(part, layout, dp_cp_mesh, blocks)
+        part = apply_fsdp(part, layout, dp_cp_mesh, blocks)
+        fill(part)
+        return part
+    fill(part)
     if layout.dp * layout.cp > 1 and not needs_gradient_averager(part, layout):
         return apply_ddp(part, dp_cp_mesh.get_group(), device)
     return part

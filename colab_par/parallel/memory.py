@@ -5,7 +5,9 @@ Tensors that CPU offload keeps in host memory are reported under ``host_*`` keys
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+import ctypes
+import functools
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -14,7 +16,7 @@ from torch.distributed.tensor import DTensor
 if TYPE_CHECKING:
     from colab_par.parallel import ParallelModel
 
-__all__ = ["memory_report"]
+__all__ = ["memory_report", "trim_host_heap"]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -51,3 +53,20 @@ def memory_report(pm: "ParallelModel") -> dict[str, int]:
     report["total"] = report["params"] + report["grads"] + report["optimizer"]
     report["host_total"] = report["host_params"] + report["host_grads"] + report["host_optimizer"]
     return report
+
+
+@functools.cache
+def _libc_trim() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to hand back by hand
+        return None
+
+
+def trim_host_heap() -> None:
+    """Hand freed heap pages back to the system. Shard-first init frees one full tensor after
+    another while small long-lived allocations land between them; glibc then keeps the freed
+    pages resident and a rank's peak would grow with the model instead of with one tensor."""
+    trim = _libc_trim()
+    if trim is not None:
+        trim(0)

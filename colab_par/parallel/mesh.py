@@ -1,4 +1,4 @@
-"""The DeviceMesh for a Layout, and the one broadcast that makes every rank start from rank 0's model.
+"""The DeviceMesh for a Layout, and the broadcast that makes every rank start from rank 0's model.
 
 All four dims ("pp", "dp", "cp", "tp", outermost first) are always present, size 1 included, so
 callers can ask ``mesh["dp"]`` without caring which degrees are on; gradients of context-parallel
@@ -38,18 +38,8 @@ def build_mesh(layout: Layout, device: torch.device) -> tuple[DeviceMesh, Device
 def broadcast_from_rank0(module: nn.Module) -> None:
     """Copy global rank 0's parameters and buffers to every rank (ranks need not share a seed).
 
-    Floating tensors travel as one float64 message (exact for fp32/bf16), the rest one by one.
+    One tensor at a time in its own dtype: the extra memory is one tensor's worth on no rank.
     """
-    tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.numel()]
-    floats = [t for t in tensors if t.is_floating_point()]
-    for tensor in tensors:
-        if not tensor.is_floating_point():
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        if tensor.numel():
             dist.broadcast(tensor.data, src=0)
-    if not floats:
-        return
-    flat = torch.cat([t.detach().reshape(-1).double() for t in floats])
-    dist.broadcast(flat, src=0)
-    offset = 0
-    for tensor in floats:
-        tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-        offset += tensor.numel()

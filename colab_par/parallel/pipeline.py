@@ -39,6 +39,7 @@ from colab_par import compat
 from colab_par.layout import Layout
 from colab_par.parallel.batch import Batch, _forward_keywords, batch_size, batch_to, check_batch
 from colab_par.parallel.blocks import find_blocks
+from colab_par.parallel.mesh import default_device
 
 __all__ = ["stage_ids", "stage_owner", "split_model", "auto_split_points", "HFCausalLMStage",
            "TracedInterface", "PipelineRunner"]
@@ -91,11 +92,8 @@ def split_model(model: nn.Module, layout: Layout | str, pp_rank: int, *,
     """
     layout = Layout.parse(layout).validate()
     stage_ids(layout, pp_rank)  # refuses a rank outside the pipeline before any work
-    if split_points is None:
-        if _is_hf_causal_lm(model):
-            return _split_by_layers(model, layout, pp_rank, _hf_stage, len(model.model.layers))
-        if isinstance(getattr(model, "layers", None), nn.ModuleDict):
-            return _split_by_layers(model, layout, pp_rank, _gpt_stage, len(model.layers))
+    if split_points is None and layer_count(model) is not None:
+        return _split_by_layers(model, layout, pp_rank, layer_count(model))
     if example_batch is None:
         raise TypeError(f"split_model cuts colab_par's GPT and Hugging Face *ForCausalLM by their "
                         f"layers; {type(model).__name__} is neither; use pp=1 for it, or pass "
@@ -104,13 +102,29 @@ def split_model(model: nn.Module, layout: Layout | str, pp_rank: int, *,
     return _split_traced(model, layout, pp_rank, split_points, block_types, example_batch)
 
 
-def _split_by_layers(model: nn.Module, layout: Layout, pp_rank: int, build: Callable,
-                     n_layers: int) -> list[nn.Module]:
+def layer_count(model: nn.Module) -> int | None:
+    """How many layers a model cut by its layers has (colab_par's GPT, a Hugging Face
+    ``*ForCausalLM``); None for any other model."""
+    if _is_hf_causal_lm(model):
+        return len(model.model.layers)
+    if isinstance(getattr(model, "layers", None), nn.ModuleDict):
+        return len(model.layers)
+    return None
+
+
+def layer_stage(model: nn.Module, stage: int, n_stages: int, layers: range) -> nn.Module:
+    """Stage `stage` of `n_stages` of a model cut by its layers, holding `layers` (the first stage
+    also the embedding, the last the final norm and head); parameters keep their FQNs."""
+    build = _hf_stage if _is_hf_causal_lm(model) else _gpt_stage
+    return build(model, stage, n_stages, layers)
+
+
+def _split_by_layers(model: nn.Module, layout: Layout, pp_rank: int, n_layers: int) -> list[nn.Module]:
     n_stages = layout.pp * layout.virtual_stages
     if n_layers % n_stages:
         raise ValueError(f"{n_layers} layers do not split into pp·virtual_stages = {n_stages} "
                          "equal stages; choose pp·virtual_stages dividing the layer count")
-    return [build(model, stage, n_stages, _stage_layers(stage, n_stages, n_layers))
+    return [layer_stage(model, stage, n_stages, _stage_layers(stage, n_stages, n_layers))
             for stage in stage_ids(layout, pp_rank)]
 
 
@@ -383,8 +397,27 @@ def _trace(model: nn.Module, example_batch: Batch, points: list[str]) -> tuple[A
                          "Pipeline parallel for a model colab_par does not know needs one whole "
                          "graph (torch.export): remove data-dependent Python control flow from "
                          "forward, or use pp=1") from error
+    if device.type == "meta":  # traced before the shards exist: tensors the graph makes go to the rank's device
+        _retarget_devices(pipe.split_gm, default_device())
     fed_meta = {i: (tuple(t.shape), t.dtype) for i, t in fed.items()}
     return pipe, TracedInterface(dict_keys, in_spec, fed_meta, seen["spec"], seen["constants"])
+
+
+def _retarget_devices(root: fx.GraphModule, device: torch.device) -> None:
+    """A graph traced on the meta device creates its tensors (positions, masks) there; point every
+    `device=` the trace recorded at the rank's device."""
+    for module in root.modules():  # GraphModules and torch.export's InterpreterModules
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        def retarget(value: Any) -> Any:
+            return device if isinstance(value, torch.device) and value.type == "meta" else value
+
+        for node in graph.nodes:
+            node.args = tuple(retarget(value) for value in node.args)
+            node.kwargs = {key: retarget(value) for key, value in node.kwargs.items()}
+        if isinstance(module, fx.GraphModule):
+            module.recompile()
 
 
 def _tensors_across_stages(model: nn.Module, stages: list[nn.Module], layout: Layout) -> list["TiedTensor"]:
