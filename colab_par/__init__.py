@@ -23,7 +23,12 @@ _EXPORTS = {
     "LayoutPicker": "colab_par.widgets",
     "Trainer": "colab_par.train",
     "save": "colab_par.checkpoint",
+    "from_pretrained": "colab_par.hf_io",
+    "save_pretrained": "colab_par.hf_io",
     "load": "colab_par.checkpoint",
+    "Trial": "colab_par.selection",
+    "grid": "colab_par.selection",
+    "select": "colab_par.selection",
 }
 
 __all__ = sorted(_EXPORTS) + ["load_ipython_extension", "unload_ipython_extension"]

@@ -222,6 +222,21 @@ class Cluster:
         self._wait(result, self._ranks_of(view.targets), stream=False)
         return values(result, self._ids)
 
+    def submit(self, rank: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Start ``fn(*args, **kwargs)`` on one rank and return at once (an ipyparallel
+        AsyncResult): for independent work such as a sweep's tasks, outside the world's collectives."""
+        self._require_running()
+        ship_by_value(fn, *args, *kwargs.values())
+        return self._client[self._ids[rank]].apply_async(fn, *args, **kwargs)
+
+    def dead_ranks(self) -> list[int]:
+        """Ranks whose engine is gone."""
+        return self._dead_ranks()
+
+    def check_alive(self, ranks: Iterable[int]) -> None:
+        """Raise DeadEngineError naming any of `ranks` whose engine died."""
+        self._raise_if_dead(ranks)
+
     def execute(self, code: str, *, targets: Sequence[int] | None = None, all_output: bool = False,
                 namespace: dict[str, Any] | None = None) -> None:
         """Run a cell on the ranks (all by default): rank 0's output streams live.

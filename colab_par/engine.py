@@ -17,7 +17,7 @@ __all__ = ["host_info", "bind_device", "enable_stack_dumps", "open_rendezvous",
 _LISTENER: socket.socket | None = None  # rank 0: the bound rendezvous socket until the store takes it
 _STACKS: Any = None  # the open file faulthandler dumps stacks into on SIGUSR1
 _ENGINE_SOCKETS: set[int] | None = None  # socket inodes the engine had before it joined a world
-_ESTABLISHED = "01"  # TCP state in /proc/net/tcp
+_INET = (socket.AF_INET, socket.AF_INET6)
 
 
 def host_info() -> dict[str, Any]:
@@ -131,16 +131,24 @@ def leave_process_group(addresses: Sequence[str]) -> None:
 
 def _close_connections_to(addresses: set[str], exclude_port: int) -> None:
     """Shut down the TCP connections this engine opened since it first joined a world (the gloo
-    pairs) to peers at `addresses`; the store's (`exclude_port`) and ipyparallel's are kept."""
-    fds = _socket_fds()
-    for inode, (local_port, remote_ip, remote_port, state) in _tcp_sockets().items():
-        if (inode in fds and inode not in (_ENGINE_SOCKETS or ()) and state == _ESTABLISHED
-                and remote_ip in addresses and exclude_port not in (local_port, remote_port)):
-            try:
-                with socket.socket(fileno=os.dup(fds[inode])) as connection:
+    pairs) to peers at `addresses`; the store's (`exclude_port`) and ipyparallel's are kept.
+
+    Only this process's own sockets are looked at (never the namespace-wide /proc/net/tcp, which
+    on a busy host holds many thousands of rows and took seconds to read)."""
+    for inode, fd in _socket_fds().items():
+        if inode in (_ENGINE_SOCKETS or ()):
+            continue
+        try:
+            with socket.socket(fileno=os.dup(fd)) as connection:
+                if connection.type != socket.SOCK_STREAM or connection.family not in _INET:
+                    continue
+                remote_ip, remote_port = connection.getpeername()[:2]  # OSError unless connected
+                local_port = connection.getsockname()[1]
+                if (remote_ip.removeprefix("::ffff:") in addresses
+                        and exclude_port not in (local_port, remote_port)):
                     connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # closed meanwhile
+        except OSError:
+            pass  # not connected, or closed meanwhile
 
 
 def _socket_fds() -> dict[int, int]:
@@ -158,31 +166,6 @@ def _socket_fds() -> dict[int, int]:
         if link.startswith("socket:["):
             found[int(link[8:-1])] = int(name)
     return found
-
-
-def _tcp_sockets() -> dict[int, tuple[int, str, int, str]]:
-    """TCP sockets of this network namespace: inode -> (local port, remote ip, remote port, state)."""
-    sockets = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as rows:
-                lines = rows.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            local, remote, state, inode = fields[1], fields[2], fields[3], int(fields[9])
-            remote_ip, remote_port = remote.split(":")
-            sockets[inode] = (int(local.split(":")[1], 16), _ip(remote_ip), int(remote_port, 16), state)
-    return sockets
-
-
-def _ip(hex_ip: str) -> str:
-    """/proc/net/tcp{,6} address -> dotted IPv4 (also for IPv4-mapped IPv6) or IPv6 text."""
-    raw = b"".join(bytes.fromhex(hex_ip[i:i + 8])[::-1] for i in range(0, len(hex_ip), 8))
-    if len(raw) == 16 and raw[:12] == b"\0" * 10 + b"\xff\xff":
-        raw = raw[12:]
-    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
 
 
 def names_built_on_the_group() -> list[str]:

@@ -5,6 +5,8 @@ Tests that break engines on purpose (kill, stuck collectives) start their own cl
 from __future__ import annotations
 
 import pytest
+from IPython.core.displaypub import CapturingDisplayPublisher
+from IPython.core.interactiveshell import InteractiveShell
 
 from colab_par import Cluster
 
@@ -27,3 +29,13 @@ def cluster4():
     cluster = _started(4)
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture
+def captured():
+    """An IPython shell whose display messages are recorded instead of sent to a frontend."""
+    shell = InteractiveShell.instance()
+    previous = shell.display_pub
+    shell.display_pub = CapturingDisplayPublisher()
+    yield shell.display_pub.outputs
+    shell.display_pub = previous

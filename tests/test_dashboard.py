@@ -9,24 +9,12 @@ import os
 import time
 
 import pytest
-from IPython.core.displaypub import CapturingDisplayPublisher
-from IPython.core.interactiveshell import InteractiveShell
 from picture import assert_shows_data, blank_frame, empty_plots
 
 from colab_par.dashboard import LiveDashboard, progress_line
 from colab_par.telemetry import CHUNK, METRICS_KEY, ROWS_KEY, Publisher, metrics_data
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture
-def captured():
-    """An IPython shell whose display messages are recorded instead of sent to a frontend."""
-    shell = InteractiveShell.instance()
-    previous = shell.display_pub
-    shell.display_pub = CapturingDisplayPublisher()
-    yield shell.display_pub.outputs
-    shell.display_pub = previous
 
 
 def row(step: int, rank: int, **extra) -> dict:

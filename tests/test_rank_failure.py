@@ -42,6 +42,7 @@ def shell(world):
     ip = InteractiveShell.instance()  # the one shell of this process, whoever made it first
     ip.run_line_magic("load_ext", "colab_par")
     magics.use_cluster(world)
+    world.execute(SETUP)  # each test starts from a set-up world, whatever the one before left
     yield ip
     magics._default = None
 

@@ -1,0 +1,33 @@
+"""Which trial a free engine runs next: Sharded-LRTF (Hydra), FIFO and random.
+
+A trial is runnable when none of its tasks is in flight (its shards run one after another). The
+policies see only what a scheduler knows: each trial's estimated remaining time and its order.
+"""
+from __future__ import annotations
+
+import random
+from typing import Protocol, Sequence
+
+__all__ = ["POLICIES", "Candidate", "pick"]
+
+POLICIES = ("lrtf", "fifo", "random")
+
+
+class Candidate(Protocol):
+    index: int  # the trial's position in the sweep (FIFO order)
+
+    def remaining_seconds(self) -> float: ...
+
+
+def pick(policy: str, runnable: Sequence[Candidate], rng: random.Random) -> Candidate:
+    """Sharded-LRTF: the longest estimated remaining time (ties: earlier trial); FIFO: the earliest
+    trial; random: uniformly (from `rng`, so a seeded sweep repeats)."""
+    if not runnable:
+        raise ValueError("no runnable trial to pick from")
+    if policy == "lrtf":
+        return max(runnable, key=lambda c: (c.remaining_seconds(), -c.index))
+    if policy == "fifo":
+        return min(runnable, key=lambda c: c.index)
+    if policy == "random":
+        return rng.choice(list(runnable))
+    raise ValueError(f"scheduler={policy!r} is not one of {', '.join(POLICIES)}")

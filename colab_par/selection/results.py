@@ -1,0 +1,64 @@
+"""What a sweep returns: per-trial results and the timeline of which shard ran where, and when."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Span", "TrialResult", "SweepResult"]
+
+
+@dataclass(frozen=True)
+class Span:
+    """One task on one engine: `kind` is "init", "forward", "forward_backward" or "backward";
+    times are seconds since the sweep started."""
+
+    engine: int
+    trial: str
+    step: int
+    shard: int
+    kind: str
+    start: float
+    end: float
+
+
+@dataclass
+class TrialResult:
+    name: str
+    config: dict[str, Any]
+    steps: int
+    losses: list[float] = field(default_factory=list)
+    status: str = "waiting"  # waiting | running | done | failed | stopped
+    error: str | None = None
+    seconds: float = 0.0  # engine time spent on its tasks
+    engines: set[int] = field(default_factory=set)
+    shards: int = 1
+
+    @property
+    def final_loss(self) -> float:
+        return self.losses[-1] if self.losses else math.nan
+
+    @property
+    def best_loss(self) -> float:
+        return min(self.losses) if self.losses else math.nan
+
+
+@dataclass
+class SweepResult:
+    trials: list[TrialResult]
+    timeline: list[Span]
+    makespan: float
+    scheduler: str
+    peak_resident: dict[int, int]  # engine rank -> most bytes of shards it held at once
+    budget: int
+
+    def __getitem__(self, name: str) -> TrialResult:
+        for trial in self.trials:
+            if trial.name == name:
+                return trial
+        raise KeyError(f"no trial named {name!r}; the sweep has {', '.join(t.name for t in self.trials)}")
+
+    def leaderboard(self) -> list[TrialResult]:
+        """Finished trials first, best final loss first; failed ones last."""
+        return sorted(self.trials, key=lambda t: (t.status == "failed", math.isnan(t.final_loss),
+                                                  t.final_loss))

@@ -1,0 +1,222 @@
+"""Model selection on a real 2-engine cluster: every trial's losses equal training it alone in one
+process, whatever the scheduler, placement, migration or spilling; engines never hold more shard
+bytes than their budget; bad trials are refused before any work; errors and the stop button end
+only what they must."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from colab_par.models.gpt import GPT, GPTConfig
+from colab_par.selection import Trial, grid, select, train_alone
+from colab_par.selection.policies import pick
+from colab_par.selection.shards import plan_shards
+
+RELATIVE = 1e-5
+BUDGET = 2_000_000  # bytes per engine: the small GPT and the MLP fit, the others spill
+
+
+def gpt(d_model: int, n_layer: int):
+    def build() -> GPT:
+        return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=n_layer, n_head=2, d_model=d_model,
+                             kernels="torch"))
+    return build
+
+
+def tokens(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    sample = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(step))
+    return sample[:, :-1], sample[:, 1:]
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def features(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+
+
+def mixed_trials() -> list[Trial]:
+    return [Trial(gpt(32, 2), tokens, 4, name="gpt small"),
+            Trial(gpt(64, 4), tokens, 3, name="gpt big", lr=3e-3, seed=1),
+            Trial(gpt(48, 3), tokens, 3, name="gpt mid sgd", optimizer="sgd",
+                  optimizer_kwargs={"momentum": 0.9}, lr=0.05),
+            Trial(mlp, features, 5, name="mlp", optimizer="adam")]
+
+
+def assert_equals_alone(result, trials) -> None:
+    for trial in trials:
+        alone = train_alone(trial)
+        got = result[trial.name]
+        assert got.status == "done", (trial.name, got.status, got.error)
+        assert len(got.losses) == trial.steps
+        for step, (a, b) in enumerate(zip(got.losses, alone)):
+            assert abs(a - b) <= RELATIVE * abs(b), (trial.name, step, a, b)
+
+
+@pytest.mark.parametrize("scheduler", ["lrtf", "fifo", "random"])
+def test_every_trial_equals_training_it_alone(cluster2, scheduler: str) -> None:
+    trials = mixed_trials()
+    result = select(trials, cluster=cluster2, budget=BUDGET, scheduler=scheduler, view=None)
+    assert [result[t.name].shards > 1 for t in trials] == [False, True, True, False]
+    assert_equals_alone(result, trials)
+    assert all(0 < peak <= BUDGET for peak in result.peak_resident.values()), result.peak_resident
+    assert {span.engine for span in result.timeline} == {0, 1}
+
+
+def test_a_model_three_times_the_budget_trains_within_it(cluster2) -> None:
+    trial = Trial(gpt(64, 6), tokens, 3, name="gpt 3x", lr=2e-3)
+    plan = plan_shards(trial, BUDGET)
+    need = sum(plan.shard_bytes)
+    assert need >= 3 * BUDGET and len(plan.shards) >= 3
+    result = select([trial, Trial(mlp, features, 40, name="mlp")], cluster=cluster2, budget=BUDGET,
+                    scheduler="random", view=None)
+    assert_equals_alone(result, [trial])
+    assert all(peak <= BUDGET for peak in result.peak_resident.values())
+    # the big trial's shards ran on both engines: a shard follows whichever engine is free
+    assert len(result["gpt 3x"].engines) == 2
+
+
+def test_without_migration_each_trial_stays_on_its_engine(cluster2) -> None:
+    trials = mixed_trials()
+    result = select(trials, cluster=cluster2, budget=BUDGET, migrate=False, view=None)
+    assert_equals_alone(result, trials)
+    assert all(len(result[t.name].engines) == 1 for t in trials)
+
+
+def test_a_failing_trial_is_recorded_and_the_others_finish(cluster2) -> None:
+    def breaks_at_step_2(step: int):
+        if step == 2:
+            raise RuntimeError("corrupt shard of the dataset")
+        return tokens(step)
+
+    trials = [Trial(gpt(32, 2), breaks_at_step_2, 4, name="broken"), Trial(mlp, features, 4, name="mlp")]
+    result = select(trials, cluster=cluster2, budget=BUDGET, view=None)
+    assert result["broken"].status == "failed"
+    assert "corrupt shard of the dataset" in result["broken"].error
+    assert result["broken"].losses == train_alone(Trial(gpt(32, 2), tokens, 2, name="x"))
+    assert_equals_alone(result, trials[1:])
+
+
+class _StopAfter:
+    """The stop button, pressed after `updates` view updates (where a notebook's interrupt lands)."""
+
+    def __init__(self, updates: int):
+        self.left, self.finished = updates, None
+
+    def update(self, result) -> None:
+        self.left -= 1
+        if self.left == 0:
+            raise KeyboardInterrupt
+
+    def finish(self, result) -> None:
+        self.finished = result
+
+
+def test_the_stop_button_ends_the_sweep_and_keeps_the_results(cluster2) -> None:
+    trials = mixed_trials()
+    stop = _StopAfter(12)
+    result = select(trials, cluster=cluster2, budget=BUDGET, view=stop)
+    assert stop.finished is result
+    statuses = {t.status for t in result.trials}
+    assert "stopped" in statuses and statuses <= {"stopped", "done"}
+    for trial in trials:  # what ran is kept, and it is right
+        alone = train_alone(trial)
+        losses = result[trial.name].losses
+        assert losses == pytest.approx(alone[:len(losses)], rel=RELATIVE)
+    again = select([Trial(mlp, features, 2, name="after")], cluster=cluster2, budget=BUDGET, view=None)
+    assert again["after"].status == "done"
+
+
+def test_bad_input_is_refused_before_any_work(cluster2) -> None:
+    with pytest.raises(ValueError, match="no trials"):
+        select([], cluster=cluster2, budget=BUDGET, view=None)
+    with pytest.raises(ValueError, match="axis lr has no values"):
+        grid(lambda lr: Trial(mlp, features, 1, lr=lr), lr=[])
+
+    def fails() -> nn.Module:
+        raise ImportError("no module named 'mymodels'")
+
+    with pytest.raises(ValueError, match="trial 'bad': its model factory failed: ImportError"):
+        select([Trial(fails, features, 1, name="bad")], cluster=cluster2, budget=BUDGET, view=None)
+    with pytest.raises(ValueError, match=r"unit 'layers.1' alone needs 1\.\d\d MiB .* budget per engine "
+                                         r"is 0\.95 MiB"):
+        select([Trial(gpt(64, 2), tokens, 1, name="wide")], cluster=cluster2, budget=1_000_000, view=None)
+    with pytest.raises(ValueError, match=r"trial 'shapes': its data does not fit its model: data\(0\) = "
+                                         r"inputs \(16, 8\)"):
+        select([Trial(mlp, features, 1, name="ok"),
+                Trial(lambda: nn.Sequential(nn.Linear(5, 4)), features, 1, name="shapes")],
+               cluster=cluster2, budget=BUDGET, view=None)
+    with pytest.raises(ValueError, match="on CPU engines the per-engine budget"):
+        select([Trial(mlp, features, 1, name="a")], cluster=cluster2, view=None)
+    with pytest.raises(ValueError, match="names must be unique; a repeat"):
+        select([Trial(mlp, features, 1, name="a")] * 2, cluster=cluster2, budget=BUDGET, view=None)
+    with pytest.raises(ValueError, match="scheduler='sjf' is not one of lrtf, fifo, random"):
+        select([Trial(mlp, features, 1, name="a")], cluster=cluster2, budget=BUDGET, scheduler="sjf",
+               view=None)
+    with pytest.raises(TypeError, match="write it as an nn.Sequential"):
+        select([Trial(lambda: nn.Linear(8, 4), features, 1, name="plain")], cluster=cluster2,
+               budget=BUDGET, view=None)
+
+
+def test_grid_names_and_records_each_combination() -> None:
+    trials = grid(lambda d, lr: Trial(gpt(d, 2), tokens, 2, lr=lr), d=[32, 64], lr=[1e-3, 3e-3])
+    assert [t.name for t in trials] == ["d=32 lr=0.001", "d=32 lr=0.003", "d=64 lr=0.001", "d=64 lr=0.003"]
+    assert trials[3].config == {"d": 64, "lr": 0.003} and trials[3].lr == 0.003
+
+
+class _Candidate:
+    def __init__(self, index: int, remaining: float):
+        self.index, self.remaining = index, remaining
+
+    def remaining_seconds(self) -> float:
+        return self.remaining
+
+
+def test_policies_pick_as_their_names_say() -> None:
+    candidates = [_Candidate(0, 1.0), _Candidate(1, 5.0), _Candidate(2, 3.0), _Candidate(3, 5.0)]
+    assert pick("lrtf", candidates, random.Random(0)).index == 1  # longest; the earlier of a tie
+    assert pick("fifo", candidates, random.Random(0)).index == 0
+    drawn = {pick("random", candidates, random.Random(seed)).index for seed in range(40)}
+    assert drawn == {0, 1, 2, 3}
+    assert pick("random", candidates, random.Random(7)) is pick("random", candidates, random.Random(7))
+
+
+def test_a_dead_engine_ends_the_sweep_with_a_clear_error_instead_of_hanging() -> None:
+    import os
+    import signal
+    import time
+
+    from colab_par import Cluster
+    from colab_par.output import DeadEngineError
+
+    cluster = Cluster(n=2, backend="gloo", timeout=60.0, dashboard=False).start()
+    try:
+        victim = cluster.status()[1]["pid"]
+
+        def slow(step: int):
+            time.sleep(0.05)
+            return features(step)
+
+        class KillsRank1:  # the engine dies once the sweep runs, while rank 1 has a task in flight
+            killed = False
+
+            def update(self, result) -> None:
+                if not self.killed and any(span.engine == 1 for span in result.timeline):
+                    os.kill(victim, signal.SIGKILL)
+                    self.killed = True
+
+            def finish(self, result) -> None:
+                pass
+
+        started = time.monotonic()
+        with pytest.raises(DeadEngineError, match=r"rank\(s\) 1 died"):
+            select([Trial(mlp, slow, 200, name=f"m{i}") for i in range(2)], cluster=cluster,
+                   budget=BUDGET, view=KillsRank1())
+        assert time.monotonic() - started < 30
+    finally:
+        cluster.stop()
