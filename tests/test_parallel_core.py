@@ -169,3 +169,25 @@ def test_clip_grad_norm_on_four_engines(cluster4, layout: str) -> None:
     for before, after in cluster4.run(_clipped_norms, layout, expected / 2):
         assert before == pytest.approx(expected, rel=1e-5)
         assert after == pytest.approx(expected / 2, rel=1e-4)
+
+
+def _threads_after_parallelizing(layouts: list[str]) -> int:
+    import os
+    import torch.distributed as dist
+
+    from colab_par import parallelize
+
+    for layout in layouts:
+        pm = parallelize(build_model("gpt", SEED + dist.get_rank()), layout)
+        (x, y), = batches(GPT_SIZES["vocab_size"], GPT_SIZES["seq_len"], steps=1)
+        pm.train_step(x, y)
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_parallelizing_again_opens_no_new_process_groups(cluster2) -> None:
+    """A notebook session switches layouts many times: every gloo group is three threads that live
+    as long as the world, so the second round over the same layouts must not add any."""
+    layouts = ["dp2", "dp2 zero3", "tp2", "pp2"]
+    first = cluster2.run(_threads_after_parallelizing, layouts)
+    again = cluster2.run(_threads_after_parallelizing, layouts)
+    assert again == first, (first, again)

@@ -26,12 +26,26 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+# Meshes built in the current world, by (device type, shape). Every DeviceMesh opens a process
+# group per dim (a gloo group is three threads and its sockets) that lives as long as the world,
+# so a session that parallelizes again and again reuses them instead of growing without bound.
+_MESHES: dict[tuple[str, tuple[int, ...]], tuple[DeviceMesh, DeviceMesh]] = {}
+_MESHES_WORLD: list[object] = [None]  # the default group they were built in
+
+
 def build_mesh(layout: Layout, device: torch.device) -> tuple[DeviceMesh, DeviceMesh]:
     """A (pp, dp, cp, tp) mesh over the whole world, and its flattened 1-D "dp_cp" gradient mesh
-    (kept by the caller: torch deprecates slicing flattened dims back out of the root mesh)."""
+    (kept by the caller: torch deprecates slicing flattened dims back out of the root mesh).
+    Built once per shape in a world (see `_MESHES`); a re-initialised world builds anew."""
+    if _MESHES_WORLD[0] is not dist.group.WORLD:
+        _MESHES.clear()
+        _MESHES_WORLD[0] = dist.group.WORLD
     shape = tuple(getattr(layout, name) for name in MESH_DIMS)
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
-    return mesh, flatten_mesh(mesh["dp", "cp"], "dp_cp")
+    key = (device.type, shape)
+    if key not in _MESHES:
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+        _MESHES[key] = (mesh, flatten_mesh(mesh["dp", "cp"], "dp_cp"))
+    return _MESHES[key]
 
 
 @torch.no_grad()
