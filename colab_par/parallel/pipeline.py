@@ -289,10 +289,10 @@ def auto_split_points(model: nn.Module, n_stages: int,
             pending += param.numel()
     weights[-1] += pending
     names = {id(module): name for name, module in model.named_modules()}
-    return [names[id(blocks[i][2])] for i in _balanced_cuts(weights, n_stages)]
+    return [names[id(blocks[i][2])] for i in balanced_cuts(weights, n_stages)]
 
 
-def _balanced_cuts(weights: list[int], parts: int) -> list[int]:
+def balanced_cuts(weights: list[int], parts: int) -> list[int]:
     """Start indices of parts 1.. of the contiguous split of `weights` with the smallest maximum
     part (dynamic programming: best[k][i] is that maximum for the first i weights in k parts)."""
     n = len(weights)

@@ -33,6 +33,8 @@ class TrialResult:
     seconds: float = 0.0  # engine time spent on its tasks
     engines: set[int] = field(default_factory=set)
     shards: int = 1
+    restarts: int = 0  # steps begun again because the engine running them died
+    param_bytes: int = 0
 
     @property
     def final_loss(self) -> float:
@@ -51,6 +53,16 @@ class SweepResult:
     scheduler: str
     peak_resident: dict[int, int]  # engine rank -> most bytes of shards it held at once
     budget: int
+    placement: str = "shard"
+    lost_engines: list[int] = field(default_factory=list)  # engines that died during the sweep
+    predicted_makespan: float | None = None  # the planner's figure, made before the sweep ran
+
+    @property
+    def prediction_error(self) -> float | None:
+        """Predicted over measured makespan, minus one (None without a prediction)."""
+        if self.predicted_makespan is None or not self.makespan:
+            return None
+        return self.predicted_makespan / self.makespan - 1
 
     def __getitem__(self, name: str) -> TrialResult:
         for trial in self.trials:

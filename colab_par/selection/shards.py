@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.flop_counter import FlopCounterMode
 
-from colab_par.parallel.pipeline import layer_count, layer_stage
+from colab_par.parallel.pipeline import balanced_cuts, layer_count, layer_stage
 from colab_par.selection.trial import Trial
 
 __all__ = ["Unit", "ShardPlan", "plan_shards", "unit_modules", "shard_module", "meta_model"]
@@ -30,6 +31,7 @@ class Unit:
     name: str
     param_bytes: int
     activation_bytes: int
+    flops: int = 0  # one forward of the trial's batch (the loss counted in the last unit)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,12 @@ class ShardPlan:
     @property
     def param_bytes(self) -> int:
         return sum(unit.param_bytes for unit in self.units)
+
+    def shard_flops(self, k: int) -> int:
+        return sum(self.units[i].flops for i in self.shards[k])
+
+    def shard_param_bytes(self, k: int) -> int:
+        return sum(self.units[i].param_bytes for i in self.shards[k])
 
     @property
     def prefetch(self) -> bool:
@@ -98,8 +106,9 @@ def shard_module(model: nn.Module, shards: tuple[range, ...], k: int) -> nn.Modu
     return nn.Sequential(OrderedDict(children[i] for i in units))
 
 
-def plan_shards(trial: Trial, budget: int) -> ShardPlan:
-    """Probe the trial on meta and cut it into shards for `budget` bytes per engine."""
+def plan_shards(trial: Trial, budget: int, parts: int | None = None) -> ShardPlan:
+    """Probe the trial on meta and cut it into shards for `budget` bytes per engine; `parts`
+    instead cuts it into that many shards of balanced size (model parallelism over `parts` engines)."""
     model = meta_model(trial)
     units = _probe(trial, model)
     per_param = 2 + trial.state_tensors_per_param  # weight, gradient, optimizer state
@@ -111,6 +120,8 @@ def plan_shards(trial: Trial, budget: int) -> ShardPlan:
                          f"(parameters, gradients, {trial.optimizer} state and activations) but the "
                          f"budget per engine is {_mib(budget)}; raise the budget to at least {_mib(n)} "
                          "or make that layer smaller")
+    if parts is not None:
+        return _balanced_plan(trial, units, need, budget, min(parts, len(units)))
     if sum(need) <= budget:
         return ShardPlan(trial.name, units, (range(len(units)),), (sum(need),), budget,
                          trial.state_tensors_per_param)
@@ -126,13 +137,33 @@ def plan_shards(trial: Trial, budget: int) -> ShardPlan:
     return ShardPlan(trial.name, units, tuple(shards), tuple(sizes), budget, trial.state_tensors_per_param)
 
 
+def _balanced_plan(trial: Trial, units: tuple[Unit, ...], need: list[int], budget: int,
+                   parts: int) -> ShardPlan:
+    starts = [0, *balanced_cuts(need, parts), len(units)]
+    shards = tuple(range(a, b) for a, b in zip(starts, starts[1:]))
+    sizes = tuple(sum(need[i] for i in shard) for shard in shards)
+    if max(sizes) > budget:
+        raise ValueError(f"trial {trial.name!r} split over {parts} engines still needs {_mib(max(sizes))} "
+                         f"on one of them, over the budget of {_mib(budget)}: raise the budget or use "
+                         "placement='shard', which spills")
+    return ShardPlan(trial.name, units, shards, sizes, budget, trial.state_tensors_per_param)
+
+
 def _probe(trial: Trial, model: nn.Module) -> tuple[Unit, ...]:
     """Each unit's parameter bytes and the bytes autograd saves while it runs forward (loss included
     in the last unit), from one forward of the trial's first batch on meta."""
     named = unit_modules(model)
-    saved = [0] * len(named)
+    saved, flops = [0] * len(named), [0] * len(named)
     current = [0]
-    hooks = [module.register_forward_pre_hook(lambda *_, i=i: current.__setitem__(0, i))
+    counter = FlopCounterMode(display=False)
+    counted_flops = [0]
+
+    def enter(i: int) -> None:  # the FLOPs so far belong to the unit that was running
+        total = counter.get_total_flops()
+        flops[current[0]] += total - counted_flops[0]
+        counted_flops[0], current[0] = total, i
+
+    hooks = [module.register_forward_pre_hook(lambda *_, i=i: enter(i))
              for i, (_, modules) in enumerate(named) for module in modules]
     seen: dict[int, torch.Tensor] = {}  # kept alive, so an id is never reused during the probe
 
@@ -144,10 +175,11 @@ def _probe(trial: Trial, model: nn.Module) -> tuple[Unit, ...]:
 
     try:
         inputs, targets = trial.data(0)
-        with saved_tensors_hooks(count, lambda tensor: tensor):
+        with saved_tensors_hooks(count, lambda tensor: tensor), counter:
             for param in model.parameters():
                 param.requires_grad_(True)
             trial.loss(model(inputs.to("meta")), targets.to("meta"))
+            enter(current[0])
     except Exception as exc:  # noqa: BLE001 - a shape mismatch surfaces as any error of the model
         shapes = _shapes(trial)
         raise ValueError(f"trial {trial.name!r}: its data does not fit its model: {shapes} gave "
@@ -157,10 +189,10 @@ def _probe(trial: Trial, model: nn.Module) -> tuple[Unit, ...]:
             hook.remove()
     counted: set[int] = set()
     units = []
-    for (name, modules), activation in zip(named, saved):
+    for (name, modules), activation, unit_flops in zip(named, saved, flops):
         params = [p for module in modules for p in module.parameters() if id(p) not in counted]
         counted.update(id(p) for p in params)
-        units.append(Unit(name, sum(p.numel() * p.element_size() for p in params), activation))
+        units.append(Unit(name, sum(p.numel() * p.element_size() for p in params), activation, unit_flops))
     return tuple(units)
 
 

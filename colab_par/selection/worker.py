@@ -11,6 +11,11 @@ arithmetic is the one-process step's, cut at shard boundaries, so the losses are
 Shards stay resident after they ran (tagged with their version, which the scheduler counts), so a
 trial that comes back to the same engine does not reload, and while one shard computes the next
 one the scheduler expects is fetched beside it (double buffering) when the budget holds both.
+
+The store keeps two slots of every shard's weights and optimizer state: version v is read from
+slot v % 2 and its step writes v + 1 into the other slot. So when an engine dies mid-step, every
+shard's weights as they were at the start of that step are still intact, and the scheduler
+replays the step elsewhere (with a new epoch in the tag, so no copy from the lost step is reused).
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from colab_par.selection.shards import ShardPlan, meta_model, shard_module
 from colab_par.selection.store import SpillStore
 from colab_par.selection.trial import Trial, make_optimizer
 
-__all__ = ["open_sweep", "close_sweep", "run_task"]
+__all__ = ["open_sweep", "close_sweep", "run_task", "ping", "measure_speeds"]
 
 _SWEEPS: dict[str, "_EngineSweep"] = {}
 
@@ -38,7 +43,7 @@ _SWEEPS: dict[str, "_EngineSweep"] = {}
 class _Resident:
     module: nn.Module
     optimizer: torch.optim.Optimizer
-    version: int
+    tag: tuple[int, int]  # (epoch, version): see the module docstring
     charge: int  # bytes accounted for it (the plan's figure for the shard)
 
 
@@ -80,10 +85,10 @@ class _Residency:
             if old is not None:
                 self.held -= old.charge
 
-    def get(self, key: tuple[int, int], version: int) -> _Resident | None:
+    def get(self, key: tuple[int, int], tag: tuple[int, int]) -> _Resident | None:
         with self.lock:
             resident = self.shards.get(key)
-            if resident is None or resident.version != version:
+            if resident is None or resident.tag != tag:
                 return None
             self.shards.move_to_end(key)
             return resident
@@ -104,36 +109,63 @@ class _EngineSweep:
             self.skeletons[(t, k)] = shard_module(self.models[t], self.plans[t].shards, k)
         return self.skeletons[(t, k)]
 
-    def load(self, t: int, k: int, version: int) -> _Resident:
-        """Promote shard k of trial t from the store into this engine's memory."""
+    def load(self, t: int, k: int, tag: tuple[int, int]) -> _Resident:
+        """Promote shard k of trial t, at the version in `tag`, from the store into this engine."""
+        slot = tag[1] % 2
         module = copy.deepcopy(self.skeleton(t, k)).to_empty(device=self.device)
         params = dict(module.named_parameters())
         for name, param in params.items():
-            param.data.copy_(self.store.get(t, "param." + name, param.shape, param.dtype))
+            param.data.copy_(self.store.get(t, f"param.{name}@{slot}", param.shape, param.dtype))
         optimizer = make_optimizer(self.trials[t], list(params.values()))
-        for name, states in self.store.get_json(t, f"state{k}.json", {}).items():
+        for name, states in self.store.get_json(t, f"state{k}@{slot}.json", {}).items():
             param = params[name]
             optimizer.state[param] = {
-                key: self.store.get(t, f"state.{name}.{key}", shape, getattr(torch, dtype)).clone()
+                key: self.store.get(t, f"state.{name}.{key}@{slot}", shape, getattr(torch, dtype)).clone()
                 .to(param.device if key != "step" else "cpu")
                 for key, (shape, dtype) in states.items()}
-        return _Resident(module, optimizer, version, self.plans[t].shard_bytes[k])
+        return _Resident(module, optimizer, tag, self.plans[t].shard_bytes[k])
 
     def write_back(self, t: int, k: int, resident: _Resident) -> None:
+        """Store the shard's next version (weights and optimizer state) into the other slot."""
+        epoch, version = resident.tag
+        slot = (version + 1) % 2
         manifest = {}
         for name, param in resident.module.named_parameters():
-            self.store.put(t, "param." + name, param)
+            self.store.put(t, f"param.{name}@{slot}", param)
             states = resident.optimizer.state.get(param, {})
-            manifest[name] = {key: (self.store.put(t, f"state.{name}.{key}", value),
+            manifest[name] = {key: (self.store.put(t, f"state.{name}.{key}@{slot}", value),
                                     str(value.dtype).removeprefix("torch."))
                               for key, value in states.items() if torch.is_tensor(value)}
-        self.store.put_json(t, f"state{k}.json", manifest)
+        self.store.put_json(t, f"state{k}@{slot}.json", manifest)
+        resident.tag = (epoch, version + 1)
 
 
-def open_sweep(sweep_id: str, store_root: str, payload: bytes, budget: int, device: str) -> None:
-    """Join a sweep: its trials and plans arrive pickled by value (notebook definitions)."""
+def open_sweep(sweep_id: str, store_root: str, payload: bytes, budget: int, device: str) -> dict[str, float]:
+    """Join a sweep: its trials and plans arrive pickled by value (notebook definitions). Returns
+    this engine's measured speeds, which the makespan prediction uses (`predict.py`)."""
     trials, plans = cloudpickle.loads(payload)
     _SWEEPS[sweep_id] = _EngineSweep(SpillStore(store_root), trials, plans, budget, torch.device(device))
+    return measure_speeds(torch.device(device))
+
+
+def measure_speeds(device: torch.device, size: int = 256, repeats: int = 5) -> dict[str, float]:
+    """Matrix-multiply FLOP/s and memory-copy bytes/s of this engine (best of a few tries)."""
+    a = torch.randn(size, size, device=device)
+    source, target = torch.randn(1 << 20, device=device), torch.empty(1 << 20, device=device)
+    flops, copies = 0.0, 0.0
+    for _ in range(repeats):
+        started = time.perf_counter()
+        (a @ a).sum().item()
+        flops = max(flops, 2 * size ** 3 / (time.perf_counter() - started))
+        started = time.perf_counter()
+        target.copy_(source)
+        target[0].item()
+        copies = max(copies, source.numel() * source.element_size() / (time.perf_counter() - started))
+    return {"flops_per_s": flops, "copy_bytes_per_s": copies}
+
+
+def ping() -> None:
+    """A task that does nothing: its round trip is the sweep's per-task dispatch cost."""
 
 
 def close_sweep(sweep_id: str) -> int:
@@ -157,23 +189,24 @@ def _init(sweep: _EngineSweep, t: int) -> dict[str, Any]:
     """Build the trial under its seed, as one process would, and write its weights to the store."""
     model = sweep.trials[t].build()
     for name, param in model.named_parameters():
-        sweep.store.put(t, "param." + name, param)
+        sweep.store.put(t, f"param.{name}@0", param)
     return {}
 
 
 def _run_shard(sweep: _EngineSweep, task: dict[str, Any]) -> dict[str, Any]:
     t, k, kind, step = task["trial"], task["shard"], task["kind"], task["step"]
     trial, plan = sweep.trials[t], sweep.plans[t]
-    key = (t, k)
-    resident = sweep.residency.get(key, task["version"])
+    key, tag = (t, k), (task["epoch"], task["version"])
+    resident = sweep.residency.get(key, tag)
     if resident is None:
         sweep.residency.drop(key)
         if not sweep.residency.reserve(plan.shard_bytes[k], keep=set()):
             raise MemoryError(f"shard {k} of trial {trial.name!r} ({plan.shard_bytes[k]} bytes) does not "
                               f"fit this engine's budget of {plan.budget} bytes")
-        resident = sweep.load(t, k, task["version"])
+        resident = sweep.load(t, k, tag)
         sweep.residency.add(key, resident)
-    prefetch = _start_prefetch(sweep, t, task.get("prefetch"), keep={key})
+    hint = task.get("prefetch")
+    prefetch = _start_prefetch(sweep, t, hint and (hint[0], (task["epoch"], hint[1])), keep={key})
     try:
         out = _compute(sweep, t, k, kind, step, task, resident)
     finally:
@@ -181,7 +214,6 @@ def _run_shard(sweep: _EngineSweep, task: dict[str, Any]) -> dict[str, Any]:
             prefetch.join()
     if kind != "forward":  # its optimizer stepped: the store gets the new weights and state
         sweep.write_back(t, k, resident)
-        resident.version += 1
     return out
 
 
@@ -212,15 +244,15 @@ def _compute(sweep: _EngineSweep, t: int, k: int, kind: str, step: int, task: di
     return out
 
 
-def _start_prefetch(sweep: _EngineSweep, t: int, hint: tuple[int, int] | None,
+def _start_prefetch(sweep: _EngineSweep, t: int, hint: tuple[int, tuple[int, int]] | None,
                     keep: set[tuple[int, int]]) -> threading.Thread | None:
-    """Fetch the shard the scheduler expects next into memory beside the running one, if the
-    budget holds both; the running task does not wait for it until it ends."""
+    """Fetch the shard the scheduler expects next (`hint`: shard, tag) into memory beside the
+    running one, if the budget holds both; the running task does not wait for it until it ends."""
     if hint is None or not sweep.plans[t].prefetch:
         return None
-    k, version = hint
+    k, tag = hint
     key = (t, k)
-    if sweep.residency.get(key, version) is not None:
+    if sweep.residency.get(key, tag) is not None:
         return None
     sweep.residency.drop(key)
     if not sweep.residency.reserve(sweep.plans[t].shard_bytes[k], keep=keep):
@@ -228,7 +260,7 @@ def _start_prefetch(sweep: _EngineSweep, t: int, hint: tuple[int, int] | None,
 
     def fetch() -> None:
         try:
-            sweep.residency.add(key, sweep.load(t, k, version))
+            sweep.residency.add(key, sweep.load(t, k, tag))
         except Exception:  # noqa: BLE001 - a failed prefetch only costs the load it saved
             sweep.residency.release(sweep.plans[t].shard_bytes[k])
 
