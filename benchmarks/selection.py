@@ -11,7 +11,7 @@ Hydra's baseline per round (median and min-max). Every arm's losses are checked 
 first arm's, trial by trial (within 1e-5 relative: equal whatever the schedule). The simulator then replays
 the Sharded-LRTF run's median task times with 12 models (each trial twice) on 8 devices.
 
-    python benchmarks/selection.py [--rounds 3] [--steps 6] [--budget-mib 64]
+    python benchmarks/selection.py [--rounds 3] [--steps 4] [--budget-mib 160]
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from colab_par.models.gpt import GPT, GPTConfig
 from colab_par.selection import Trial, select
 from colab_par.selection.simulate import TrialProfile, measured_profiles, simulate
 
-VOCAB, SEQ, BATCH = 512, 64, 8
-SIZES = ((128, 2), (128, 4), (256, 4))  # (d_model, n_layer); the last spills at the default budget
+VOCAB, SEQ, BATCH = 512, 128, 8
+SIZES = ((192, 3), (224, 4), (256, 4))  # (d_model, n_layer); the last spills at the default budget
 LRS = (1e-3, 3e-3)
 ARMS = {  # name -> select() options
     "sharded-lrtf": dict(scheduler="lrtf", placement="shard"),
@@ -63,8 +63,8 @@ def spread(values: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--budget-mib", type=float, default=64)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--budget-mib", type=float, default=160)
     args = parser.parse_args()
     budget = int(args.budget_mib * 2 ** 20)
     trials = workload(args.steps)
