@@ -2,7 +2,8 @@
 
 One helper for every test of a dashboard picture (unit frames, the live run, `colab-par demo`'s
 PNG, the notebooks' final frames): a frame passes only when every one of its four plots shows
-its lines or bars, so a blank frame with empty axes fails (checked on every call).
+its lines or bars, so a blank frame with empty axes fails (checked on every call). The
+model-selection view's frames get the same kind of check, per trial colour and engine lane.
 """
 from __future__ import annotations
 
@@ -58,3 +59,70 @@ def assert_shows_data(png: bytes) -> None:
 def blank_frame() -> bytes:
     """A frame drawn before any row arrived: the negative control every picture test checks."""
     return LiveDashboard(mode="text").png()
+
+
+# ---- the model-selection view's frames (colab_par.selection.view) ----------------------------------
+
+def selection_pixels(png: bytes, trials: int, engines: int) -> dict[tuple, int]:
+    """Pixels of trial i's colour (i < `trials`) in a `SelectionView` frame of a sweep over
+    `engines` engines: keys ("loss per trial", i) and ("timeline", i) for the plots, and
+    ("lane", e, i) for engine e's lane of the timeline. The view's axes sit at fixed boxes (no
+    layout engine), so a view drawn here locates them in a frame drawn in another process."""
+    from colab_par.selection.view import SelectionView, trial_colour
+
+    view = SelectionView(mode="text")
+    view.png(_waiting_sweep(trials, engines))  # lanes 0..engines-1, as the sweep's frame has them
+    panels = {panel.title: panel for panel in view.panels(_waiting_sweep(trials, engines))}
+    image = imread(io.BytesIO(png), format="png")[..., :3]
+    assert image.shape[1] > panels["timeline"].box[2], f"a {image.shape[1]} px wide image is no view frame"
+
+    def count(box: tuple[int, int, int, int], colour: str) -> int:
+        left, top, right, bottom = box
+        area = image[top + INSET:bottom - INSET, left + INSET:right - INSET]
+        return int((np.abs(area - np.array(to_rgb(colour))) < TOLERANCE).all(axis=-1).sum())
+
+    counts = {}
+    left, _, right, _ = panels["timeline"].box
+    for index in range(trials):
+        for title in ("loss per trial", "timeline"):
+            counts[title, index] = count(panels[title].box, trial_colour(index))
+        for engine in range(engines):
+            top, bottom = view.row_band(engine)
+            counts["lane", engine, index] = count((left, top, right, bottom), trial_colour(index))
+    return counts
+
+
+def selection_gaps(png: bytes, trials: int, engines: int) -> list[str]:
+    """What a selection frame fails to show (an empty list: nothing): a trial without its loss
+    curve or its timeline bars, an engine lane with fewer than two trials' bars in it."""
+    counts = selection_pixels(png, trials, engines)
+    gaps = [f"trial {index} in the {title} plot" for index in range(trials)
+            for title in ("loss per trial", "timeline") if counts[title, index] < MIN_LINE_PIXELS]
+    for engine in range(engines):
+        drawn = [i for i in range(trials) if counts["lane", engine, i] >= MIN_LINE_PIXELS]
+        if len(drawn) < 2:
+            gaps.append(f"engine {engine}'s lane shows trials {drawn} only")
+    return gaps
+
+
+def assert_selection_shows_data(png: bytes, trials: int, engines: int) -> None:
+    """Every trial's loss curve and timeline bars are in `png`, and each engine's lane holds bars of
+    more than one trial; a frame drawn before the sweep ran fails that same check (asserted here)."""
+    blank = selection_gaps(selection_blank_frame(trials, engines), trials, engines)
+    assert len(blank) == 2 * trials + engines, f"the picture check passes a blank view frame: {blank}"
+    gaps = selection_gaps(png, trials, engines)
+    assert not gaps, f"the selection view's frame does not show {gaps}: {selection_pixels(png, trials, engines)}"
+
+
+def selection_blank_frame(trials: int, engines: int) -> bytes:
+    """A selection view frame drawn before any task ran: the negative control."""
+    from colab_par.selection.view import SelectionView
+
+    return SelectionView(mode="text").png(_waiting_sweep(trials, engines))
+
+
+def _waiting_sweep(trials: int, engines: int):
+    from colab_par.selection.results import SweepResult, TrialResult
+
+    return SweepResult([TrialResult(f"trial {i}", {}, 1) for i in range(trials)], [], 0.0, "lrtf",
+                       {engine: 0 for engine in range(engines)}, 0)

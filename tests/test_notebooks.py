@@ -13,10 +13,13 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import torch
 from nbclient import NotebookClient
-from picture import assert_shows_data
+from picture import assert_selection_shows_data, assert_shows_data
 
 from colab_par.layout import Layout
+from colab_par.models import GPT, GPTConfig
+from colab_par.selection import Trial, grid, train_alone
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 KERNEL = "colab-par-test"
@@ -166,3 +169,71 @@ def test_05_planning_at_scale(kernel_path, tmp_path):
     assert "application/vnd.jupyter.widget-view+json" in mime_types(cell_of(notebook, "picker.widget"))
     messages = text_of(cell_of(notebook, "picker.auto()")).splitlines()
     assert messages[-1].startswith("✓") and "fits" in messages[-1] and "NOT" not in messages[-1]
+
+
+# 06_model_selection's trials, defined again here: the solo runs its results are compared with are
+# computed in the test process from these definitions, not taken from the notebook
+SELECTION_VOCAB, SELECTION_SEQ, SELECTION_BATCH, SELECTION_STEPS = 64, 16, 8, 30
+
+
+def selection_tokens(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    start = torch.randint(0, SELECTION_VOCAB, (SELECTION_BATCH, 1), generator=g)
+    stride = torch.randint(1, 4, (SELECTION_BATCH, 1), generator=g)
+    sample = (start + stride * torch.arange(SELECTION_SEQ + 1)) % SELECTION_VOCAB
+    return sample[:, :-1], sample[:, 1:]
+
+
+def selection_trial(d_model: int, lr: float) -> Trial:
+    config = GPTConfig(vocab_size=SELECTION_VOCAB, seq_len=SELECTION_SEQ, n_layer=d_model // 16,
+                       n_head=2, d_model=d_model, kernels="torch")
+    return Trial(lambda: GPT(config), selection_tokens, SELECTION_STEPS, lr=lr)
+
+
+def test_06_model_selection(kernel_path, tmp_path):
+    trials = {t.name: t for t in grid(selection_trial, d_model=[32, 48, 64], lr=[3e-3, 1e-2])}
+    notebook = execute("06_model_selection", tmp_path)
+
+    # the sweep cell kept the live view's final frame: every trial's curve and bars, two lanes
+    sweep = cell_of(notebook, "colab_par.select(")
+    frames = [o for o in sweep.outputs if o.output_type in ("display_data", "update_display_data")
+              and "image/png" in o.get("data", {})]
+    assert len(frames) == 1, f"the view should redraw one display in place; outputs: {mime_types(sweep)}"
+    assert_selection_shows_data(base64.b64decode(frames[-1].data["image/png"]), len(trials), 2)
+    board = frames[-1].data["text/plain"]
+    assert board.startswith(f"{len(trials)} trials: {len(trials)} done · best "), board
+    rows = re.findall(rf"^\d+\s+(d_model=\d+ lr=[\d.e-]+)\s+done\s+([\d.]+)\s+[\d.]+\s+"
+                      rf"{SELECTION_STEPS}/{SELECTION_STEPS}\s+([\d,]+)\s+(\d+)$", board, re.M)
+    assert sorted(row[0] for row in rows) == sorted(trials), board
+    shards = [int(row[3]) for row in rows]
+    assert min(shards) == 1 and max(shards) > 1, f"no trial spilled (or none fits the budget): {board}"
+
+    # every engine ran more than one trial: the notebook's reading of result.timeline, and the
+    # engines each trial reports in the final frame's leaderboard, agree
+    where = text_of(cell_of(notebook, "for engine in sorted("))
+    ran = {int(engine): set(names.split(", "))
+           for engine, _, names in re.findall(r"^engine (\d+) ran (\d+) trials: (.+)$", where, re.M)}
+    assert sorted(ran) == [0, 1], where
+    assert all(len(names) > 1 and names <= set(trials) for names in ran.values()), ran
+    on_board = {engine: {row[0] for row in rows if str(engine) in row[2].split(",")} for engine in ran}
+    assert on_board == ran, (on_board, ran)
+
+    # the results equal solo runs, recomputed here
+    check = text_of(cell_of(notebook, "train_alone(trial)"))
+    assert check.count(" same\n") == len(trials) and "DIFFERENT" not in check, check
+    losses = json.loads(re.search(r"^sweep losses: (.+)$", check, re.M).group(1))
+    assert sorted(losses) == sorted(trials)
+    final = {row[0]: float(row[1]) for row in rows}
+    for name, trial in trials.items():
+        alone = train_alone(trial)
+        assert len(losses[name]) == len(alone) == SELECTION_STEPS, name
+        assert losses[name] == pytest.approx(alone, rel=1e-5), f"{name}: the sweep differs from a solo run"
+        assert final[name] == pytest.approx(alone[-1], abs=6e-5), f"{name}: the leaderboard differs"
+    best = min(final, key=final.get)
+    assert final[best] < losses[best][0] - 1.0, f"nothing learnt: {best} {losses[best]}"
+
+    summary = text_of(cell_of(notebook, "leaderboard_text(result)"))
+    assert f"best: {best} " in summary, summary
+    makespan = float(re.search(r"makespan ([\d.]+) s", summary).group(1))
+    assert makespan < 90, f"the sweep took {makespan} s; the notebook promises well under a minute"
+    assert "engines stopped" in text_of(cell_of(notebook, "%colossal stop"))
