@@ -29,6 +29,8 @@ _EXPORTS = {
     "Trial": "colab_par.selection",
     "grid": "colab_par.selection",
     "select": "colab_par.selection",
+    "train_alone": "colab_par.selection",
+    "Halving": "colab_par.selection",
 }
 
 __all__ = sorted(_EXPORTS) + ["load_ipython_extension", "unload_ipython_extension"]

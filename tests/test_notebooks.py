@@ -15,6 +15,7 @@ import nbformat
 import pytest
 import torch
 from nbclient import NotebookClient
+from halving_reference import halving_lifetimes
 from picture import assert_selection_shows_data, assert_shows_data
 
 from colab_par.layout import Layout
@@ -224,13 +225,21 @@ def test_06_model_selection(kernel_path, tmp_path):
     losses = json.loads(re.search(r"^sweep losses: (.+)$", check, re.M).group(1))
     assert sorted(losses) == sorted(trials)
     final = {row[0]: float(row[1]) for row in rows}
-    for name, trial in trials.items():
-        alone = train_alone(trial)
+    solo = {name: train_alone(trial) for name, trial in trials.items()}
+    for name in trials:
+        alone = solo[name]
         assert len(losses[name]) == len(alone) == SELECTION_STEPS, name
         assert losses[name] == pytest.approx(alone, rel=1e-5), f"{name}: the sweep differs from a solo run"
         assert final[name] == pytest.approx(alone[-1], abs=6e-5), f"{name}: the leaderboard differs"
     best = min(final, key=final.get)
     assert final[best] < losses[best][0] - 1.0, f"nothing learnt: {best} {losses[best]}"
+
+    # successive halving: at each rung the trials that solo runs rank best go on, the rest stop there
+    halving = text_of(cell_of(notebook, "Halving(first=10)"))
+    lived = {name: int(steps) for name, steps in re.findall(
+        rf"^\S+\s+(d_model=\d+ lr=[\d.e-]+)\s+(?:done|pruned)\s+\S+\s+\S+\s+(\d+)/{SELECTION_STEPS}\s", halving, re.M)}
+    assert lived == halving_lifetimes(solo, first=10, steps=SELECTION_STEPS), halving
+    assert f"{sum(lived.values())} trial-steps instead of {len(trials) * SELECTION_STEPS}" in halving
 
     summary = text_of(cell_of(notebook, "leaderboard_text(result)"))
     assert f"best: {best} " in summary, summary

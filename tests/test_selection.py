@@ -1,17 +1,18 @@
 """Model selection on a real 2-engine cluster: every trial's losses equal training it alone in one
 process, whatever the scheduler, placement, migration or spilling; engines never hold more shard
 bytes than their budget; bad trials are refused before any work; errors and the stop button end
-only what they must."""
+only what they must; successive halving keeps the trials solo runs rank best."""
 from __future__ import annotations
 
 import random
 
 import pytest
 import torch
+from halving_reference import halving_lifetimes
 from torch import nn
 
 from colab_par.models.gpt import GPT, GPTConfig
-from colab_par.selection import Trial, grid, select, train_alone
+from colab_par.selection import Halving, Trial, grid, select, train_alone
 from colab_par.selection.policies import pick
 from colab_par.selection.shards import plan_shards
 
@@ -183,11 +184,14 @@ def test_grid_names_and_records_each_combination() -> None:
 
 
 class _Candidate:
-    def __init__(self, index: int, remaining: float):
-        self.index, self.remaining = index, remaining
+    def __init__(self, index: int, remaining: float, step: float = 1.0):
+        self.index, self.remaining, self.step = index, remaining, step
 
     def remaining_seconds(self) -> float:
         return self.remaining
+
+    def step_seconds(self) -> float:
+        return self.step
 
 
 def test_policies_pick_as_their_names_say() -> None:
@@ -197,6 +201,9 @@ def test_policies_pick_as_their_names_say() -> None:
     drawn = {pick("random", candidates, random.Random(seed)).index for seed in range(40)}
     assert drawn == {0, 1, 2, 3}
     assert pick("random", candidates, random.Random(7)) is pick("random", candidates, random.Random(7))
+    # LRTF keeps the engine's last trial unless another has more than one of its steps more to go
+    assert pick("lrtf", candidates, random.Random(0), stay=_Candidate(2, 3.0, step=2.0)).index == 2
+    assert pick("lrtf", candidates, random.Random(0), stay=_Candidate(2, 3.0, step=1.5)).index == 1
 
 
 def test_a_dead_engines_trial_resumes_elsewhere_from_its_last_step(tmp_path) -> None:
@@ -236,3 +243,23 @@ def test_a_dead_engines_trial_resumes_elsewhere_from_its_last_step(tmp_path) -> 
         assert last_spans and all(span.engine == survivor for span in last_spans)
     finally:
         cluster.stop()
+
+
+def test_successive_halving_keeps_the_trials_a_solo_run_ranks_best(cluster2) -> None:
+    """Rungs at steps 1 and 2 keep the better half each time, by the mean loss since the previous
+    rung; which trials those are is worked out here from solo runs, and every loss is a solo one."""
+    trials = [Trial(gpt(d, n), tokens, 4, name=f"d{d} lr{lr:g}", lr=lr, seed=1)
+              for d, n in ((32, 2), (64, 4)) for lr in (1e-3, 3e-2)]
+    assert plan_shards(trials[-1], BUDGET).spilled
+    result = select(trials, cluster=cluster2, budget=BUDGET, halving=Halving(first=1), view=None)
+    alone = {trial.name: train_alone(trial) for trial in trials}
+    lived = halving_lifetimes(alone, first=1, steps=4)
+    assert sorted(lived.values()) == [1, 1, 2, 4]
+    for trial in trials:
+        got = result[trial.name]
+        assert got.status == ("done" if lived[trial.name] == 4 else "pruned"), (trial.name, got.status)
+        assert got.losses == pytest.approx(alone[trial.name][:lived[trial.name]], rel=RELATIVE)
+        assert max(s.step for s in result.timeline if s.trial == trial.name) == lived[trial.name] - 1
+    assert result.leaderboard()[0].name == max(lived, key=lived.get)
+    with pytest.raises(ValueError, match="first rung, step 4, is not before"):
+        select(trials, cluster=cluster2, budget=BUDGET, halving=Halving(first=4), view=None)

@@ -18,14 +18,23 @@ class Candidate(Protocol):
 
     def remaining_seconds(self) -> float: ...
 
+    def step_seconds(self) -> float: ...
 
-def pick(policy: str, runnable: Sequence[Candidate], rng: random.Random) -> Candidate:
-    """Sharded-LRTF: the longest estimated remaining time (ties: earlier trial); FIFO: the earliest
-    trial; random: uniformly (from `rng`, so a seeded sweep repeats)."""
+
+def pick(policy: str, runnable: Sequence[Candidate], rng: random.Random,
+         stay: Candidate | None = None) -> Candidate:
+    """Sharded-LRTF: the longest estimated remaining time (ties: earlier trial), except that the
+    engine keeps `stay` (the trial it ran last, its weights resident) unless another's remaining
+    time is longer by more than one of `stay`'s steps: estimates are no finer than that, and a
+    switch reloads both trials. FIFO: the earliest trial; random: uniformly (from `rng`, so a
+    seeded sweep repeats)."""
     if not runnable:
         raise ValueError("no runnable trial to pick from")
     if policy == "lrtf":
-        return max(runnable, key=lambda c: (c.remaining_seconds(), -c.index))
+        longest = max(runnable, key=lambda c: (c.remaining_seconds(), -c.index))
+        if stay is not None and longest.remaining_seconds() - stay.remaining_seconds() <= stay.step_seconds():
+            return stay
+        return longest
     if policy == "fifo":
         return min(runnable, key=lambda c: c.index)
     if policy == "random":

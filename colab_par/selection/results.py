@@ -28,7 +28,7 @@ class TrialResult:
     config: dict[str, Any]
     steps: int
     losses: list[float] = field(default_factory=list)
-    status: str = "waiting"  # waiting | running | done | failed | stopped
+    status: str = "waiting"  # waiting | running | done | failed | stopped | pruned (successive halving)
     error: str | None = None
     seconds: float = 0.0  # engine time spent on its tasks
     engines: set[int] = field(default_factory=set)
@@ -71,6 +71,8 @@ class SweepResult:
         raise KeyError(f"no trial named {name!r}; the sweep has {', '.join(t.name for t in self.trials)}")
 
     def leaderboard(self) -> list[TrialResult]:
-        """Finished trials first, best final loss first; failed ones last."""
-        return sorted(self.trials, key=lambda t: (t.status == "failed", math.isnan(t.final_loss),
-                                                  t.final_loss))
+        """Best final loss first; trials pruned by successive halving (their losses are from
+        fewer steps) after the others, the longest-lived first; failed ones last."""
+        return sorted(self.trials, key=lambda t: (t.status == "failed", t.status == "pruned",
+                                                  -len(t.losses) if t.status == "pruned" else 0,
+                                                  math.isnan(t.final_loss), t.final_loss))

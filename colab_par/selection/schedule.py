@@ -5,21 +5,28 @@ A trial's step over shards 0..n-1 is a fixed sequence of tasks: n-1 forwards, th
 forward+backward, n-1 backwards (see `worker.py`); only one task of a trial runs at a time.
 `placement` says which engines may run a trial's next task:
 
-- "shard" (Hydra's shard parallelism): any free engine, so a spilled trial's shards follow
-  whichever engine frees up;
+- "shard" (Hydra's shard parallelism): a spilled trial's next shard runs on any free engine. A
+  trial that fits one engine runs task-parallel: it stays on the engine it started on, and that
+  engine keeps running the one it ran last (its weights are resident) rather than switch to
+  another of its own, which would reload both for no gain; the policy still chooses between
+  that one, trials not started yet and spilled trials. An engine with nothing of its own to run
+  takes over another's trial;
 - "pinned": only the engine the trial first ran on (task parallelism without migration);
 - "model-parallel" (Hydra's baseline): one trial at a time, in order, shard k on engine k.
 
-Among the runnable trials the policy (`policies.py`) picks. When an engine dies, the trial it was
-running goes back to the start of the step it was in (the store keeps every shard's weights as
+Among the runnable trials the policy (`policies.py`) picks; with successive halving
+(`halving.py`) a trial at a rung is not runnable until the rung is decided. When an engine dies,
+the trial it was running goes back to the start of the step it was in (the store keeps every shard's weights as
 they were there) and its shards run on the engines left.
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
+from colab_par.selection.halving import Halving
 from colab_par.selection.policies import POLICIES, pick
 from colab_par.selection.results import Span, TrialResult
 
@@ -58,14 +65,17 @@ class TrialRun:
 
     @property
     def finished(self) -> bool:
-        return self.result.status in ("done", "failed", "stopped")
+        return self.result.status in ("done", "failed", "stopped", "pruned")
+
+    def step_estimate(self, seconds_per_byte: float) -> float:
+        """Measured (or, before the first step, size-estimated) seconds of one step."""
+        return (sum(self.step_seconds) / len(self.step_seconds) if self.step_seconds
+                else self.shape.size * seconds_per_byte)
 
     def remaining_seconds(self, seconds_per_byte: float) -> float:
-        """Measured (or, before the first step, size-estimated) step time × the steps left."""
-        per_step = (sum(self.step_seconds) / len(self.step_seconds) if self.step_seconds
-                    else self.shape.size * seconds_per_byte)
+        """Step time × the steps left."""
         done = self.position / len(self.tasks)
-        return per_step * (self.shape.steps - self.step - done)
+        return self.step_estimate(seconds_per_byte) * (self.shape.steps - self.step - done)
 
     def next_shard(self) -> int:
         """The shard the next task runs (init counts as shard 0)."""
@@ -126,9 +136,18 @@ class TrialRun:
         self.result.restarts += 1
 
 
+def mean_loss_since(run: TrialRun, previous: int, rung: int) -> float:
+    """A trial's score at a rung: its mean loss over the steps since the previous rung (lower is
+    better; a diverged trial, with a non-finite loss, ranks last)."""
+    losses = run.result.losses[previous:rung]
+    mean = sum(losses) / len(losses) if losses else math.inf
+    return mean if math.isfinite(mean) else math.inf
+
+
 class Schedule:
     def __init__(self, shapes: list[TrialShape], *, scheduler: str, placement: str, engines: int,
-                 seed: int = 0):
+                 seed: int = 0, halving: Halving | None = None,
+                 score: Callable[[TrialRun, int, int], float] = mean_loss_since):
         if scheduler not in POLICIES:
             raise ValueError(f"scheduler={scheduler!r} is not one of {', '.join(POLICIES)}")
         if placement not in PLACEMENTS:
@@ -137,6 +156,9 @@ class Schedule:
         self.scheduler, self.placement = scheduler, placement
         self.alive = list(range(engines))
         self.rng = random.Random(seed)
+        self.last: dict[int, TrialRun] = {}  # the trial each engine ran last
+        self.halving, self.score, self.previous_rung = halving, score, 0
+        self.rungs = halving.rungs(max(shape.steps for shape in shapes)) if halving and shapes else []
 
     @property
     def finished(self) -> bool:
@@ -148,11 +170,14 @@ class Schedule:
         if not runnable:
             return None
         rate = self._seconds_per_byte()
-        run = pick(self.scheduler, [_Estimate(run, rate) for run in runnable], self.rng).run
-        if self.placement == "pinned" and run.pinned is None:
-            run.pinned = rank
+        candidates = [_Estimate(run, rate) for run in runnable]
+        stay = next((c for c in candidates if c.run is self.last.get(rank)), None)
+        run = pick(self.scheduler, candidates, self.rng, stay).run
+        if self.placement == "pinned" and run.pinned is None or self.placement == "shard" and run.shape.shards == 1:
+            run.pinned = rank  # "shard": where it is resident now; taking it over moves it
         run.in_flight = True
         run.result.status = "running"
+        self.last[rank] = run
         return run, run.next_task(prefetch=self.placement != "model-parallel")
 
     def engine_lost(self, rank: int, run: TrialRun | None) -> None:
@@ -171,18 +196,40 @@ class Schedule:
             if not run.finished:
                 run.result.status = "stopped"
 
+    def _decide_rung(self) -> None:
+        """Successive halving (`halving.py`): once every trial in the race has reached the rung,
+        prune all but the best; until then, the ones there wait."""
+        while self.rungs:
+            rung = self.rungs[0]
+            race = [run for run in self.runs if run.shape.steps > rung
+                    and run.result.status not in ("failed", "stopped", "pruned")]
+            if any(run.step < rung or run.in_flight for run in race):
+                return
+            ranked = sorted(race, key=lambda run: (self.score(run, self.previous_rung, rung), run.index))
+            for run in ranked[self.halving.survivors(len(race)):]:
+                run.result.status = "pruned"
+            self.previous_rung = self.rungs.pop(0)
+
+    def _at_rung(self, run: TrialRun) -> bool:
+        return bool(self.rungs) and run.step >= self.rungs[0] and run.shape.steps > self.rungs[0]
+
     def _runnable(self, rank: int) -> list[TrialRun]:
-        waiting = [run for run in self.runs if not run.finished and not run.in_flight]
+        self._decide_rung()
+        waiting = [run for run in self.runs if not run.finished and not run.in_flight and not self._at_rung(run)]
         if self.placement == "model-parallel":
             unfinished = [run for run in self.runs if not run.finished]
-            first = unfinished[0] if unfinished else None
+            first = next((run for run in unfinished if not self._at_rung(run)), None)
             if first is None or first.in_flight:
                 return []
             owner = self.alive[first.next_shard() % len(self.alive)]
             return [first] if owner == rank else []
         if self.placement == "pinned":
             return [run for run in waiting if run.pinned in (None, rank)]
-        return waiting
+        own = [run for run in waiting if run.pinned == rank]
+        if self.last.get(rank) in own:
+            own = [self.last[rank]]
+        here = own + [run for run in waiting if run.pinned is None]
+        return here or waiting
 
     def _seconds_per_byte(self) -> float:
         """From the trials measured so far: how step time grows with size, to estimate the others."""
@@ -199,3 +246,6 @@ class _Estimate:
 
     def remaining_seconds(self) -> float:
         return self.run.remaining_seconds(self._rate)
+
+    def step_seconds(self) -> float:
+        return self.run.step_estimate(self._rate)

@@ -21,6 +21,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.flop_counter import FlopCounterMode
 
 from colab_par.parallel.pipeline import balanced_cuts, layer_count, layer_stage
+from colab_par.selection.costs import OpCounter, optimizer_key
 from colab_par.selection.trial import Trial
 
 __all__ = ["Unit", "ShardPlan", "plan_shards", "unit_modules", "shard_module", "meta_model"]
@@ -28,10 +29,19 @@ __all__ = ["Unit", "ShardPlan", "plan_shards", "unit_modules", "shard_module", "
 
 @dataclass(frozen=True)
 class Unit:
+    """One unit's memory and the work of one forward (and backward) of the trial's batch; the loss
+    is counted in the last unit, and backward's ops and bytes are shared out in proportion to the
+    forward's (a step's backward is probed whole)."""
+
     name: str
     param_bytes: int
     activation_bytes: int
-    flops: int = 0  # one forward of the trial's batch (the loss counted in the last unit)
+    flops: int = 0  # matmul FLOPs of the forward
+    ops: int = 0  # ATen ops the forward dispatches
+    written: int = 0  # bytes they write
+    backward_ops: int = 0
+    backward_written: int = 0
+    tensors: int = 0  # parameter tensors (a foreach=False optimizer steps each on its own)
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,7 @@ class ShardPlan:
     shard_bytes: tuple[int, ...]
     budget: int
     state_tensors: int  # optimizer state tensors per parameter
+    optimizer: str  # the `costs.optimizer_key` of the trial's optimizer setting
 
     @property
     def spilled(self) -> bool:
@@ -54,11 +65,9 @@ class ShardPlan:
     def param_bytes(self) -> int:
         return sum(unit.param_bytes for unit in self.units)
 
-    def shard_flops(self, k: int) -> int:
-        return sum(self.units[i].flops for i in self.shards[k])
-
-    def shard_param_bytes(self, k: int) -> int:
-        return sum(self.units[i].param_bytes for i in self.shards[k])
+    def shard_total(self, k: int, field: str) -> int:
+        """A `Unit` field summed over shard k's units, e.g. ``shard_total(k, "flops")``."""
+        return sum(getattr(self.units[i], field) for i in self.shards[k])
 
     @property
     def prefetch(self) -> bool:
@@ -123,8 +132,7 @@ def plan_shards(trial: Trial, budget: int, parts: int | None = None) -> ShardPla
     if parts is not None:
         return _balanced_plan(trial, units, need, budget, min(parts, len(units)))
     if sum(need) <= budget:
-        return ShardPlan(trial.name, units, (range(len(units)),), (sum(need),), budget,
-                         trial.state_tensors_per_param)
+        return _plan(trial, units, (range(len(units)),), (sum(need),), budget)
     shards, sizes, start, size = [], [], 0, 0
     for i, n in enumerate(need):
         if i > start and size + n > budget // 2:
@@ -134,7 +142,7 @@ def plan_shards(trial: Trial, budget: int, parts: int | None = None) -> ShardPla
         size += n
     shards.append(range(start, len(units)))
     sizes.append(size)
-    return ShardPlan(trial.name, units, tuple(shards), tuple(sizes), budget, trial.state_tensors_per_param)
+    return _plan(trial, units, tuple(shards), tuple(sizes), budget)
 
 
 def _balanced_plan(trial: Trial, units: tuple[Unit, ...], need: list[int], budget: int,
@@ -146,22 +154,31 @@ def _balanced_plan(trial: Trial, units: tuple[Unit, ...], need: list[int], budge
         raise ValueError(f"trial {trial.name!r} split over {parts} engines still needs {_mib(max(sizes))} "
                          f"on one of them, over the budget of {_mib(budget)}: raise the budget or use "
                          "placement='shard', which spills")
-    return ShardPlan(trial.name, units, shards, sizes, budget, trial.state_tensors_per_param)
+    return _plan(trial, units, shards, sizes, budget)
+
+
+def _plan(trial: Trial, units: tuple[Unit, ...], shards: tuple[range, ...], sizes: tuple[int, ...],
+          budget: int) -> ShardPlan:
+    return ShardPlan(trial.name, units, shards, sizes, budget, trial.state_tensors_per_param,
+                     optimizer_key(trial))
 
 
 def _probe(trial: Trial, model: nn.Module) -> tuple[Unit, ...]:
-    """Each unit's parameter bytes and the bytes autograd saves while it runs forward (loss included
-    in the last unit), from one forward of the trial's first batch on meta."""
+    """Each unit's parameters, the bytes autograd saves while it runs forward and the work it
+    dispatches (loss included in the last unit), from one step of the trial's first batch on meta."""
     named = unit_modules(model)
-    saved, flops = [0] * len(named), [0] * len(named)
+    saved = [0] * len(named)
+    work = [[0, 0, 0] for _ in named]  # flops, ops, bytes written
     current = [0]
-    counter = FlopCounterMode(display=False)
-    counted_flops = [0]
+    flop_counter, op_counter = FlopCounterMode(display=False), OpCounter()
+    counted = [0, 0, 0]
 
-    def enter(i: int) -> None:  # the FLOPs so far belong to the unit that was running
-        total = counter.get_total_flops()
-        flops[current[0]] += total - counted_flops[0]
-        counted_flops[0], current[0] = total, i
+    def enter(i: int) -> None:  # the work so far belongs to the unit that was running
+        totals = (flop_counter.get_total_flops(), op_counter.ops, op_counter.written)
+        for j, total in enumerate(totals):
+            work[current[0]][j] += total - counted[j]
+            counted[j] = total
+        current[0] = i
 
     hooks = [module.register_forward_pre_hook(lambda *_, i=i: enter(i))
              for i, (_, modules) in enumerate(named) for module in modules]
@@ -174,12 +191,15 @@ def _probe(trial: Trial, model: nn.Module) -> tuple[Unit, ...]:
         return tensor
 
     try:
-        inputs, targets = trial.data(0)
-        with saved_tensors_hooks(count, lambda tensor: tensor), counter:
-            for param in model.parameters():
-                param.requires_grad_(True)
-            trial.loss(model(inputs.to("meta")), targets.to("meta"))
+        inputs, targets = (tensor.to("meta") for tensor in trial.data(0))
+        for param in model.parameters():
+            param.requires_grad_(True)
+        with saved_tensors_hooks(count, lambda tensor: tensor), flop_counter, op_counter:
+            loss = trial.loss(model(inputs), targets)
             enter(current[0])
+        backward = OpCounter()
+        with backward:
+            loss.backward()
     except Exception as exc:  # noqa: BLE001 - a shape mismatch surfaces as any error of the model
         shapes = _shapes(trial)
         raise ValueError(f"trial {trial.name!r}: its data does not fit its model: {shapes} gave "
@@ -187,12 +207,14 @@ def _probe(trial: Trial, model: nn.Module) -> tuple[Unit, ...]:
     finally:
         for hook in hooks:
             hook.remove()
-    counted: set[int] = set()
+    ops_ratio, bytes_ratio = backward.ops / max(counted[1], 1), backward.written / max(counted[2], 1)
+    claimed: set[int] = set()
     units = []
-    for (name, modules), activation, unit_flops in zip(named, saved, flops):
-        params = [p for module in modules for p in module.parameters() if id(p) not in counted]
-        counted.update(id(p) for p in params)
-        units.append(Unit(name, sum(p.numel() * p.element_size() for p in params), activation, unit_flops))
+    for (name, modules), activation, (flops, ops, written) in zip(named, saved, work):
+        params = [p for module in modules for p in module.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in params)
+        units.append(Unit(name, sum(p.numel() * p.element_size() for p in params), activation, flops, ops,
+                          written, round(ops * ops_ratio), round(written * bytes_ratio), len(params)))
     return tuple(units)
 
 

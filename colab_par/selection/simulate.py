@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from colab_par.selection.results import Span, SweepResult
-from colab_par.selection.schedule import Schedule, TrialShape
+from colab_par.selection.halving import Halving
+from colab_par.selection.schedule import Schedule, TrialRun, TrialShape
 
 __all__ = ["TrialProfile", "simulate", "measured_profiles"]
 
@@ -30,10 +31,12 @@ class TrialProfile:
 
 
 def simulate(profiles: list[TrialProfile], engines: int, *, scheduler: str = "lrtf",
-             placement: str = "shard", seed: int = 0) -> SweepResult:
-    """The sweep's timeline and makespan if every task took its profiled time."""
+             placement: str = "shard", seed: int = 0, halving: Halving | None = None) -> SweepResult:
+    """The sweep's timeline and makespan if every task took its profiled time. A clock has no
+    losses, so with `halving` the largest trials survive every rung: the makespan is an upper
+    bound."""
     schedule = Schedule([p.shape for p in profiles], scheduler=scheduler, placement=placement,
-                        engines=engines, seed=seed)
+                        engines=engines, seed=seed, halving=halving, score=_largest_first)
     running: list[tuple[float, int, float, dict]] = []  # (end, rank, start, task)
     timeline: list[Span] = []
     clock, free = 0.0, set(range(engines))
@@ -50,6 +53,10 @@ def simulate(profiles: list[TrialProfile], engines: int, *, scheduler: str = "lr
         free.add(rank)
         timeline.append(schedule.runs[task["trial"]].complete(task, {"start": start, "end": clock}, rank, 0.0))
     return SweepResult([run.result for run in schedule.runs], timeline, clock, scheduler, {}, 0, placement)
+
+
+def _largest_first(run: TrialRun, previous: int, rung: int) -> float:
+    return -run.shape.size
 
 
 def measured_profiles(result: SweepResult) -> list[TrialProfile]:

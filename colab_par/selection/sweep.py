@@ -16,6 +16,7 @@ from typing import Any, Iterable
 import cloudpickle
 
 from colab_par.selection import worker
+from colab_par.selection.halving import Halving
 from colab_par.selection.policies import POLICIES
 from colab_par.selection.predict import predict_makespan, slowest
 from colab_par.selection.results import SweepResult
@@ -32,7 +33,8 @@ _ALIVE_CHECK_S = 0.5
 
 
 def select(trials: Iterable[Trial], *, cluster: Any = None, budget: int | None = None,
-           scheduler: str = "lrtf", placement: str = "shard", seed: int = 0, view: Any = "auto") -> SweepResult:
+           scheduler: str = "lrtf", placement: str = "shard", halving: Halving | None = None,
+           seed: int = 0, view: Any = "auto") -> SweepResult:
     """Train every trial on the running cluster's engines and return their results.
 
     `budget`: bytes of shards one engine may hold at once (its device memory); it defaults to the
@@ -40,19 +42,22 @@ def select(trials: Iterable[Trial], *, cluster: Any = None, budget: int | None =
     "lrtf" (Sharded-LRTF), "fifo" or "random". `placement`: "shard" (a trial's next shard runs on
     whichever engine is free), "pinned" (each trial stays on the first engine it ran on: task
     parallelism without migration) or "model-parallel" (Hydra's baseline: each trial split over
-    all engines, trained one after another). `view`: "auto" shows the live selection view in a
+    all engines, trained one after another). `halving`: successive halving, e.g.
+    `Halving(first=4)` keeps the better half of the trials at steps 4, 8, 16, … (the others end
+    "pruned"); the predicted makespan is then an upper bound. `view`: "auto" shows the live selection view in a
     notebook, None shows nothing, or an object with `update(result)`/`finish(result)`.
     Interrupting (the stop button) ends the sweep after the tasks in flight and keeps the results;
     an engine that dies hands its trials to the others, each from the start of the step it was in.
     """
     trials = list(trials)
     cluster = _running_cluster(cluster)
-    _check(trials, scheduler, placement)
+    _check(trials, scheduler, placement, halving)
     budget = _budget(cluster, budget)
     parts = cluster.n if placement == "model-parallel" else None
     plans = [plan_shards(trial, budget, parts) for trial in trials]  # refuses bad trials before any work
-    schedule = Schedule([trial_shape(trial, plan) for trial, plan in zip(trials, plans)],
-                        scheduler=scheduler, placement=placement, engines=cluster.n, seed=seed)
+    shapes = [trial_shape(trial, plan) for trial, plan in zip(trials, plans)]
+    schedule = Schedule(shapes, scheduler=scheduler, placement=placement, engines=cluster.n, seed=seed,
+                        halving=halving)
     display = _view(view)
     store, sweep_id = SpillStore.create(), uuid.uuid4().hex
     ship_by_value(*[fn for trial in trials for fn in (trial.model, trial.data, trial.loss)])
@@ -66,11 +71,9 @@ def select(trials: Iterable[Trial], *, cluster: Any = None, budget: int | None =
             if not async_result.wait(cluster.timeout) or async_result.error:
                 cluster.check_alive([rank])
             speeds.append(async_result.get(0))
-        result.predicted_makespan = predict_makespan(plans, [trial_shape(t, p) for t, p in zip(trials, plans)],
-                                                     cluster.n, scheduler, placement, seed,
-                                                     slowest(speeds), _round_trip(cluster))
-        t0 = time.time()
-        _drive(cluster, schedule, sweep_id, t0, result, display)
+        result.predicted_makespan = predict_makespan(plans, shapes, cluster.n, scheduler, placement, seed,
+                                                     slowest(speeds), _round_trip(cluster), halving)
+        t0 = _drive(cluster, schedule, sweep_id, result, display)
         result.makespan = time.time() - t0
     finally:
         dead = set(cluster.dead_ranks())
@@ -83,10 +86,18 @@ def select(trials: Iterable[Trial], *, cluster: Any = None, budget: int | None =
     return result
 
 
-def _drive(cluster: Any, schedule: Schedule, sweep_id: str, t0: float, result: SweepResult,
-           display: Any) -> None:
+def _drive(cluster: Any, schedule: Schedule, sweep_id: str, result: SweepResult, display: Any) -> float:
+    """Run tasks until none is left; returns the time the sweep's clock started, which is after
+    the view's first frame (matplotlib's import and the figure take longer than most tasks)."""
     in_flight: dict[int, tuple[TrialRun, dict[str, Any], Any]] = {}
     stopping = False
+    try:
+        if display is not None:
+            display.update(result)
+    except KeyboardInterrupt:
+        stopping = True
+        schedule.stop()
+    t0 = time.time()
     while True:
         try:
             if not stopping:
@@ -96,11 +107,11 @@ def _drive(cluster: Any, schedule: Schedule, sweep_id: str, t0: float, result: S
                         run, task = assigned
                         in_flight[rank] = (run, task, cluster.submit(rank, worker.run_task, sweep_id, task))
             if not in_flight:
-                return
-            _collect(cluster, schedule, in_flight, t0, result)
-            if display is not None:
+                return t0
+            if display is not None:  # drawn while the engines compute, never while one waits
                 result.makespan = time.time() - t0
                 display.update(result)
+            _collect(cluster, schedule, in_flight, t0, result)
         except KeyboardInterrupt:
             stopping = True  # finish what runs, start nothing new, keep the results
             schedule.stop()
@@ -166,7 +177,7 @@ def _running_cluster(cluster: Any) -> Any:
     return cluster
 
 
-def _check(trials: list[Trial], scheduler: str, placement: str) -> None:
+def _check(trials: list[Trial], scheduler: str, placement: str, halving: Halving | None) -> None:
     if not trials:
         raise ValueError("no trials to select from: pass a list of Trial, e.g. grid(make, lr=[1e-3, 3e-3])")
     if scheduler not in POLICIES:
@@ -181,6 +192,13 @@ def _check(trials: list[Trial], scheduler: str, placement: str) -> None:
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise ValueError(f"trial names must be unique; {', '.join(duplicates)} repeat")
+    if halving is not None:
+        if not isinstance(halving, Halving):
+            raise TypeError(f"halving={halving!r}: pass Halving(first=..., factor=2) or None")
+        longest = max(trial.steps for trial in trials)
+        if not halving.rungs(longest):
+            raise ValueError(f"halving's first rung, step {halving.first}, is not before the longest trial's "
+                             f"last step ({longest}): use Halving(first={max(1, longest // 4)}) or fewer")
 
 
 def _budget(cluster: Any, budget: int | None) -> int:

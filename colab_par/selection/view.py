@@ -27,7 +27,7 @@ TRIAL_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
                  "tab:pink", "tab:gray", "tab:olive", "tab:cyan", "#1b9e77", "#d95f02", "#7570b3",
                  "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666")
 TITLES = ("loss per trial", "timeline", "leaderboard")
-STATUS_ORDER = ("done", "running", "waiting", "stopped", "failed")
+STATUS_ORDER = ("done", "running", "waiting", "pruned", "stopped", "failed")
 ROW_PX = 12  # leaderboard line height in pixels (8 pt text at 72 dpi)
 
 

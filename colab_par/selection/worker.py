@@ -30,11 +30,12 @@ import cloudpickle
 import torch
 from torch import nn
 
+from colab_par.selection.costs import measure_speeds
 from colab_par.selection.shards import ShardPlan, meta_model, shard_module
 from colab_par.selection.store import SpillStore
 from colab_par.selection.trial import Trial, make_optimizer
 
-__all__ = ["open_sweep", "close_sweep", "run_task", "ping", "measure_speeds"]
+__all__ = ["open_sweep", "close_sweep", "run_task", "ping"]
 
 _SWEEPS: dict[str, "_EngineSweep"] = {}
 
@@ -145,23 +146,7 @@ def open_sweep(sweep_id: str, store_root: str, payload: bytes, budget: int, devi
     this engine's measured speeds, which the makespan prediction uses (`predict.py`)."""
     trials, plans = cloudpickle.loads(payload)
     _SWEEPS[sweep_id] = _EngineSweep(SpillStore(store_root), trials, plans, budget, torch.device(device))
-    return measure_speeds(torch.device(device))
-
-
-def measure_speeds(device: torch.device, size: int = 256, repeats: int = 5) -> dict[str, float]:
-    """Matrix-multiply FLOP/s and memory-copy bytes/s of this engine (best of a few tries)."""
-    a = torch.randn(size, size, device=device)
-    source, target = torch.randn(1 << 20, device=device), torch.empty(1 << 20, device=device)
-    flops, copies = 0.0, 0.0
-    for _ in range(repeats):
-        started = time.perf_counter()
-        (a @ a).sum().item()
-        flops = max(flops, 2 * size ** 3 / (time.perf_counter() - started))
-        started = time.perf_counter()
-        target.copy_(source)
-        target[0].item()
-        copies = max(copies, source.numel() * source.element_size() / (time.perf_counter() - started))
-    return {"flops_per_s": flops, "copy_bytes_per_s": copies}
+    return measure_speeds(torch.device(device), trials)
 
 
 def ping() -> None:
