@@ -11,7 +11,7 @@ Hydra's baseline per round (median and min-max). Every arm's losses are checked 
 first arm's, trial by trial (within 1e-5 relative: equal whatever the schedule). The simulator then replays
 the Sharded-LRTF run's median task times with 12 models (each trial twice) on 8 devices.
 
-    python benchmarks/selection.py [--rounds 3] [--steps 4] [--budget-mib 160]
+    python benchmarks/selection.py [--rounds 3] [--steps 8] [--budget-mib 160]
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def spread(values: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--budget-mib", type=float, default=160)
     args = parser.parse_args()
     budget = int(args.budget_mib * 2 ** 20)
