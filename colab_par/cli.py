@@ -1,4 +1,5 @@
-"""`colab-par demo`: the whole kit in one command, from engines to a summary table.
+"""`colab-par demo`: the whole kit in one command, from engines to a summary table; and
+`colab-par export`: a notebook as a torchrun script (`colab_par/export.py`).
 
 Starts engines (one per GPU, or 2 CPU engines on gloo), asks the planner for the best layout of the
 reference GPT on this machine, trains it on real text (the Python standard library's sources),
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["main", "DemoSettings", "demo_settings", "choose_layout", "train_on_engine"]
+__all__ = ["main", "DemoSettings", "demo_settings", "choose_layout", "train_on_engine", "run_export"]
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,28 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path("out/demo"),
                       help="folder for dashboard.png and run.csv (default: out/demo)")
     demo.set_defaults(handler=run_demo, parser=demo)
+    export = commands.add_parser(
+        "export", help="write a notebook's training as one torchrun script",
+        description="Translate a notebook into a standalone script: ordinary cells run once on rank "
+                    "0, %%%%colossal cells on every rank with the notebook values they use. Run it "
+                    "with `torchrun --nproc-per-node N SCRIPT`. Lines that only a notebook can run "
+                    "(other magics, widgets, plots) are named and stop the export unless "
+                    "--drop-unsupported.")
+    export.add_argument("notebook", type=Path, help="the .ipynb to export")
+    export.add_argument("-o", "--output", type=Path, default=None,
+                        help="script to write (default: the notebook's name with .py)")
+    export.add_argument("--drop-unsupported", action="store_true",
+                        help="comment out (and list) the lines a script cannot run instead of stopping")
+    export.add_argument("--slurm", action="store_true", help="also write SCRIPT.sbatch (srun + torchrun)")
+    export.add_argument("--nodes", type=_positive_int, default=1, help="--slurm: nodes (default 1)")
+    export.add_argument("--procs-per-node", type=_positive_int, default=None,
+                        help="--slurm: processes per node (default: --gpus-per-node, else the "
+                             "notebook's engine count, else 2)")
+    export.add_argument("--gpus-per-node", type=int, default=0, help="--slurm: GPUs per node (default 0)")
+    export.add_argument("--partition", default=None, help="--slurm: partition")
+    export.add_argument("--account", default=None, help="--slurm: account")
+    export.add_argument("--time", default="01:00:00", help="--slurm: time limit (default 01:00:00)")
+    export.set_defaults(handler=run_export, parser=export)
     return parser
 
 
@@ -191,6 +214,32 @@ def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     print(summary_table(results, str(layout), train_seconds))
     print(f"\nwrote {png_path} and {csv_path}; engines stopped; total "
           f"{time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Notebook -> script (and sbatch file); every unsupported line named, with its cell and line."""
+    from colab_par.export import ExportError, export_notebook, sbatch_script
+
+    if not args.notebook.is_file():
+        parser.error(f"{str(args.notebook)!r} is not a notebook file")
+    try:
+        result = export_notebook(args.notebook, drop_unsupported=args.drop_unsupported)
+    except ExportError as error:
+        print(f"colab-par export: {error}", file=sys.stderr)
+        return 2
+    output = args.output or args.notebook.with_suffix(".py")
+    output.write_text(result.script)
+    for problem in result.dropped:
+        print(f"colab-par export: left out {problem}", file=sys.stderr)
+    print(f"wrote {output}; run it with torchrun --nproc-per-node {result.engines or 2} {output}")
+    if args.slurm:
+        procs = args.procs_per_node or args.gpus_per_node or result.engines or 2
+        sbatch = output.with_suffix(".sbatch")
+        sbatch.write_text(sbatch_script(str(output), nodes=args.nodes, procs_per_node=procs,
+                                        gpus_per_node=args.gpus_per_node, partition=args.partition,
+                                        account=args.account, time=args.time))
+        print(f"wrote {sbatch}; submit it with sbatch {sbatch}")
     return 0
 
 

@@ -81,12 +81,14 @@ class Cluster:
 
     ``n=None`` starts one engine per visible CUDA GPU, or 2 CPU engines when there is none;
     ``backend=None`` picks nccl on CUDA and gloo on CPU. ``timeout`` bounds every collective
-    (the process group's timeout) and engine start-up, so nothing waits forever.
+    (the process group's timeout) and engine start-up, so nothing waits forever. Every engine's
+    torch and Python generators start from ``seed`` at each start and restart, so a notebook run
+    repeats (``seed=None`` leaves each process's own draw).
     """
 
     def __init__(self, n: int | None = None, *, backend: str | None = None, launcher: str = "local",
                  timeout: float = 300.0, interrupt_grace: float = 10.0, dashboard: bool = True,
-                 **ipp_options: Any):
+                 seed: int | None = 0, **ipp_options: Any):
         if launcher not in LAUNCHERS:
             raise ValueError(f"launcher={launcher!r} is unknown; use one of {', '.join(LAUNCHERS)}")
         if backend is not None and backend not in BACKENDS:
@@ -97,7 +99,7 @@ class Cluster:
             raise ValueError(f"timeout={timeout!r} must be a positive number of seconds, e.g. 300")
         self._requested_n, self._requested_backend = n, backend
         self.launcher, self.timeout, self.interrupt_grace = launcher, float(timeout), interrupt_grace
-        self.dashboard = dashboard
+        self.dashboard, self.seed = dashboard, seed
         self._ipp_options = ipp_options
         self._ipp: ipp.Cluster | None = None
         self._client: ipp.Client | None = None
@@ -327,6 +329,8 @@ class Cluster:
         bind = [self._client[[eid]].apply_async(engine.bind_device, local_rank[r], hosts.count(hosts[r]),
                                               backend) for r, eid in enumerate(self._ids)]
         self.devices = [self._get(result, rank) for rank, result in enumerate(bind)]
+        if self.seed is not None:
+            view.apply_async(engine.seed_generators, self.seed).get(timeout=self.timeout)
         self._join_world()
         for rank, eid in enumerate(self._ids):
             self._client[[eid]].push({"rank": rank, "world_size": len(self._ids),

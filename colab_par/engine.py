@@ -53,6 +53,17 @@ def bind_device(local_rank: int, local_world: int, backend: str) -> str:
     return "cpu"
 
 
+def seed_generators(seed: int) -> None:
+    """Start torch's and Python's generators from `seed`, so a notebook run repeats (a process
+    otherwise draws a fresh seed) and a script exported from it computes the same."""
+    import random
+
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def enable_stack_dumps() -> str:
     """Dump every thread's Python stack to a file on SIGUSR1, so the client can see where a rank
     waits even while its main thread is blocked inside a C++ collective (faulthandler writes from

@@ -12,6 +12,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
+from colab_par import ranks
 from colab_par.cluster import Cluster
 from colab_par.ship import names_assigned, values_to_ship
 
@@ -44,20 +45,11 @@ def shutdown_default_cluster() -> None:
 
 
 def parse_ranks(text: str, world: int) -> list[int]:
-    """``"0,2"``, ``"1-3"``, ``"all"`` -> rank list, each checked against the world size."""
-    if text == "all":
-        return list(range(world))
-    ranks: list[int] = []
-    for part in text.split(","):
-        try:
-            low, _, high = part.partition("-")
-            ranks.extend(range(int(low), int(high or low) + 1))
-        except ValueError:
-            raise UsageError(f"--targets {text!r} is not a rank list; use e.g. 0 or 0,1 or 0-3 or all") from None
-    bad = [r for r in ranks if not 0 <= r < world]
-    if bad:
-        raise UsageError(f"--targets names rank(s) {bad} but ranks are 0..{world - 1}")
-    return ranks
+    """`colab_par.ranks.parse_ranks`, its refusals shown as the magic's usage errors."""
+    try:
+        return ranks.parse_ranks(text, world)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def relayout_engine_variable(model: str, layout: str, trainer: str) -> str:
@@ -82,7 +74,8 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}\n{self.format_usage()}")
 
 
-def _line_parser() -> _Parser:
+def line_parser() -> _Parser:
+    """`%colossal`'s arguments (also read by `colab-par export`)."""
     parser = _Parser(prog="%colossal", add_help=False)
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     start = sub.add_parser("start", add_help=False)
@@ -90,6 +83,7 @@ def _line_parser() -> _Parser:
     start.add_argument("--backend", choices=["nccl", "gloo"], default=None)
     start.add_argument("--launcher", choices=["local", "mpi", "slurm", "ssh"], default="local")
     start.add_argument("--timeout", type=float, default=300.0)
+    start.add_argument("--seed", type=int, default=0, help="engines' torch and random seed (default 0)")
     for name in ("status", "stop", "restart"):
         sub.add_parser(name, add_help=False)
     relayout = sub.add_parser("relayout", add_help=False)
@@ -100,7 +94,8 @@ def _line_parser() -> _Parser:
     return parser
 
 
-def _cell_parser() -> _Parser:
+def cell_parser() -> _Parser:
+    """`%%colossal`'s arguments (also read by `colab-par export`)."""
     parser = _Parser(prog="%%colossal", add_help=False)
     parser.add_argument("--targets", default="all", help="ranks to run on: 0 | 0,1 | 0-3 | all")
     parser.add_argument("--all-output", action="store_true", help="show every rank's output")
@@ -127,14 +122,14 @@ class ColossalMagics(Magics):
     # ---- line magic -----------------------------------------------------------------------------
     def _line(self, line: str) -> None:
         global _default
-        args = _line_parser().parse_args(shlex.split(line))
+        args = line_parser().parse_args(shlex.split(line))
         if args.command is None:
             raise UsageError("usage: %colossal start [-n N] [--backend B] [--launcher L] | status | "
                              "stop | restart | relayout LAYOUT")
         if args.command == "start":
             if _default is None or not _default.running:
                 _default = Cluster(args.n, backend=args.backend, launcher=args.launcher,
-                                   timeout=args.timeout)
+                                   timeout=args.timeout, seed=args.seed)
             _default.start()
             print(f"colab_par: {_default.n} engines ready ({_default.backend}, "
                   f"devices {', '.join(_default.devices)})")
@@ -157,7 +152,7 @@ class ColossalMagics(Magics):
 
     # ---- cell magic -----------------------------------------------------------------------------
     def _cell(self, line: str, cell: str) -> None:
-        args = _cell_parser().parse_args(shlex.split(line))
+        args = cell_parser().parse_args(shlex.split(line))
         cluster = self._cluster()
         if cluster.generation != self._generation:  # fresh engines know none of the old names
             self._engine_names, self._generation = set(), cluster.generation

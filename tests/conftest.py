@@ -1,10 +1,15 @@
-"""Shared real clusters: starting ipyparallel engines costs seconds, so tests reuse them.
+"""Shared real clusters: starting ipyparallel engines costs seconds, so tests reuse them; and the
+Jupyter kernel the notebook tests run.
 
 Tests that break engines on purpose (kill, stuck collectives) start their own cluster instead.
 """
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
+from notebook_run import KERNEL
 from IPython.core.displaypub import CapturingDisplayPublisher
 from IPython.core.interactiveshell import InteractiveShell
 
@@ -29,6 +34,25 @@ def cluster4():
     cluster = _started(4)
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+@pytest.fixture(scope="module")
+def kernel_path(tmp_path_factory, monkeypatch_module):
+    """A Jupyter kernel of this interpreter, for nbclient (`notebook_run.KERNEL`)."""
+    root = tmp_path_factory.mktemp("jupyter")
+    spec = root / "kernels" / KERNEL
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "colab_par tests", "language": "python"}))
+    monkeypatch_module.setenv("JUPYTER_PATH", str(root))
+    return root
 
 
 @pytest.fixture

@@ -8,50 +8,17 @@ from __future__ import annotations
 import base64
 import json
 import re
-import sys
-from pathlib import Path
 
 import nbformat
 import pytest
 import torch
-from nbclient import NotebookClient
 from halving_reference import halving_lifetimes
+from notebook_run import execute
 from picture import assert_selection_shows_data, assert_shows_data
 
 from colab_par.layout import Layout
 from colab_par.models import GPT, GPTConfig
 from colab_par.selection import Trial, grid, train_alone
-
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-KERNEL = "colab-par-test"
-CELL_TIMEOUT_S = 300
-
-
-@pytest.fixture(scope="module")
-def kernel_path(tmp_path_factory, monkeypatch_module):
-    root = tmp_path_factory.mktemp("jupyter")
-    spec = root / "kernels" / KERNEL
-    spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "colab_par tests", "language": "python"}))
-    monkeypatch_module.setenv("JUPYTER_PATH", str(root))
-    return root
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
-
-
-def execute(name: str, workdir: Path) -> nbformat.NotebookNode:
-    """Run notebooks/<name>.ipynb in `workdir`; any cell error fails the test with its traceback."""
-    notebook = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
-    NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name=KERNEL,
-                   resources={"metadata": {"path": str(workdir)}}).execute()
-    return notebook
-
 
 def cell_of(notebook: nbformat.NotebookNode, fragment: str) -> nbformat.NotebookNode:
     """The one code cell whose source contains `fragment`."""
