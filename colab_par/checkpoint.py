@@ -35,7 +35,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from colab_par import compat
 
-__all__ = ["save", "load", "relayout", "latest_checkpoint", "CheckpointError"]
+__all__ = ["save", "load", "relayout", "latest_checkpoint", "saved_history", "CheckpointError"]
 
 COMMIT_MARKER = "COMMITTED"
 LATEST = "LATEST"
@@ -67,6 +67,8 @@ def save(pm: Any, path: str | os.PathLike, *, trainer: Any = None, keep: int = 2
     _barrier()
     dcp.save(_tensor_state(pm), checkpoint_id=str(staging))
     _write_json(staging / f"rng-rank{rank}.json", _rng_state())
+    if trainer is not None:
+        _write_json(staging / f"history-rank{rank}.json", trainer.history)
     if rank == 0:
         _write_json(staging / META, {
             "format": FORMAT, "layout": str(pm.layout), "world_size": _world(), "step": step,
@@ -99,6 +101,13 @@ def latest_checkpoint(path: str | os.PathLike) -> Path:
         raise CheckpointError(f"{str(version)!r} has no {COMMIT_MARKER} marker: it was never "
                               "committed; refusing to load a partial checkpoint")
     return version
+
+
+def saved_history(path: str | os.PathLike) -> list[dict] | None:
+    """This rank's trainer history as the latest committed version under `path` saved it (None
+    when that version has none for this rank)."""
+    found = latest_checkpoint(path) / f"history-rank{_rank()}.json"
+    return json.loads(found.read_text()) if found.is_file() else None
 
 
 # ---- load ----------------------------------------------------------------------------------------

@@ -20,12 +20,14 @@ import ipyparallel as ipp
 from traitlets.config import Config
 
 from colab_par import compat, engine
-from colab_par.output import (DeadEngineError, EngineError, TaskOutput, busy_ranks,
-                              is_transport_error, rank_errors, rank_failure, ranks_text, values,
-                              where_waiting)
+from colab_par.output import (DeadEngineError, EngineError, RecoveryError, TaskOutput, busy_ranks,
+                              is_transport_error, per_rank_data, rank_errors, rank_failure, ranks_text,
+                              values, where_waiting)
 from colab_par.ship import ship_by_value
 
-__all__ = ["Cluster", "EngineError", "DeadEngineError"]
+__all__ = ["Cluster", "EngineError", "DeadEngineError", "RecoveryError"]
+
+RECOVERY_KEY = "colab_par.recovery"  # how a cell's restartable Trainer asks to be recovered
 
 LAUNCHERS = ("local", "mpi", "slurm", "ssh")
 BACKENDS = ("nccl", "gloo")
@@ -110,6 +112,7 @@ class Cluster:
         self.devices: list[str] = []
         self.backend: str | None = None
         self.generation = 0  # bumped at every start: engine namespaces do not survive it
+        self._recovery: dict[str, Any] | None = None  # the running cell's Trainer recovery policy
 
     # ---- lifecycle ------------------------------------------------------------------------------
     @property
@@ -240,12 +243,41 @@ class Cluster:
         self._raise_if_dead(ranks)
 
     def execute(self, code: str, *, targets: Sequence[int] | None = None, all_output: bool = False,
-                namespace: dict[str, Any] | None = None) -> None:
+                namespace: dict[str, Any] | None = None,
+                fresh_namespace: Callable[[], dict[str, Any]] | None = None) -> None:
         """Run a cell on the ranks (all by default): rank 0's output streams live.
 
         Other ranks' output is shown when it differs from rank 0's, or always with ``all_output``.
         ``namespace`` is pushed to the engines first (shipped notebook definitions).
+
+        When an engine dies while the cell fits a ``Trainer(on_failure="restart")``, the engines
+        are restarted and the cell runs again (with ``fresh_namespace()``, default ``namespace``:
+        fresh engines hold nothing earlier cells defined), its fit resuming from the last
+        committed checkpoint; after the Trainer's ``max_restarts`` the cell fails with what
+        happened (RecoveryError).
         """
+        attempts: list[str] = []
+        while True:
+            self._recovery = None
+            try:
+                return self._execute_once(code, targets, all_output, namespace)
+            except EngineError as error:
+                dead, policy = self._dead_ranks(), self._recovery
+                if not dead or policy is None:
+                    raise
+                attempts.append(f"rank(s) {ranks_text(dead)} died: {str(error).splitlines()[0]}")
+                if len(attempts) > policy["max_restarts"]:
+                    raise RecoveryError(attempts, policy["max_restarts"]) from error
+                print(f"colab_par: rank(s) {ranks_text(dead)} died during the cell; restarting the "
+                      f"engines and running the cell again, resuming from the last checkpoint in "
+                      f"{policy['ckpt_dir']} (restart {len(attempts)} of {policy['max_restarts']})",
+                      file=sys.stderr)
+                self.restart()
+                self.run(engine.request_resume, policy["ckpt_dir"])
+                namespace = fresh_namespace() if fresh_namespace is not None else namespace
+
+    def _execute_once(self, code: str, targets: Sequence[int] | None, all_output: bool,
+                      namespace: dict[str, Any] | None) -> None:
         view = self._view(targets)
         ranks = self._ranks_of(view.targets)
         if namespace:
@@ -253,7 +285,11 @@ class Cluster:
             self._wait(shipped, ranks, stream=False)
             values(shipped, self._ids)
         result = view.execute(code, silent=False, block=False)
-        output = self._wait(result, ranks, stream=True, cell=code)
+        try:
+            output = self._wait(result, ranks, stream=True, cell=code)
+        finally:  # a restartable Trainer in the cell said how to recover it
+            self._recovery = next((data[RECOVERY_KEY] for data in per_rank_data(result.data)
+                                   if data and RECOVERY_KEY in data), None)
         output.show_other_ranks(ranks, all_output)
         values(result, self._ids)
         output.show_result()

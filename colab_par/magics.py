@@ -162,8 +162,12 @@ class ColossalMagics(Magics):
         if args.layout is not None:
             namespace["layout"] = _resolve_layout(args.layout, user_ns, cluster.n)
         try:
-            cluster.execute(cell, targets=targets, all_output=args.all_output, namespace=namespace)
+            cluster.execute(cell, targets=targets, all_output=args.all_output, namespace=namespace,
+                            fresh_namespace=lambda: {**values_to_ship(cell, user_ns, (), on_skip=_warn_skipped),
+                                                     **namespace})
         finally:
+            if cluster.generation != self._generation:  # restarted during the cell: its names alone live
+                self._engine_names, self._generation = set(), cluster.generation
             self._engine_names |= names_assigned(cell)
 
     def _cluster(self) -> Cluster:

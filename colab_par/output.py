@@ -16,8 +16,8 @@ import ipyparallel as ipp
 
 from colab_par import compat
 
-__all__ = ["EngineError", "DeadEngineError", "RankFailureError", "TaskOutput", "ranks_text", "values",
-           "grouped", "rank_errors", "busy_ranks", "rank_failure", "is_transport_error", "transport_reason",
+__all__ = ["EngineError", "DeadEngineError", "RecoveryError", "RankFailureError", "TaskOutput", "ranks_text", "values",
+           "grouped", "per_rank_data", "rank_errors", "busy_ranks", "rank_failure", "is_transport_error", "transport_reason",
            "where_waiting"]
 
 
@@ -51,6 +51,20 @@ class DeadEngineError(EngineError):
                    "Run `%colossal restart` (or `cluster.restart()`) to start fresh engines.")
         super().__init__([(list(dead), "DeadEngineError", message, "")])
         self.dead = list(dead)
+
+    def __str__(self) -> str:
+        return self.groups[0][2]
+
+
+class RecoveryError(EngineError):
+    """A restartable cell kept losing engines: it was restarted as often as its Trainer allows."""
+
+    def __init__(self, attempts: list[str], max_restarts: int):
+        story = "\n".join(f"  {i}. {attempt}" for i, attempt in enumerate(attempts, start=1))
+        message = (f"the cell lost an engine {len(attempts)} times; its Trainer allows "
+                   f"max_restarts={max_restarts}, so it stops here. What happened:\n{story}")
+        super().__init__([([], "RecoveryError", message, "")])
+        self.attempts = attempts
 
     def __str__(self) -> str:
         return self.groups[0][2]
@@ -102,7 +116,7 @@ class TaskOutput:
         if self.stream:
             self._stream_rank0()
         if self.use_dashboard:
-            data = _per_rank(self.result.data)
+            data = per_rank_data(self.result.data)
             if self._dashboard is None and any(data):
                 from colab_par.dashboard import LiveDashboard
 
@@ -117,7 +131,7 @@ class TaskOutput:
         if self.stream:
             self._stream_rank0()
         if self._dashboard is not None:
-            self._dashboard.finish(_per_rank(self.result.data))
+            self._dashboard.finish(per_rank_data(self.result.data))
 
     def show_other_ranks(self, ranks: list[int], all_output: bool) -> None:
         """Other ranks' output when it differs from rank 0's (or always), prefixed with the rank."""
@@ -142,7 +156,8 @@ class TaskOutput:
             self._shown = len(text)
 
 
-def _per_rank(data: Any) -> list[dict[str, Any] | None]:
+def per_rank_data(data: Any) -> list[dict[str, Any] | None]:
+    """What each rank published during a task (`AsyncResult.data`), None where nothing."""
     if isinstance(data, list):
         return [d or None for d in data]
     return [data or None]

@@ -22,7 +22,7 @@ from colab_par import telemetry as telem
 from colab_par.data import BatchList, TokenDataset
 from colab_par.parallel.batch import batch_size, check_batch
 
-__all__ = ["Trainer", "WarmupCosine"]
+__all__ = ["Trainer", "WarmupCosine", "request_resume"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,16 @@ class WarmupCosine:
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+ON_FAILURE = ("raise", "restart")
+_RESUME_REQUESTS: set[str] = set()  # checkpoint folders whose next fit resumes (`request_resume`)
+
+
+def request_resume(ckpt_dir: str) -> None:
+    """Called by the notebook on fresh engines after one died: the next `fit` of a restartable
+    Trainer with this `ckpt_dir` continues from its last committed checkpoint."""
+    _RESUME_REQUESTS.add(str(ckpt_dir))
+
+
 class Trainer:
     """Train `pm` on `data` for `steps` optimizer steps.
 
@@ -56,13 +66,26 @@ class Trainer:
     often a telemetry row is recorded and published (with `telemetry=True` a log step also
     measures memory, activations and the grad norm). With `ckpt_dir`, a checkpoint is saved at the
     end of every `fit` and every `ckpt_every` steps.
+
+    `on_failure="restart"` (with `ckpt_dir` and `ckpt_every`): when an engine dies while the cell
+    that fits this trainer runs, the kit restarts the engines and runs the cell again; its `fit`
+    then resumes from the last committed checkpoint (history included), at most `max_restarts`
+    times (`Cluster.execute`). `"raise"` (the default) fails the cell.
     """
 
     def __init__(self, pm: Any, data: TokenDataset | BatchList | list, *, steps: int,
                  lr_schedule: Callable[[int], float] | None = None, grad_clip: float | None = None,
                  grad_accum: int = 1, log_every: int = 1, ckpt_dir: str | os.PathLike | None = None,
-                 ckpt_every: int | None = None, seed: int = 0, telemetry: bool = True):
+                 ckpt_every: int | None = None, seed: int = 0, telemetry: bool = True,
+                 on_failure: str = "raise", max_restarts: int = 3):
         _check_positive(steps=steps, grad_accum=grad_accum, log_every=log_every)
+        if on_failure not in ON_FAILURE:
+            raise ValueError(f"on_failure={on_failure!r} is not one of {', '.join(ON_FAILURE)}")
+        if on_failure == "restart" and (ckpt_dir is None or ckpt_every is None):
+            raise ValueError("on_failure='restart' resumes from the last checkpoint: pass ckpt_dir= (a "
+                             "folder every rank sees) and ckpt_every= (e.g. 50 steps)")
+        if not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_restarts={max_restarts!r} must be a whole number >= 0, e.g. 3")
         if grad_clip is not None and not grad_clip > 0:
             raise ValueError(f"grad_clip={grad_clip!r} must be a positive float or None (no clipping)")
         if ckpt_every is not None:
@@ -80,6 +103,7 @@ class Trainer:
         self.lr_schedule, self.grad_clip, self.grad_accum = lr_schedule, grad_clip, grad_accum
         self.log_every, self.ckpt_dir, self.ckpt_every = log_every, ckpt_dir, ckpt_every
         self.seed, self.telemetry = seed, telemetry
+        self.on_failure, self.max_restarts = on_failure, max_restarts
         self.step = 0
         self.data_position = 0
         self.history: list[dict] = []
@@ -91,11 +115,15 @@ class Trainer:
         self._measured_flops: float | None = None  # per rank and step, counted where no formula applies
         self._peak = telem.device_peak_flops(pm.device, pm.layout.precision) if telemetry else 0.0
         self._activations = telem.ActivationMeter()
+        if on_failure == "restart":
+            self._announce_recovery()
 
     # ---- running --------------------------------------------------------------------------------
     def fit(self, stop_at: int | None = None) -> list[dict]:
         """Train until step `stop_at` (default: `steps`); returns the rows recorded in this call."""
         stop_at = self.steps if stop_at is None else min(stop_at, self.steps)
+        if self.on_failure == "restart" and str(self.ckpt_dir) in _RESUME_REQUESTS:
+            self._resume()
         publisher = self._publisher()
         first = len(self.history)
         try:
@@ -222,6 +250,31 @@ class Trainer:
         """Same on every rank, new for every fit, so the dashboard can tell runs apart."""
         from colab_par.checkpoint import shared_random_id
         return shared_random_id()
+
+    # ---- surviving a lost engine ----------------------------------------------------------------
+    def _announce_recovery(self) -> None:
+        """Tell the notebook how to recover this cell if an engine dies (`Cluster.execute`)."""
+        send = telem.engine_publisher()
+        if send is not None:
+            from colab_par.cluster import RECOVERY_KEY
+            send({RECOVERY_KEY: {"ckpt_dir": str(self.ckpt_dir), "max_restarts": self.max_restarts}})
+
+    def _resume(self) -> None:
+        """The engines were restarted after one died: go on from the last committed checkpoint,
+        or from the start when none was committed before the loss."""
+        from colab_par.checkpoint import CheckpointError, load, saved_history
+
+        _RESUME_REQUESTS.discard(str(self.ckpt_dir))
+        try:
+            meta = load(self.pm, self.ckpt_dir, trainer=self)
+        except CheckpointError as error:
+            if "no committed checkpoint" not in str(error):
+                raise
+            print(f"colab_par: no checkpoint was committed before the engine was lost; training "
+                  f"again from step 0")
+            return
+        self.history = saved_history(self.ckpt_dir) or []
+        print(f"colab_par: resumed from the checkpoint of step {meta['step']} in {self.ckpt_dir}")
 
     # ---- checkpoints & history ------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike | None = None) -> None:

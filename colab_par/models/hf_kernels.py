@@ -138,11 +138,13 @@ class _GlobalsOverlay(dict):
 
 def _rope_forward(attention_cls: type, kernels: str) -> Callable | None:
     """The attention class's forward with its ``apply_rotary_pos_emb`` routed to our kernel, or None
-    when that forward does not call a module-level ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``."""
-    forward = attention_cls.forward
-    original = forward.__globals__.get("apply_rotary_pos_emb")
-    if (hasattr(forward, "__wrapped__") or "apply_rotary_pos_emb" not in forward.__code__.co_names
-            or not callable(original) or str(inspect.signature(original)) != "(q, k, cos, sin, unsqueeze_dim=1)"):
+    when that forward does not call a module-level ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``.
+    Decorators around forward (transformers 5.24 wraps it in ``deprecate_kwarg``) are kept: each is
+    rebuilt around the rebuilt function it wrapped."""
+    inner = inspect.unwrap(attention_cls.forward)
+    original = inner.__globals__.get("apply_rotary_pos_emb")
+    if ("apply_rotary_pos_emb" not in inner.__code__.co_names or not callable(original)
+            or str(inspect.signature(original)) != "(q, k, cos, sin, unsqueeze_dim=1)"):
         return None
 
     def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -150,10 +152,36 @@ def _rope_forward(attention_cls: type, kernels: str) -> Callable | None:
         rotated = _rope_heads_first(q, k, cos, sin, unsqueeze_dim) if _wants_kernel(kernels, q) else None
         return rotated if rotated is not None else original(q, k, cos, sin, unsqueeze_dim)
 
-    rebuilt = types.FunctionType(forward.__code__, _GlobalsOverlay(forward.__globals__, apply_rotary_pos_emb=rotary),
-                                 forward.__name__, forward.__defaults__, forward.__closure__)
-    rebuilt.__kwdefaults__, rebuilt.__qualname__ = forward.__kwdefaults__, forward.__qualname__
+    return _with_rotary(attention_cls.forward, rotary)
+
+
+def _with_rotary(function: Callable, rotary: Callable) -> Callable | None:
+    """`function` with the module-level name ``apply_rotary_pos_emb`` resolving to `rotary`; a
+    decorator's wrapper is copied with its closure pointing at the rebuilt inner function (None
+    when the wrapper does not hold that function in its closure)."""
+    inner = getattr(function, "__wrapped__", None)
+    if inner is None:
+        globals_ = _GlobalsOverlay(function.__globals__, apply_rotary_pos_emb=rotary)
+        rebuilt = types.FunctionType(function.__code__, globals_, function.__name__, function.__defaults__,
+                                     function.__closure__)
+    else:
+        rebuilt_inner = _with_rotary(inner, rotary)
+        cells = function.__closure__ or ()
+        if rebuilt_inner is None or not any(_holds(cell, inner) for cell in cells):
+            return None
+        closure = tuple(types.CellType(rebuilt_inner) if _holds(cell, inner) else cell for cell in cells)
+        rebuilt = types.FunctionType(function.__code__, function.__globals__, function.__name__,
+                                     function.__defaults__, closure)
+        rebuilt.__wrapped__ = rebuilt_inner
+    rebuilt.__kwdefaults__, rebuilt.__qualname__ = function.__kwdefaults__, function.__qualname__
     return rebuilt
+
+
+def _holds(cell: types.CellType, value: Any) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
 
 
 def _rope_heads_first(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -1,0 +1,101 @@
+"""Training that survives a lost engine: a `Trainer(on_failure="restart")` cell whose rank 1 is
+SIGKILLed mid-step, or mid-save, ends with every step's loss equal to an uninterrupted run; a
+cell that keeps losing engines stops after `max_restarts` with what happened."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from colab_par import Cluster
+from colab_par.models import GPTConfig
+from colab_par.output import RecoveryError
+
+# Rank 1 kills itself once (the marker file is removed first), in the step or in the save named by
+# KILL_IN; then every step's loss is printed from rank 0.
+CELL = '''
+import json, os, signal
+import colab_par
+import colab_par.checkpoint as checkpoint
+from colab_par.data import SyntheticDataset
+from colab_par.models import GPT
+
+def die_once(where):
+    if rank == 1 and KILL_IN == where and os.path.exists(MARKER):
+        if not KEEP_MARKER:
+            os.remove(MARKER)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+def schedule(step):  # called at the start of every step
+    if step == 5:
+        die_once("step")
+    return 1.0
+
+save_rng = getattr(checkpoint, "undying_rng_state", checkpoint._rng_state)  # the cell may run twice
+checkpoint.undying_rng_state = save_rng
+def rng_state_of_a_dying_save():  # called by every rank in the middle of a save
+    if trainer.step == 4:
+        die_once("save")
+    return save_rng()
+checkpoint._rng_state = rng_state_of_a_dying_save
+
+pm = colab_par.parallelize(GPT(config), "dp2")
+trainer = colab_par.Trainer(pm, SyntheticDataset(vocab_size=64, seq_len=16, batch_size=4), steps=8,
+                            lr_schedule=schedule, ckpt_dir=CKPT, ckpt_every=2, on_failure="restart",
+                            max_restarts=MAX_RESTARTS, telemetry=False)
+trainer.fit()
+if rank == 0:
+    print("LOSSES " + json.dumps([row["loss"] for row in trainer.history]))
+'''
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster(n=2, backend="gloo", timeout=120.0, dashboard=False) as started:
+        yield started
+
+
+def run(cluster, tmp_path, name: str, kill_in: str | None, capsys, *, keep_marker: bool = False,
+        max_restarts: int = 3) -> tuple[list[float], str]:
+    """Every step's loss, and what the notebook was told (stderr)."""
+    marker = tmp_path / f"{name}.kill"
+    marker.write_text("once")
+    config = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, kernels="torch")
+    cluster.execute(CELL, namespace={"config": config, "CKPT": str(tmp_path / name), "MARKER": str(marker),
+                                     "KILL_IN": kill_in, "KEEP_MARKER": keep_marker,
+                                     "MAX_RESTARTS": max_restarts})
+    printed = capsys.readouterr()
+    return json.loads(re.findall(r"^LOSSES (.+)$", printed.out, re.M)[-1]), printed.err
+
+
+@pytest.mark.parametrize("kill_in", ["step", "save"])
+def test_a_fit_that_loses_an_engine_ends_as_an_uninterrupted_one(cluster, tmp_path, capsys, kill_in) -> None:
+    cluster.restart()  # both runs start from freshly seeded engines
+    uninterrupted, _ = run(cluster, tmp_path, "reference", None, capsys)
+    cluster.restart()
+    generation = cluster.generation
+    recovered, err = run(cluster, tmp_path, "killed", kill_in, capsys)
+    assert cluster.generation == generation + 1  # restarted once
+    assert re.search(r"rank\(s\) 1 died during the cell; restarting the engines .* \(restart 1 of 3\)", err), err
+    assert len(recovered) == len(uninterrupted) == 8
+    assert recovered == pytest.approx(uninterrupted, rel=1e-6)
+
+
+def test_a_cell_that_keeps_losing_engines_stops_with_its_story(cluster, tmp_path, capsys) -> None:
+    with pytest.raises(RecoveryError) as stopped:
+        run(cluster, tmp_path, "doomed", "step", capsys, keep_marker=True, max_restarts=1)
+    assert len(stopped.value.attempts) == 2
+    assert "lost an engine 2 times" in str(stopped.value) and "max_restarts=1" in str(stopped.value)
+    assert all(attempt.startswith("rank(s) 1 died") for attempt in stopped.value.attempts)
+    cluster.restart()
+    assert cluster.run(lambda: 1) == [1, 1]
+
+
+def test_restart_needs_a_checkpoint_folder_and_cadence() -> None:
+    from colab_par.train import Trainer
+
+    with pytest.raises(ValueError, match="pass ckpt_dir= .* and ckpt_every="):
+        Trainer(None, [], steps=1, on_failure="restart", ckpt_dir="somewhere")
+    with pytest.raises(ValueError, match="on_failure='retry' is not one of raise, restart"):
+        Trainer(None, [], steps=1, on_failure="retry")
