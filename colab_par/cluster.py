@@ -224,7 +224,7 @@ class Cluster:
         view = self._view(None)
         ship_by_value(fn, *args, *kwargs.values())
         result = view.apply_async(fn, *args, **kwargs)
-        self._wait(result, self._ranks_of(view.targets), stream=False)
+        self._wait(result, self._ranks_of(view.targets), stream=False, source=_source_file(fn))
         return values(result, self._ids)
 
     def submit(self, rank: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -288,8 +288,7 @@ class Cluster:
         try:
             output = self._wait(result, ranks, stream=True, cell=code)
         finally:  # a restartable Trainer in the cell said how to recover it
-            self._recovery = next((data[RECOVERY_KEY] for data in per_rank_data(result.data)
-                                   if data and RECOVERY_KEY in data), None)
+            self._recovery = _recovery_policy(result)
         output.show_other_ranks(ranks, all_output)
         values(result, self._ids)
         output.show_result()
@@ -442,7 +441,8 @@ class Cluster:
                              for r in dead)
             raise DeadEngineError(dead, pids)
 
-    def _wait(self, result: Any, ranks: list[int], *, stream: bool, cell: str | None = None) -> TaskOutput:
+    def _wait(self, result: Any, ranks: list[int], *, stream: bool, cell: str | None = None,
+              source: str | None = None) -> TaskOutput:
         """Wait without a deadline (training may be long), but never on a dead rank nor on ranks
         left waiting by another rank's error; stream rank 0 meanwhile."""
         output = TaskOutput(result, stream=stream, dashboard=self.dashboard)
@@ -457,7 +457,7 @@ class Cluster:
                     failed_at = time.monotonic()
                 if failed_at is not None and time.monotonic() - failed_at > _FAILURE_GRACE_S \
                         and not result.ready():
-                    failure = self._recover_from_rank_failure(result, ranks, cell)
+                    failure = self._recover_from_rank_failure(result, ranks, cell, source)
                     output.finish()
                     raise failure
         except KeyboardInterrupt:
@@ -480,14 +480,15 @@ class Cluster:
                   "Variables defined on the engines are gone.", file=sys.stderr)
             self.restart()
 
-    def _recover_from_rank_failure(self, result: Any, ranks: list[int], cell: str | None) -> Exception:
+    def _recover_from_rank_failure(self, result: Any, ranks: list[int], cell: str | None,
+                                   source: str | None = None) -> Exception:
         """Some ranks failed, others still run (most likely waiting for them in a collective):
         record where the others are, make their collectives fail now by taking the failed ranks
         out of the group, interrupt what still runs, and re-initialise the world."""
         started = time.monotonic()
         errors = rank_errors(result, ranks)
         busy = busy_ranks(result, ranks)
-        waiting = self._where(busy, cell)
+        waiting = self._where(busy, cell, source)
         left: set[int] = set()
         self._leave_group(left, busy)
         deadline = time.monotonic() + _ABORT_WAIT_S
@@ -535,8 +536,9 @@ class Cluster:
                 engine.leave_process_group, self._world_addresses()).wait(5.0)
             left.update(idle)
 
-    def _where(self, ranks: list[int], cell: str | None) -> dict[int, str]:
-        """Where each busy rank is, from the stack dump its SIGUSR1 handler writes."""
+    def _where(self, ranks: list[int], cell: str | None, source: str | None = None) -> dict[int, str]:
+        """Where each busy rank is, from the stack dump its SIGUSR1 handler writes (`source`: the
+        file of the function `run` shipped, whose code reaches the engines without its file name)."""
         local = [r for r in ranks if self._is_local(self._hosts[r])]
         for rank in local:
             os.truncate(self._stack_files[rank], 0)
@@ -552,7 +554,21 @@ class Cluster:
                     dumps[rank] = text
         remote = {r: f"on {self._hosts[r]['host']}: SIGUSR1 asked it to dump its stacks to "
                      f"{self._stack_files[r]} there" for r in ranks if r not in local}
-        return {**{r: where_waiting(dumps.get(r, ""), cell) for r in local}, **remote}
+        return {**{r: where_waiting(dumps.get(r, ""), cell, source) for r in local}, **remote}
+
+def _source_file(fn: Callable[..., Any]) -> str | None:
+    code = getattr(fn, "__code__", None)
+    return code.co_filename if code is not None else None
+
+
+def _recovery_policy(result: Any) -> dict[str, Any] | None:
+    """What a cell's `Trainer(on_failure="restart")` published (ckpt_dir, max_restarts), if any."""
+    try:
+        published = per_rank_data(result.data)
+    except Exception:  # noqa: BLE001 - a task lost with its engine may hold no data at all
+        return None
+    return next((data[RECOVERY_KEY] for data in published if data and RECOVERY_KEY in data), None)
+
 
 def _engine_config(nanny: bool) -> Config:
     """Engines import torch while the controller is still starting, instead of after it.

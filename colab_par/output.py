@@ -259,11 +259,17 @@ _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func
 _FRAMEWORK = ("/IPython/", "/ipykernel/", "/ipyparallel/", "/tornado/", "/asyncio/")
 
 
-def where_waiting(dump: str, cell: str | None) -> str:
+_SHIPPED = "<dynamic-code>"  # cloudpickle's file name for code it pickles by value
+
+
+def where_waiting(dump: str, cell: str | None, source: str | None = None) -> str:
     """Where a rank's main thread is, from a faulthandler dump: the innermost call (e.g. the
-    collective) and the line of the cell (or of the function run on the engines) that made it."""
+    collective) and the line of the cell (or of the function run on the engines) that made it.
+    Code cloudpickle shipped by value is named "<dynamic-code>" there (cloudpickle >= 3.1.3 drops
+    its file name): `source`, the shipped function's file, stands in for it."""
     main = next((block for block in dump.split("\n\n") if compat.ENGINE_MAIN_FILE in block), "")
-    frames = [(m["file"], int(m["line"]), m["func"]) for m in map(_FRAME.match, main.splitlines()) if m]
+    frames = [(source if m["file"] == _SHIPPED and source else m["file"], int(m["line"]), m["func"])
+              for m in map(_FRAME.match, main.splitlines()) if m]
     user = []
     for frame in frames:  # innermost first; the user's code ends where the engine's own begins
         if frame[0] == "<string>" or any(part in frame[0] for part in _FRAMEWORK):
