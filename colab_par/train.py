@@ -13,6 +13,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -262,17 +263,14 @@ class Trainer:
     def _resume(self) -> None:
         """The engines were restarted after one died: go on from the last committed checkpoint,
         or from the start when none was committed before the loss."""
-        from colab_par.checkpoint import CheckpointError, load, saved_history
+        from colab_par.checkpoint import LATEST, load, saved_history
 
         _RESUME_REQUESTS.discard(str(self.ckpt_dir))
-        try:
-            meta = load(self.pm, self.ckpt_dir, trainer=self)
-        except CheckpointError as error:
-            if "no committed checkpoint" not in str(error):
-                raise
-            print(f"colab_par: no checkpoint was committed before the engine was lost; training "
-                  f"again from step 0")
+        if not (Path(self.ckpt_dir) / LATEST).is_file():
+            print("colab_par: no checkpoint was committed before the engine was lost; training "
+                  "again from step 0")
             return
+        meta = load(self.pm, self.ckpt_dir, trainer=self)
         self.history = saved_history(self.ckpt_dir) or []
         print(f"colab_par: resumed from the checkpoint of step {meta['step']} in {self.ckpt_dir}")
 

@@ -1,6 +1,6 @@
 """Training that survives a lost engine: a `Trainer(on_failure="restart")` cell whose rank 1 is
-SIGKILLed mid-step, or mid-save, ends with every step's loss equal to an uninterrupted run; a
-cell that keeps losing engines stops after `max_restarts` with what happened."""
+SIGKILLed mid-step, mid-save or before any save ends with every step's loss equal to an
+uninterrupted run; a cell that keeps losing engines stops after `max_restarts` with what happened."""
 from __future__ import annotations
 
 import json
@@ -30,6 +30,8 @@ def die_once(where):
 def schedule(step):  # called at the start of every step
     if step == 5:
         die_once("step")
+    if step == 1:
+        die_once("before any save")
     return 1.0
 
 save_rng = getattr(checkpoint, "undying_rng_state", checkpoint._rng_state)  # the cell may run twice
@@ -57,8 +59,8 @@ def cluster():
 
 
 def run(cluster, tmp_path, name: str, kill_in: str | None, capsys, *, keep_marker: bool = False,
-        max_restarts: int = 3) -> tuple[list[float], str]:
-    """Every step's loss, and what the notebook was told (stderr)."""
+        max_restarts: int = 3) -> tuple[list[float], str, str]:
+    """Every step's loss, and what the notebook was told (stdout, stderr)."""
     marker = tmp_path / f"{name}.kill"
     marker.write_text("once")
     config = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, kernels="torch")
@@ -66,18 +68,22 @@ def run(cluster, tmp_path, name: str, kill_in: str | None, capsys, *, keep_marke
                                      "KILL_IN": kill_in, "KEEP_MARKER": keep_marker,
                                      "MAX_RESTARTS": max_restarts})
     printed = capsys.readouterr()
-    return json.loads(re.findall(r"^LOSSES (.+)$", printed.out, re.M)[-1]), printed.err
+    return json.loads(re.findall(r"^LOSSES (.+)$", printed.out, re.M)[-1]), printed.out, printed.err
 
 
-@pytest.mark.parametrize("kill_in", ["step", "save"])
-def test_a_fit_that_loses_an_engine_ends_as_an_uninterrupted_one(cluster, tmp_path, capsys, kill_in) -> None:
+@pytest.mark.parametrize("kill_in, resumed", [("step", "step 4"), ("save", "step 2"),
+                                               ("before any save", None)])
+def test_a_fit_that_loses_an_engine_ends_as_an_uninterrupted_one(cluster, tmp_path, capsys, kill_in,
+                                                                  resumed) -> None:
     cluster.restart()  # both runs start from freshly seeded engines
-    uninterrupted, _ = run(cluster, tmp_path, "reference", None, capsys)
+    uninterrupted, _, _ = run(cluster, tmp_path, "reference", None, capsys)
     cluster.restart()
     generation = cluster.generation
-    recovered, err = run(cluster, tmp_path, "killed", kill_in, capsys)
+    recovered, out, err = run(cluster, tmp_path, "killed", kill_in, capsys)
     assert cluster.generation == generation + 1  # restarted once
     assert re.search(r"rank\(s\) 1 died during the cell; restarting the engines .* \(restart 1 of 3\)", err), err
+    said = f"resumed from the checkpoint of {resumed}" if resumed else "training again from step 0"
+    assert said in out, out
     assert len(recovered) == len(uninterrupted) == 8
     assert recovered == pytest.approx(uninterrupted, rel=1e-6)
 
