@@ -13,6 +13,9 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Cluster": "colab_par.cluster",
     "EngineError": "colab_par.cluster",
+    "Slurm": "colab_par.launchers",
+    "SSH": "colab_par.launchers",
+    "LauncherError": "colab_par.launchers",
     "Layout": "colab_par.layout",
     "LayoutError": "colab_par.layout",
     "parallelize": "colab_par.parallel",

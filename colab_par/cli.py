@@ -220,6 +220,7 @@ def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Notebook -> script (and sbatch file); every unsupported line named, with its cell and line."""
     from colab_par.export import ExportError, export_notebook, sbatch_script
+    from colab_par.launchers import Slurm
 
     if not args.notebook.is_file():
         parser.error(f"{str(args.notebook)!r} is not a notebook file")
@@ -236,9 +237,9 @@ def run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     if args.slurm:
         procs = args.procs_per_node or args.gpus_per_node or result.engines or 2
         sbatch = output.with_suffix(".sbatch")
-        sbatch.write_text(sbatch_script(str(output), nodes=args.nodes, procs_per_node=procs,
-                                        gpus_per_node=args.gpus_per_node, partition=args.partition,
-                                        account=args.account, time=args.time))
+        job = Slurm(partition=args.partition, account=args.account, time=args.time,
+                    nodes=args.nodes, gpus_per_node=args.gpus_per_node or None)
+        sbatch.write_text(sbatch_script(str(output), job, procs_per_node=procs))
         print(f"wrote {sbatch}; submit it with sbatch {sbatch}")
     return 0
 

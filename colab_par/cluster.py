@@ -20,6 +20,7 @@ import ipyparallel as ipp
 from traitlets.config import Config
 
 from colab_par import compat, engine
+from colab_par.launchers import SSH, Launcher, launcher_from
 from colab_par.output import (DeadEngineError, EngineError, RecoveryError, TaskOutput, busy_ranks,
                               is_transport_error, per_rank_data, rank_errors, rank_failure, ranks_text,
                               values, where_waiting)
@@ -29,7 +30,6 @@ __all__ = ["Cluster", "EngineError", "DeadEngineError", "RecoveryError"]
 
 RECOVERY_KEY = "colab_par.recovery"  # how a cell's restartable Trainer asks to be recovered
 
-LAUNCHERS = ("local", "mpi", "slurm", "ssh")
 BACKENDS = ("nccl", "gloo")
 _POLL_MAX_S = 0.25
 # A task where some ranks failed while others still run: after this long, the others are taken to
@@ -85,14 +85,16 @@ class Cluster:
     ``backend=None`` picks nccl on CUDA and gloo on CPU. ``timeout`` bounds every collective
     (the process group's timeout) and engine start-up, so nothing waits forever. Every engine's
     torch and Python generators start from ``seed`` at each start and restart, so a notebook run
-    repeats (``seed=None`` leaves each process's own draw).
+    repeats (``seed=None`` leaves each process's own draw). ``launcher`` says where engines run:
+    "local" (this host), "mpi", "slurm" or ``Slurm(partition=..., account=..., time=...)``, or
+    ``SSH({"node1": 2, "node2": 2})``; ranks are grouped by host.
     """
 
-    def __init__(self, n: int | None = None, *, backend: str | None = None, launcher: str = "local",
+    def __init__(self, n: int | None = None, *, backend: str | None = None,
+                 launcher: str | Launcher = "local",
                  timeout: float = 300.0, interrupt_grace: float = 10.0, dashboard: bool = True,
                  seed: int | None = 0, **ipp_options: Any):
-        if launcher not in LAUNCHERS:
-            raise ValueError(f"launcher={launcher!r} is unknown; use one of {', '.join(LAUNCHERS)}")
+        launcher = launcher_from(launcher)
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is unknown; use 'nccl' (CUDA) or 'gloo' (CPU)")
         if n is not None and (not isinstance(n, int) or n < 1):
@@ -135,25 +137,23 @@ class Cluster:
                   "Use restart() for fresh engines.")
             return self
         n, backend = self._resolve_n_backend()
-        self._prepare_launcher_environment()
+        self.launcher.check()
         before = descendant_pids()
-        options = dict(n=n, engines=self.launcher, log_level=logging.ERROR, delay=0,
-                       config=_engine_config(nanny=self.launcher not in ("local", "mpi")))
+        options = dict(n=n, engines=self.launcher.name, log_level=logging.ERROR, delay=0,
+                       config=self._launch_config(), controller_ip=self.launcher.controller_ip())
         # The hub registers an engine at its first heartbeat: ipyparallel's 3 s period would add up
         # to 3 s to every start, and 0.5 s also notices a dead remote engine within 5 s.
         options["controller_args"] = ["--HeartMonitor.period=500"]
-        if self.launcher in ("local", "mpi"):
-            options["controller_ip"] = "127.0.0.1"
-        if self.launcher == "local":
+        if self.launcher.name == "local":
             # Engines on this host read the controller's connection file as soon as it exists, so
             # they can start with the controller instead of waiting for its connection info.
             options["send_engines_connection_env"] = False
-        options.update(self._ipp_options)
+        options.update({key: value for key, value in self._ipp_options.items() if key != "config"})
         self._ipp = ipp.Cluster(**options)
         try:
             self._ipp.start_cluster_sync(n=n)
             self._client = self._ipp.connect_client_sync()
-            self._client.wait_for_engines(n, timeout=self.timeout, interactive=False)  # no progress bar
+            self._wait_for_engines(n)
             self._ids = sorted(self._client.ids)[:n]
             self._pids = descendant_pids() - before
             self._bootstrap(backend)
@@ -173,7 +173,7 @@ class Cluster:
             self._client.close()
         if self._ipp is not None:
             try:
-                self._ipp.stop_cluster_sync()
+                self.launcher.stop(self._ipp)
             except Exception as exc:  # noqa: BLE001 - fall through to killing what is left
                 print(f"colab_par: ipyparallel stop failed ({exc}); killing leftover processes",
                       file=sys.stderr)
@@ -199,8 +199,12 @@ class Cluster:
             self._client.shutdown(targets=live, hub=False, block=False)
         except Exception:  # noqa: BLE001 - the stop path below still cleans up
             return
+        # Engines on other hosts are gone once the hub has their nanny's unregistration: stopping
+        # the controller before that leaves the nanny waiting forever to deliver it.
+        remote = {eid for eid, info in zip(self._ids, self._hosts) if not self._is_local(info)}
         deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and any(_pid_alive(p) for p in engine_pids):
+        while time.monotonic() < deadline and (any(_pid_alive(p) for p in engine_pids)
+                                               or remote & set(self._client.ids)):
             time.sleep(0.05)
 
     def restart(self) -> "Cluster":
@@ -216,7 +220,7 @@ class Cluster:
 
     def __repr__(self) -> str:
         state = f"{self.n} engines, {self.backend}" if self.running else "stopped"
-        return f"Cluster({state}, launcher={self.launcher!r})"
+        return f"Cluster({state}, launcher={self.launcher.name!r})"
 
     # ---- running code ---------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
@@ -339,25 +343,50 @@ class Cluster:
         if backend == "nccl" and not gpus:
             raise ValueError("backend='nccl' needs CUDA GPUs but none is visible; use backend='gloo'")
         n = self._requested_n or (gpus if backend == "nccl" else 2)
-        if backend == "nccl" and self.launcher == "local" and n > gpus:
+        if isinstance(self.launcher, SSH):
+            if self._requested_n not in (None, self.launcher.n):
+                raise ValueError(f"n={self._requested_n} engines but the SSH hosts ask for "
+                                 f"{self.launcher.n}; leave n out or match the hosts")
+            n = self.launcher.n
+        if backend == "nccl" and self.launcher.name == "local" and n > gpus:
             raise ValueError(f"n={n} engines but only {gpus} GPUs are visible; use n<={gpus} or "
                              "backend='gloo'")
         self.backend = backend
         return n, backend
 
-    def _prepare_launcher_environment(self) -> None:
-        """OpenMPI refuses root and over-subscription by default; containers are often both."""
-        if self.launcher == "mpi":
-            if hasattr(os, "geteuid") and os.geteuid() == 0:
-                os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-                os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-            os.environ.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    def _launch_config(self) -> Config:
+        """Our engine command, the launcher's settings, then any ipyparallel `config=` given."""
+        config = _engine_config(nanny=self.launcher.nanny)
+        self.launcher.configure(config)
+        if "config" in self._ipp_options:
+            config.merge(self._ipp_options["config"])
+        return config
+
+    def _wait_for_engines(self, n: int) -> None:
+        """Wait up to the start timeout, saying why the launcher's engines have not come (a job
+        pending in Slurm's queue) when they do not, and failing at once when they cannot."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                self._client.wait_for_engines(n, timeout=min(2.0, max(0.1, deadline - time.monotonic())),
+                                              interactive=False)  # no progress bar
+                return
+            except TimeoutError:
+                waiting = self.launcher.waiting(self._ipp)
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"{len(self._client.ids)} of {n} engines started within the start timeout "
+                        f"({self.timeout:.0f}s)" + (f": {waiting}" if waiting else "")
+                        + "; stopped them. Pass a longer timeout=... or ask for fewer engines"
+                    ) from None
 
     def _bootstrap(self, backend: str) -> None:
         """Bind devices (before CUDA starts on the engines), then rendezvous on rank 0's host."""
         view = self._client[self._ids]
         view.use_cloudpickle().get(timeout=self.timeout)
-        self._hosts = view.apply_async(engine.host_info).get(timeout=self.timeout)
+        hosts = view.apply_async(engine.host_info, self._controller_address()).get(timeout=self.timeout)
+        self._ids, self._hosts = _ranked_by_host(self._ids, hosts)
+        view = self._client[self._ids]
         self._stack_files = view.apply_async(engine.enable_stack_dumps).get(timeout=self.timeout)
         hosts = [info["host"] for info in self._hosts]
         local_rank = [hosts[:rank].count(host) for rank, host in enumerate(hosts)]
@@ -372,6 +401,11 @@ class Cluster:
                                     "local_rank": local_rank[rank], "device": self.devices[rank]},
                                    block=True)
 
+    def _controller_address(self) -> str:
+        """The address engines reach the controller at (this host's primary one if it listens on all)."""
+        ip = self._ipp.controller_ip
+        return engine.address_toward("192.0.2.1") if ip in ("", "*", "0.0.0.0", "::") else ip
+
     def _world_addresses(self) -> list[str]:
         """The addresses the world talks over: loopback on one host, each host's address on several."""
         if all(self._is_local(info) for info in self._hosts):
@@ -385,7 +419,8 @@ class Cluster:
         single_host = addr == "127.0.0.1"
         port = self._get(self._client[[self._ids[0]]].apply_async(engine.open_rendezvous, addr), 0)
         joins = [self._client[[eid]].apply_async(engine.init_process_group, self.backend, addr, port, rank,
-                                               len(self._ids), self.timeout, "lo" if single_host else None)
+                                               len(self._ids), self.timeout,
+                                               addr if single_host else self._hosts[rank]["ip"])
                  for rank, eid in enumerate(self._ids)]
         for rank, result in enumerate(joins):
             self._get(result, rank)
@@ -568,6 +603,17 @@ def _recovery_policy(result: Any) -> dict[str, Any] | None:
     except Exception:  # noqa: BLE001 - a task lost with its engine may hold no data at all
         return None
     return next((data[RECOVERY_KEY] for data in published if data and RECOVERY_KEY in data), None)
+
+
+def _ranked_by_host(ids: list[int], hosts: list[dict[str, Any]]) -> tuple[list[int], list[dict[str, Any]]]:
+    """Ranks in host order (hosts in the order their first engine registered), engines of a host
+    contiguous and in registration order: a host's local ranks are then consecutive world ranks,
+    which keeps tensor-parallel groups (the innermost mesh dim) on one host."""
+    first = {}
+    for eid, info in zip(ids, hosts):
+        first.setdefault(info["host"], eid)
+    order = sorted(range(len(ids)), key=lambda i: (first[hosts[i]["host"]], ids[i]))
+    return [ids[i] for i in order], [hosts[i] for i in order]
 
 
 def _engine_config(nanny: bool) -> Config:

@@ -20,14 +20,45 @@ _ENGINE_SOCKETS: set[int] | None = None  # socket inodes the engine had before i
 _INET = (socket.AF_INET, socket.AF_INET6)
 
 
-def host_info() -> dict[str, Any]:
-    """Where this engine lives, so the client can derive local ranks and the rendezvous address."""
-    host = socket.gethostname()
+def host_info(toward: str = "127.0.0.1") -> dict[str, Any]:
+    """Where this engine lives, so the client can derive local ranks and the rendezvous address.
+
+    The address is the one this host reaches `toward` (the controller) from: the network the hosts
+    share. What the hostname resolves to is often loopback (Debian maps it to 127.0.1.1) or
+    nothing at all on a cluster node.
+    """
+    return {"host": socket.gethostname(), "ip": address_toward(toward), "pid": os.getpid()}
+
+
+def address_toward(peer: str) -> str:
+    """This host's address on the route to `peer` (no packet is sent: a UDP connect only routes)."""
     try:
-        ip = socket.gethostbyname(host)
-    except OSError:
-        ip = "127.0.0.1"
-    return {"host": host, "ip": ip, "pid": os.getpid()}
+        with socket.socket(socket.AF_INET6 if ":" in peer else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((peer, 9))
+            return probe.getsockname()[0]
+    except OSError:  # no route: fall back to what the name says
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface holding `address` (IPv4, Linux), for gloo's GLOO_SOCKET_IFNAME: gloo
+    otherwise binds to whatever the hostname resolves to, which may be loopback or unresolvable."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                reply = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # an interface without an IPv4 address
+                continue
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    return None
 
 
 def bind_device(local_rank: int, local_world: int, backend: str) -> str:
@@ -103,18 +134,19 @@ def open_rendezvous(addr: str) -> int:
 
 
 def init_process_group(backend: str, addr: str, port: int, rank: int, world: int,
-                       timeout_s: float, gloo_ifname: str | None) -> None:
+                       timeout_s: float, own_address: str) -> None:
     """Join a fresh torch.distributed world through rank 0's store at addr:port (any old group is
     left first, so this also re-initialises a broken world). Rank 0 serves the store on the socket
-    `open_rendezvous` bound."""
+    `open_rendezvous` bound; gloo talks over the interface holding `own_address`."""
     import torch.distributed as dist
 
     global _LISTENER, _ENGINE_SOCKETS
     leave_process_group([addr])
     if _ENGINE_SOCKETS is None:
         _ENGINE_SOCKETS = set(_socket_fds())
-    if gloo_ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
-        os.environ["GLOO_SOCKET_IFNAME"] = gloo_ifname
+    ifname = interface_of(own_address)
+    if ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": addr,
                        "MASTER_PORT": str(port)})
     timeout = timedelta(seconds=timeout_s)

@@ -27,6 +27,7 @@ from pathlib import Path
 import nbformat
 from IPython.core.inputtransformer2 import TransformerManager
 
+from colab_par.launchers import Slurm
 from colab_par.magics import cell_parser, line_parser
 from colab_par.ship import names_assigned, names_used
 
@@ -78,15 +79,10 @@ def export_notebook(path: str | Path, *, drop_unsupported: bool = False) -> Expo
     return Export(writer.finish(), writer.problems, writer.engines)
 
 
-def sbatch_script(script: str, *, nodes: int, procs_per_node: int, gpus_per_node: int = 0,
-                  partition: str | None = None, account: str | None = None, time: str = "01:00:00",
-                  port: int = 29500) -> str:
-    """An sbatch file running `script` with torchrun on every node (one srun task per node), the
-    rendezvous on the job's first node."""
-    options = [f"--job-name={Path(script).stem}", f"--nodes={nodes}", "--ntasks-per-node=1",
-               f"--time={time}"]
-    options += [f"--gpus-per-node={gpus_per_node}"] * bool(gpus_per_node)
-    options += [f"--partition={partition}"] * bool(partition) + [f"--account={account}"] * bool(account)
+def sbatch_script(script: str, job: Slurm, *, procs_per_node: int, port: int = 29500) -> str:
+    """An sbatch file running `script` with torchrun on every node of `job` (one srun task per
+    node), the rendezvous on the job's first node."""
+    options = [f"--job-name={Path(script).stem}", "--ntasks-per-node=1", *job.sbatch_options()]
     header = "\n".join(f"#SBATCH {option}" for option in options)
     return f"""#!/bin/bash
 {header}

@@ -14,6 +14,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from colab_par import ranks
 from colab_par.cluster import Cluster
+from colab_par.launchers import SSH, Launcher, Slurm
 from colab_par.ship import names_assigned, values_to_ship
 
 __all__ = ["ColossalMagics", "default_cluster", "use_cluster", "shutdown_default_cluster", "parse_ranks",
@@ -84,6 +85,11 @@ def line_parser() -> _Parser:
     start.add_argument("--launcher", choices=["local", "mpi", "slurm", "ssh"], default="local")
     start.add_argument("--timeout", type=float, default=300.0)
     start.add_argument("--seed", type=int, default=0, help="engines' torch and random seed (default 0)")
+    for option in _SLURM_OPTIONS:
+        start.add_argument(f"--{option.replace('_', '-')}", default=None,
+                           type=int if option in ("nodes", "gpus_per_node") else str,
+                           help="with --launcher slurm: the job's " + option.replace("_", " "))
+    start.add_argument("--hosts", default=None, help="with --launcher ssh: node1:2,node2:2")
     for name in ("status", "stop", "restart"):
         sub.add_parser(name, add_help=False)
     relayout = sub.add_parser("relayout", add_help=False)
@@ -102,6 +108,31 @@ def cell_parser() -> _Parser:
     parser.add_argument("--layout", default=None,
                         help="notebook variable holding a LayoutPicker, a Layout or a layout string")
     return parser
+
+
+_SLURM_OPTIONS = ("partition", "account", "time", "nodes", "gpus_per_node")
+
+
+def _launcher(args: argparse.Namespace) -> str | Launcher:
+    """`--launcher` with the options that belong to it; an option for another launcher is refused."""
+    slurm = {key: getattr(args, key) for key in _SLURM_OPTIONS if getattr(args, key) is not None}
+    if slurm and args.launcher != "slurm":
+        raise UsageError(f"--{next(iter(slurm)).replace('_', '-')} is a Slurm job option; add "
+                         "--launcher slurm")
+    if args.hosts is not None and args.launcher != "ssh":
+        raise UsageError("--hosts names the hosts of --launcher ssh; add --launcher ssh")
+    if args.launcher == "slurm":
+        return Slurm(**slurm)
+    if args.launcher == "ssh":
+        if not args.hosts:
+            raise UsageError("--launcher ssh needs --hosts, e.g. --hosts node1:2,node2:2")
+        try:
+            return SSH({host: int(count or 1) for host, _, count in
+                        (item.partition(":") for item in args.hosts.split(","))})
+        except ValueError:
+            raise UsageError(f"--hosts {args.hosts} is not host:engines,...; e.g. "
+                             "--hosts node1:2,node2:2") from None
+    return args.launcher
 
 
 @magics_class
@@ -128,7 +159,7 @@ class ColossalMagics(Magics):
                              "stop | restart | relayout LAYOUT")
         if args.command == "start":
             if _default is None or not _default.running:
-                _default = Cluster(args.n, backend=args.backend, launcher=args.launcher,
+                _default = Cluster(args.n, backend=args.backend, launcher=_launcher(args),
                                    timeout=args.timeout, seed=args.seed)
             _default.start()
             print(f"colab_par: {_default.n} engines ready ({_default.backend}, "

@@ -1,6 +1,8 @@
 """Running notebooks the way CI does: nbclient, a kernel of this interpreter, a working folder."""
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -25,3 +27,21 @@ def run(notebook: nbformat.NotebookNode, workdir: Path) -> nbformat.NotebookNode
 def execute(name: str, workdir: Path) -> nbformat.NotebookNode:
     """Run notebooks/<name>.ipynb in `workdir`."""
     return run(read(name), workdir)
+
+
+# a last %%colossal cell that prints every step's loss, full precision, from rank 0
+LOSSES_CELL = ('%%colossal\nimport json\nif rank == 0:\n'
+               '    print("LOSSES " + json.dumps([row["loss"] for row in trainer.history]))')
+
+
+def with_losses_printed(name: str) -> nbformat.NotebookNode:
+    notebook = read(name)
+    stop = next(i for i, cell in enumerate(notebook.cells) if "%colossal stop" in cell.source)
+    notebook.cells.insert(stop, nbformat.v4.new_code_cell(LOSSES_CELL))
+    return notebook
+
+
+def printed_losses(text: str) -> list[float]:
+    found = re.findall(r"^LOSSES (.+)$", text, re.M)
+    assert len(found) == 1, text[-3000:]
+    return json.loads(found[0])

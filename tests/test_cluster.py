@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from colab_par import Cluster
+from colab_par import SSH, Cluster, Slurm
 from colab_par.cluster import descendant_pids
 
 
@@ -69,6 +69,14 @@ def test_bad_arguments_fail_before_any_work():
         Cluster(launcher="pbsx")
     with pytest.raises(ValueError, match="positive number of engines"):
         Cluster(n=0)
+    with pytest.raises(ValueError, match=r"launcher='ssh' needs the hosts.*SSH\(\{'node1': 2"):
+        Cluster(launcher="ssh")
+    with pytest.raises(ValueError, match="must map each host to a positive number of engines"):
+        SSH({"node1": 0})
+    with pytest.raises(ValueError, match="n=3 engines but the SSH hosts ask for 4"):
+        Cluster(n=3, launcher=SSH({"node1": 2, "node2": 2})).start()
+    with pytest.raises(ValueError, match="gpus_per_node=0 must be a positive integer"):
+        Slurm(gpus_per_node=0)
     with pytest.raises(ValueError, match="use backend='gloo'"):
         Cluster(n=2, backend="nccl").start()  # no GPU on this machine
     with pytest.raises(RuntimeError, match="%colossal start"):

@@ -3,36 +3,16 @@ notebook did under nbclient (every step's loss), and what only a notebook can ru
 cell and line, never dropped silently."""
 from __future__ import annotations
 
-import json
 import os
-import re
 import subprocess
 import sys
 
 import nbformat
 import pytest
-from notebook_run import read, run
+from notebook_run import LOSSES_CELL, printed_losses, run, with_losses_printed
 
 from colab_par.cli import main
 from colab_par.export import ExportError, export_notebook
-
-# a last %%colossal cell that prints every step's loss, full precision, from rank 0
-LOSSES_CELL = ('%%colossal\nimport json\nif rank == 0:\n'
-               '    print("LOSSES " + json.dumps([row["loss"] for row in trainer.history]))')
-
-
-def with_losses_printed(name: str) -> nbformat.NotebookNode:
-    notebook = read(name)
-    stop = next(i for i, cell in enumerate(notebook.cells) if "%colossal stop" in cell.source)
-    notebook.cells.insert(stop, nbformat.v4.new_code_cell(LOSSES_CELL))
-    return notebook
-
-
-def printed_losses(text: str) -> list[float]:
-    found = re.findall(r"^LOSSES (.+)$", text, re.M)
-    assert len(found) == 1, text[-3000:]
-    return json.loads(found[0])
-
 
 @pytest.mark.parametrize("name", ["01_quickstart", "03_checkpoint_relayout"])
 def test_the_exported_script_trains_as_the_notebook_did(name, kernel_path, tmp_path) -> None:

@@ -29,6 +29,18 @@ def test_cell_before_start_says_how_to_start(shell):
         shell.run_cell_magic("colossal", "", "print(1)")
 
 
+def test_launcher_options_belong_to_their_launcher(shell):
+    magics._default = None
+    with pytest.raises(UsageError, match="--partition is a Slurm job option; add --launcher slurm"):
+        shell.run_line_magic("colossal", "start --partition gpu")
+    with pytest.raises(UsageError, match="--launcher ssh needs --hosts, e.g. --hosts node1:2"):
+        shell.run_line_magic("colossal", "start --launcher ssh")
+    with pytest.raises(UsageError, match="--hosts a:two is not host:engines"):
+        shell.run_line_magic("colossal", "start --launcher ssh --hosts a:two")
+    assert magics._launcher(magics.line_parser().parse_args(
+        ["start", "--launcher", "ssh", "--hosts", "a:2,b"])).hosts == {"a": 2, "b": 1}
+
+
 def test_notebook_class_and_closure_are_shipped(on_cluster, capsys):
     on_cluster.run_cell("class Counter:\n    def __init__(self, start):\n        self.value = start * 3\n")
     on_cluster.run_cell("def make_adder(k):\n    def add(x):\n        return x + k\n    return add\n"

@@ -1,0 +1,78 @@
+"""Engines on two hosts (network and UTS namespaces this test makes, each with its own hostname,
+address and sshd; see two_hosts.py) started through ipyparallel's SSH launcher: ranks grouped by
+host, local ranks per host, devices bound, the rendezvous on rank 0's address (not loopback), a
+training step under dp2 and tp2 across the hosts equal to one-process training, and a dead remote
+engine reported within 15 s. A machine that cannot make the hosts fails these tests, never skips."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from parity import assert_parity, engine_run, reference_run
+from two_hosts import CONTROLLER, HOSTS, CannotMakeHosts, TwoHosts
+
+from colab_par import SSH, Cluster
+from colab_par.output import DeadEngineError
+
+A, B = HOSTS.values()
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    try:
+        made = TwoHosts(tmp_path_factory.mktemp("hosts")).make()
+    except CannotMakeHosts as error:
+        pytest.fail(f"the multi-host tests need two hosts and cannot make them here: {error}")
+    yield made
+    made.remove()
+
+
+def where_am_i() -> dict:
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    return {"host": socket.gethostname(), "rank": dist.get_rank(), "local_rank": os.environ["LOCAL_RANK"],
+            "local_world": os.environ["LOCAL_WORLD_SIZE"], "master": os.environ["MASTER_ADDR"],
+            "store_host": getattr(store, "underlying_store", store).host,
+            "gloo_interface": os.environ.get("GLOO_SOCKET_IFNAME"), "threads": torch.get_num_threads()}
+
+
+def test_one_engine_per_host_trains_dp2_and_tp2_like_one_process(hosts) -> None:
+    with Cluster(launcher=SSH({A: 1, B: 1}, ssh_args=hosts.ssh_args), dashboard=False, timeout=60) as cluster:
+        assert [row["host"] for row in cluster.run(where_am_i)] == list(HOSTS)
+        for layout in ("dp2", "tp2"):
+            assert_parity(cluster.run(engine_run, layout, "gpt", 2), reference_run("gpt", 2))
+
+
+def test_two_engines_per_host_rank_bind_and_meet_at_rank_0s_address(hosts) -> None:
+    with Cluster(launcher=SSH({A: 2, B: 2}, ssh_args=hosts.ssh_args), dashboard=False, timeout=60) as cluster:
+        placed = cluster.run(where_am_i)
+        assert [row["rank"] for row in placed] == [0, 1, 2, 3]
+        assert [row["host"] for row in placed] == [name for name in HOSTS for _ in range(2)]
+        assert [row["local_rank"] for row in placed] == ["0", "1", "0", "1"]
+        assert {row["local_world"] for row in placed} == {"2"}
+        assert cluster.devices == ["cpu"] * 4
+        assert {row["threads"] for row in placed} == {max(1, os.cpu_count() // 2)}  # cores shared per host
+        # The world meets at rank 0's address on the hosts' network, never at loopback, and gloo
+        # talks over each host's own interface on that network.
+        assert {row["master"] for row in placed} == {A}
+        assert {row["store_host"] for row in placed} == {A}
+        assert {row["gloo_interface"] for row in placed} == {"eth0"}
+        assert cluster._ipp.controller_ip == CONTROLLER
+        assert_parity(cluster.run(engine_run, "dp2 tp2", "gpt", 2), reference_run("gpt", 2))
+
+        # A remote engine dies while the others wait for it in a collective.
+        victim = cluster.status()[3]
+        assert victim["host"] == "colabpar-b"
+        threading.Timer(1.0, os.kill, (victim["pid"], signal.SIGKILL)).start()
+        started = time.monotonic()
+        with pytest.raises(DeadEngineError, match=r"rank\(s\) 3 died.*on colabpar-b"):
+            cluster.execute("import time, torch.distributed as dist\nif rank == 3:\n    time.sleep(60)\n"
+                            "dist.barrier()")
+        assert time.monotonic() - started < 15.0
