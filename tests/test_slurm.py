@@ -1,6 +1,7 @@
-"""Engines as a job of a real Slurm (a one-node cluster this test starts on this machine): they form
-the process group and train a layout as local engines do; `%colossal stop` leaves no job in the
-queue and no process behind; a missing Slurm, a pending job and a wrong partition are explained."""
+"""Engines as a job of a real Slurm (a one-node cluster with accounting this test starts on this
+machine): they form the process group and train a layout as local engines do; `%colossal stop`
+leaves no job in the queue and no process behind; a missing Slurm, a pending job and a wrong
+partition or account are explained. The exported sbatch job runs there too."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 from notebook_run import printed_losses, with_losses_printed
 from parity import assert_parity, engine_run, reference_run
-from slurm_site import NODE, PARTITION, SlurmSite
+from slurm_site import ACCOUNT, NODE, PARTITION, SlurmSite
 
 from colab_par import Cluster, LauncherError, Slurm, magics
 from colab_par.cli import main
@@ -51,7 +52,7 @@ def processes_of_job(job: str) -> list[psutil.Process]:
 
 def test_engines_as_a_slurm_job_train_a_layout_and_stop_leaves_nothing(slurm, shell, capsys) -> None:
     shell.run_line_magic("colossal", f"start --launcher slurm -n 2 --partition {PARTITION} "
-                                     "--time 10:00 --timeout 60")
+                                     f"--account {ACCOUNT} --time 10:00 --timeout 60")
     try:
         cluster = magics._default
         [queued] = slurm.jobs()
@@ -85,6 +86,14 @@ def test_no_reachable_slurm_is_named_before_anything_starts(slurm, tmp_path, mon
 def test_an_unknown_partition_is_refused_with_the_ones_there_are(slurm) -> None:
     with pytest.raises(LauncherError, match=f"no partition 'gpu-large'; it has: {PARTITION}"):
         Cluster(n=2, launcher=Slurm(partition="gpu-large"), dashboard=False).start()
+    assert slurm.jobs() == []
+
+
+def test_an_unknown_account_is_refused_with_the_users_accounts(slurm) -> None:
+    refused = subprocess.run(["sbatch", "--account=nope", "--wrap=true"], capture_output=True, text=True)
+    assert refused.returncode != 0 and "Invalid account" in refused.stderr  # Slurm enforces accounts
+    with pytest.raises(LauncherError, match=f"no account 'nope' for this user; yours: {ACCOUNT}"):
+        Cluster(n=2, launcher=Slurm(account="nope"), dashboard=False).start()
     assert slurm.jobs() == []
 
 
