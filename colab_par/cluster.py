@@ -473,8 +473,28 @@ class Cluster:
         dead = [r for r in self._dead_ranks() if r in set(ranks)]
         if dead:
             pids = ", ".join(f"rank {r}: pid {self._hosts[r]['pid']} on {self._hosts[r]['host']}"
-                             for r in dead)
+                             f"{self._crash_of(r)}" for r in dead)
             raise DeadEngineError(dead, pids)
+
+    def _crash_of(self, rank: int, lines: int = 12) -> str:
+        """What a crashed rank's fatal signal left in its stack file (faulthandler's report): the
+        signal, and the Python stacks of the thread that crashed and of the engine's main thread
+        (the innermost `lines` calls of each), when the rank ran on this host."""
+        if rank >= len(self._stack_files) or not self._is_local(self._hosts[rank]):
+            return ""
+        try:
+            with open(self._stack_files[rank], errors="replace") as dump:
+                text = dump.read()
+        except OSError:
+            return ""
+        start = text.rfind("Fatal Python error")
+        if start < 0:
+            return ""
+        signal_line, *threads = text[start:].strip().split("\n\n")
+        shown = [t for t in threads if t.startswith("Current thread")]
+        shown += [t for t in threads if compat.ENGINE_MAIN_FILE in t and t not in shown]
+        stacks = ["\n".join(t.splitlines()[:lines + 1]) for t in shown]
+        return "; it crashed:\n" + "\n".join([signal_line.splitlines()[0], *stacks]) + "\n"
 
     def _wait(self, result: Any, ranks: list[int], *, stream: bool, cell: str | None = None,
               source: str | None = None) -> TaskOutput:

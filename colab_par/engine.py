@@ -105,7 +105,8 @@ def seed_generators(seed: int) -> None:
 def enable_stack_dumps() -> str:
     """Dump every thread's Python stack to a file on SIGUSR1, so the client can see where a rank
     waits even while its main thread is blocked inside a C++ collective (faulthandler writes from
-    the signal handler itself). The file is opened for appending, so the client may truncate it."""
+    the signal handler itself), and on a crash (a segfault in native code), so the client can say
+    where the rank died. The file is opened for appending, so the client may truncate it."""
     import faulthandler
     import signal
     import tempfile
@@ -115,6 +116,7 @@ def enable_stack_dumps() -> str:
         path = os.path.join(tempfile.gettempdir(), f"colab_par-stacks-{os.getpid()}.txt")
         _STACKS = open(path, "a")  # noqa: SIM115 - stays open for the engine's lifetime
         faulthandler.register(signal.SIGUSR1, file=_STACKS, all_threads=True)
+        faulthandler.enable(file=_STACKS, all_threads=True)
     return _STACKS.name
 
 

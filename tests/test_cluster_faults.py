@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import _thread
 import os
+import re
 import signal
 import threading
 import time
@@ -79,6 +80,16 @@ def test_killed_engine_is_reported_quickly_and_restart_recovers(fresh):
     assert [row["alive"] for row in fresh.status()] == [True, False]
     fresh.restart()
     assert fresh.run(ranks_alive) == [2.0, 2.0]
+
+
+def test_a_crashed_engine_is_reported_with_its_signal_and_stack(fresh):
+    with pytest.raises(DeadEngineError) as died:
+        fresh.execute("import ctypes\nif rank == 1:\n    ctypes.string_at(0)  # reads address 0\n"
+                      "import torch.distributed as dist\ndist.barrier()")
+    report = str(died.value)
+    assert re.search(r"rank\(s\) 1 died \(rank 1: pid \d+ on .*; it crashed:\nFatal Python error: "
+                     r"Segmentation fault", report), report
+    assert re.search(r'string_at\n  File ".*", line 3 in <module>', report), report  # the cell's line
 
 
 def test_engine_dying_mid_cell_fails_the_cell(fresh):
