@@ -1,5 +1,6 @@
-"""Shared real clusters: starting ipyparallel engines costs seconds, so tests reuse them; and the
-Jupyter kernel the notebook tests run.
+"""Shared real clusters: starting ipyparallel engines costs seconds, so the tests of a module reuse
+them (fresh engines per module: one crashed engine fails one module, not the rest of the run, and
+no engine carries hundreds of layouts' state); and the Jupyter kernel the notebook tests run.
 
 Tests that break engines on purpose (kill, stuck collectives) start their own cluster instead.
 """
@@ -22,14 +23,14 @@ def _started(n: int):
     return cluster
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster2():
     cluster = _started(2)
     yield cluster
     cluster.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster4():
     cluster = _started(4)
     yield cluster

@@ -20,7 +20,7 @@ def shell():
 def on_cluster(shell, cluster2):
     magics.use_cluster(cluster2)
     yield shell
-    magics._default = None  # the session fixture owns the cluster's lifetime
+    magics._default = None  # the cluster2 fixture owns the cluster's lifetime
 
 
 def test_cell_before_start_says_how_to_start(shell):
