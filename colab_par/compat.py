@@ -71,6 +71,15 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
     return flatten(name)
 
 
+def unflatten_mesh(mesh: Any, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """`mesh` with its dim `dim` split into dims `names` of `sizes` (`_unflatten`): the same ranks,
+    the same root, so slices of it compose with the mesh's other slices (FSDP over dp)."""
+    unflatten = getattr(mesh, "_unflatten", None)
+    if unflatten is None:
+        raise _missing("torch", "DeviceMesh._unflatten")
+    return unflatten(dim, sizes, names)
+
+
 # ---- torch.distributed.pipelining ------------------------------------------------------------------
 STAGE_COMPUTE_HOOKS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 """PipelineStage methods every schedule calls for a microbatch's compute (undocumented): a stage

@@ -15,20 +15,21 @@ from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Iterator, Mapping, Union
 
 __all__ = ["Layout", "LayoutError", "model_sizes", "valid_layouts", "field_options",
-           "default_microbatches", "DEGREES", "ZERO_LEVELS", "CP_MODES", "PP_SCHEDULES",
-           "PRECISIONS", "CHECKPOINTING", "FIELDS"]
+           "default_microbatches", "tensor_grid", "grid_batch_chunks", "DEGREES", "ZERO_LEVELS", "CP_MODES",
+           "TP_MODES", "PP_SCHEDULES", "PRECISIONS", "CHECKPOINTING", "FIELDS"]
 
 DEGREES = ("dp", "tp", "pp", "cp")
 ZERO_LEVELS = (0, 1, 2, 3)
 CP_MODES = ("ring", "ulysses")
+TP_MODES = ("1d", "2d", "2.5d", "3d")  # Megatron, Optimus (q×q), Tesseract (q×q×d), 3D (q×q×q)
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
 PRECISIONS = ("fp32", "bf16")
 CHECKPOINTING = ("none", "selective", "full")
 _MULTI_STAGE = ("interleaved", "zbv")
 # Field order of the enumeration: a field comes after those its choices or its default depend on.
-FIELDS = ("tp", "cp", "pp", "dp", "pp_schedule", "virtual_stages", "microbatches", "zero",
+FIELDS = ("tp", "tp_mode", "tp_depth", "cp", "pp", "dp", "pp_schedule", "virtual_stages", "microbatches", "zero",
           "sequence_parallel", "cp_mode", "offload", "precision", "checkpointing")
-_NAMED = {"zero": ZERO_LEVELS, "cp_mode": CP_MODES, "pp_schedule": PP_SCHEDULES,
+_NAMED = {"zero": ZERO_LEVELS, "tp_mode": TP_MODES, "cp_mode": CP_MODES, "pp_schedule": PP_SCHEDULES,
           "precision": PRECISIONS, "checkpointing": CHECKPOINTING}
 
 
@@ -42,18 +43,37 @@ def default_microbatches(pp: int) -> int:
     return pp
 
 
+def tensor_grid(tp: int, tp_mode: str, tp_depth: int = 1) -> "tuple[int, int] | None":
+    """(q, depth) of a multi-dimensional tensor-parallel grid: q×q for "2d", q×q×depth for "2.5d",
+    q×q×q for "3d" (depth q); None when `tp` does not form that grid (or for "1d")."""
+    if tp_mode == "1d":
+        return None
+    depth = tp_depth if tp_mode == "2.5d" else 1
+    power = 3 if tp_mode == "3d" else 2
+    if tp % depth:
+        return None
+    q = round((tp // depth) ** (1 / power))
+    if q < 2 or q ** power * depth != tp:
+        return None
+    return q, (q if tp_mode == "3d" else depth)
+
+
 @dataclass(frozen=True)
 class Layout:
     """How one model is spread over `world_size` ranks.
 
     Mesh order (outermost first) is pp, dp, cp, tp: tensor parallel ranks are neighbours, so on a
-    multi-GPU node they share the fastest links. ``microbatches=None`` (the default) becomes
+    multi-GPU node they share the fastest links. `tp_mode` arranges the tp ranks: "1d" (Megatron)
+    in a line, "2d" / "2.5d" / "3d" in a q×q / q×q×tp_depth / q×q×q grid (Colossal-AI's
+    multi-dimensional tensor parallelism, which partitions activations as well as weights). ``microbatches=None`` (the default) becomes
     `default_microbatches`, so every layout string trains as written.
     """
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    tp_mode: str = "1d"
+    tp_depth: int = 1
     cp: int = 1
     zero: int = 0
     offload: bool = False
@@ -82,6 +102,10 @@ class Layout:
         parts = [f"{name}{getattr(self, name)}" for name in DEGREES if getattr(self, name) != 1]
         if not parts:
             parts = ["dp1"]
+        if self.tp_mode != "1d":
+            parts.append(self.tp_mode)
+        if self.tp_depth != 1:
+            parts.append(f"d{self.tp_depth}")
         if self.zero:
             parts.append(f"zero{self.zero}")
         if self.offload:
@@ -189,6 +213,7 @@ def _default_choices(world: int, sizes: dict[str, int]) -> dict[str, Choices]:
     layers, batch = sizes.get("n_layer"), sizes.get("global_batch")
     return {**{name: _divisors(world) for name in DEGREES}, **_NAMED,
             "offload": (False, True), "sequence_parallel": (False, True),
+            "tp_depth": [d for d in _divisors(world) if d < world],
             "virtual_stages": _divisors(layers) if layers else (1, 2),
             "microbatches": (None, *_divisors(batch)) if batch else (None,)}
 
@@ -254,6 +279,8 @@ def field_options(world_size: int, model_config: Any = None, *, device: str | No
 _TOKEN_PATTERNS: list[tuple[str, Any]] = [
     (r"(dp|tp|pp|cp)(\d+)", lambda m: {m[1]: int(m[2])}),
     (r"zero(\d+)", lambda m: {"zero": int(m[1])}),
+    (r"(1d|2d|2\.5d|3d)", lambda m: {"tp_mode": m[1]}),
+    (r"d(\d+)", lambda m: {"tp_depth": int(m[1])}),
     (r"mb(\d+)", lambda m: {"microbatches": int(m[1])}),
     (r"v(\d+)", lambda m: {"virtual_stages": int(m[1])}),
     (r"offload", lambda m: {"offload": True}),
@@ -272,6 +299,7 @@ def _parse_token(token: str) -> dict[str, Any]:
             return build(match)
     raise LayoutError(
         f"unknown layout token {token!r}; use degrees like 'dp2 tp2 pp2 cp2', 'zero0'..'zero3', "
+        "'1d'/'2d'/'2.5d'/'3d' with 'd2' (2.5d depth), "
         "'offload', 'sp', 'ring'/'ulysses', 'gpipe'/'1f1b'/'interleaved'/'zbv', 'mb4', 'v2', "
         "'fp32'/'bf16', 'ac-selective'/'ac-full'")
 
@@ -429,14 +457,28 @@ def _check_microbatches(layout: Any, world: int | None, sizes: dict, device: str
                           f"got {m}; try microbatches={2 * p}")
 
 
-@_rule("tp")
+def _head_split(layout: Any) -> int:
+    """How many ways tensor parallel splits heads and feed-forward columns: tp in 1d, q in a grid
+    (1 for a tp that forms no grid: `_check_tensor_grid` names that problem)."""
+    if layout.tp_mode == "1d":
+        return layout.tp
+    grid = tensor_grid(layout.tp, layout.tp_mode, layout.tp_depth)
+    return grid[0] if grid else 1
+
+
+@_rule("tp", "tp_mode", "tp_depth")
 def _check_heads(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
-    heads, kv_heads = sizes.get("n_head"), sizes.get("n_kv_head")
-    if heads and heads % layout.tp:
-        raise LayoutError(f"tp={layout.tp} does not divide {heads} heads; {_suggest(heads, 'tp')}")
-    if kv_heads and kv_heads % layout.tp:
-        raise LayoutError(f"tp={layout.tp} does not divide {kv_heads} kv-heads; "
-                          f"{_suggest(kv_heads, 'tp')}")
+    heads, kv_heads, split = sizes.get("n_head"), sizes.get("n_kv_head"), _head_split(layout)
+    by = "tp" if layout.tp_mode == "1d" else f"the {layout.tp_mode} grid side q"
+    if heads and heads % split:
+        raise LayoutError(f"{by}={split} does not divide {heads} heads; {_suggest(heads, 'tp')}"
+                          if layout.tp_mode == "1d" else
+                          f"{by}={split} does not divide {heads} heads; use a grid whose side divides "
+                          f"the heads, or tp_mode='1d'")
+    if kv_heads and kv_heads % split:
+        raise LayoutError(f"{by}={split} does not divide {kv_heads} kv-heads; "
+                          + (_suggest(kv_heads, "tp") if layout.tp_mode == "1d" else
+                             "use a grid whose side divides the kv-heads, or tp_mode='1d'"))
 
 
 @_rule("tp", "cp", "cp_mode")
@@ -519,12 +561,91 @@ def _check_hugging_face(layout: Any, world: int | None, sizes: dict, device: str
         raise LayoutError("sequence_parallel has no plan for Hugging Face models; drop 'sp'")
 
 
-@_rule("tp")
+@_rule("tp", "tp_mode", "tp_depth")
 def _check_ffn(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
-    ffn = sizes.get("ffn_hidden")
-    if ffn and ffn % layout.tp:
-        raise LayoutError(f"tp={layout.tp} does not divide the feed-forward width {ffn}; "
-                          f"{_suggest(ffn, 'tp')}")
+    ffn, split = sizes.get("ffn_hidden"), _head_split(layout)
+    if ffn and ffn % split:
+        raise LayoutError(f"{'tp' if layout.tp_mode == '1d' else 'the grid side q'}={split} does not "
+                          f"divide the feed-forward width {ffn}; {_suggest(ffn, 'tp')}")
+
+
+@_rule("tp", "tp_mode", "tp_depth")
+def _check_tensor_grid(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    mode, depth = layout.tp_mode, layout.tp_depth
+    if mode != "2.5d" and depth != 1:
+        raise LayoutError(f"tp_depth={depth} is the depth of a 2.5d grid (3d's depth is its side q); "
+                          "set tp_mode='2.5d' or tp_depth=1")
+    if mode == "1d" or tensor_grid(layout.tp, mode, depth):
+        return
+    power, times = (3, 1) if mode == "3d" else (2, depth)
+    shape = {"2d": "q×q", "2.5d": f"q×q×{depth}", "3d": "q×q×q"}[mode]
+    valid = ", ".join(str(q ** power * times) for q in range(2, 6))
+    raise LayoutError(f"tp={layout.tp} does not form a {mode} grid ({shape}, q >= 2); use tp = "
+                      f"{valid}, ... or tp_mode='1d'")
+
+
+@_rule("tp", "tp_mode", "tp_depth")
+def _check_grid_sizes(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    grid = tensor_grid(layout.tp, layout.tp_mode, layout.tp_depth)
+    if grid is None:
+        return
+    q = grid[0]
+    # 3d splits the hidden width over two grid sides (q² pieces), 2d and 2.5d over one
+    pieces = {"d_model": q * q if layout.tp_mode == "3d" else q, "vocab_size": q}
+    for name, split in pieces.items():
+        if sizes.get(name) and sizes[name] % split:
+            raise LayoutError(f"a {layout.tp_mode} grid of side q={q} splits {name}={sizes[name]} into "
+                              f"{split} pieces; use a {name} that is a multiple of {split}, or "
+                              "tp_mode='1d'")
+
+
+@_rule("tp_mode", "sequence_parallel", "cp", "pp")
+def _check_grid_composition(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    if layout.tp_mode == "1d":
+        return
+    mode = layout.tp_mode
+    if layout.sequence_parallel:
+        raise LayoutError(f"{mode} tensor parallel already partitions activations (by batch and "
+                          "hidden); sequence parallel is the 1d form of that: drop 'sp'")
+    if layout.cp > 1:
+        raise LayoutError(f"context parallel with {mode} tensor parallel is not supported; use cp=1, "
+                          "or tp_mode='1d' with cp")
+    if layout.pp > 1:
+        raise LayoutError(f"pipeline parallel with {mode} tensor parallel is not supported yet; use "
+                          "pp=1, or tp_mode='1d' with pp")
+    if sizes.get("generic_model") or sizes.get("hugging_face"):
+        raise LayoutError(f"{mode} tensor parallel partitions the kit's GPT (its linears, norms, "
+                          "embedding and head); use tp_mode='1d' for this model")
+
+
+@_rule("tp_mode", "zero")
+def _check_grid_fsdp(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    if layout.tp_mode in ("2.5d", "3d") and layout.zero >= 2:
+        raise LayoutError(f"zero={layout.zero} (FSDP2) shards tensor-parallel parameters placed on at "
+                          f"most two mesh dims, and {layout.tp_mode} places them on three; use zero=0, "
+                          "or tp_mode='2d'")
+
+
+def grid_batch_chunks(layout: Any) -> int:
+    """Into how many pieces a multi-dimensional tensor-parallel grid splits each (micro)batch: q in
+    2d, q·depth in 2.5d, q² in 3d; 1 otherwise."""
+    grid = tensor_grid(layout.tp, layout.tp_mode, layout.tp_depth)
+    if grid is None:
+        return 1
+    q, depth = grid
+    return q * depth if layout.tp_mode != "2d" else q
+
+
+@_rule("dp", "microbatches", "tp", "tp_mode", "tp_depth")
+def _check_grid_batch(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    batch, chunks = sizes.get("global_batch"), grid_batch_chunks(layout)
+    if batch is None or chunks == 1 or batch % (layout.dp * layout.microbatches):
+        return
+    piece = batch // layout.dp // layout.microbatches
+    if piece % chunks:
+        raise LayoutError(f"{layout.tp_mode} tensor parallel splits each rank's (micro)batch of {piece} "
+                          f"sequences into {chunks} pieces; use a global batch that is a multiple of "
+                          f"{layout.dp * layout.microbatches * chunks}")
 
 
 @_rule("dp", "microbatches")

@@ -757,7 +757,7 @@ def search_space(global_batch: int, *, bf16: bool, gpus_per_node: int = 8) -> di
         return (None,) if chosen.pp == 1 else (*(k * chosen.pp for k in (1, 2, 4, 8)),
                                                 max(global_batch // chosen.dp, 1))
 
-    return {"tp": range(1, gpus_per_node + 1),
+    return {"tp": range(1, gpus_per_node + 1), "tp_mode": ("1d",), "tp_depth": (1,),
             "cp_mode": lambda chosen: CP_MODES if chosen.cp > 1 else ("ring",),
             "pp_schedule": lambda chosen: ("zbv", "1f1b", "gpipe") if chosen.pp > 1 else ("1f1b",),
             "virtual_stages": lambda chosen: (1, 2) if chosen.pp > 1 else (1,),

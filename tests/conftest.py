@@ -38,6 +38,15 @@ def cluster4():
 
 
 @pytest.fixture(scope="module")
+def cluster8():
+    """Eight gloo engines (3d and 2.5d grids, dp over a 2d grid): tiny models keep them feasible
+    on two cores."""
+    cluster = _started(8)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
 def monkeypatch_module():
     with pytest.MonkeyPatch.context() as patch:
         yield patch

@@ -133,6 +133,19 @@ def engine_run(layout: str, kind: str = "gpt", steps: int = STEPS, source: str =
     return {"losses": losses, "grad_norms": grad_norms, "state": pm.full_state_dict()}
 
 
+def assert_close_to_fp32(results: list[dict], reference: dict) -> None:
+    """bf16 compute with fp32 master weights: losses within 2e-2 relative, weights within 5e-3.
+
+    20 Adam steps at lr 1e-3 can move a weight by up to 2e-2; bf16 gradient noise flips the sign of
+    a few near-zero updates (measured worst: 2.8e-3 on 2 of 2048 elements), hence 5e-3.
+    """
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(reference["losses"]),
+                               rtol=2e-2, atol=0.0)
+    for key, expected in reference["state"].items():
+        assert results[0]["state"][key].dtype == torch.float32, "master weights must stay fp32"
+        torch.testing.assert_close(results[0]["state"][key], expected, rtol=0.0, atol=5e-3)
+
+
 # Float32 unit roundoff, and how many units of its tensor's largest gradient element one element's
 # gradient may move when only the summation order changes. Measured on 2026-11-23 over every parity
 # test (GPT and Llama, 2 and 4 engines) under ATEN_CPU_CAPABILITY=default, avx2 and avx512: correct

@@ -6,8 +6,9 @@ import itertools
 
 import pytest
 
-from colab_par.layout import (CHECKPOINTING, CP_MODES, FIELDS, PP_SCHEDULES, PRECISIONS,
-                              ZERO_LEVELS, Layout, LayoutError, field_options, valid_layouts)
+from colab_par.layout import (CHECKPOINTING, CP_MODES, FIELDS, PP_SCHEDULES, PRECISIONS, TP_MODES,
+                              ZERO_LEVELS, Layout, LayoutError, field_options, grid_batch_chunks,
+                              tensor_grid, valid_layouts)
 from colab_par.models.gpt import GPTConfig
 
 CONFIG = GPTConfig(vocab_size=128, seq_len=64, n_layer=4, n_head=8, n_kv_head=4, d_model=64,
@@ -18,7 +19,7 @@ CONFIG = GPTConfig(vocab_size=128, seq_len=64, n_layer=4, n_head=8, n_kv_head=4,
 @pytest.mark.parametrize("text", [
     "dp2 tp2 zero3", "pp2 interleaved mb4 v2 bf16", "cp2 ulysses", "dp4 zero2 offload",
     "tp2 sp ac-selective", "pp4 gpipe mb8", "dp2 cp2 ac-full", "pp2 zbv v2", "pp2 1f1b",
-    "pp4 1f1b mb8", "dp2 pp2 gpipe mb1",
+    "pp4 1f1b mb8", "dp2 pp2 gpipe mb1", "tp4 2d", "tp8 2.5d d2", "tp8 3d", "dp2 tp4 2d zero3",
 ])
 def test_parse_and_str_round_trip(text: str) -> None:
     layout = Layout.parse(text)
@@ -286,6 +287,69 @@ def test_rule_bf16_needs_a_capable_device() -> None:
     Layout(precision="bf16").validate(1, device="cpu")  # torch has bf16 on CPUs (slow, but it runs)
 
 
+# ---- multi-dimensional tensor parallel -----------------------------------------------------------
+@pytest.mark.parametrize("tp,mode,depth,grid,chunks", [
+    (4, "2d", 1, (2, 1), 2), (9, "2d", 1, (3, 1), 3), (4, "2.5d", 1, (2, 1), 2),
+    (8, "2.5d", 2, (2, 2), 4), (18, "2.5d", 2, (3, 2), 6), (8, "3d", 1, (2, 2), 4),
+    (27, "3d", 1, (3, 3), 9), (8, "2d", 1, None, 1), (4, "3d", 1, None, 1), (2, "2d", 1, None, 1),
+    (4, "1d", 1, None, 1)])
+def test_tensor_grid_shapes_and_batch_pieces(tp: int, mode: str, depth: int, grid, chunks: int) -> None:
+    assert tensor_grid(tp, mode, depth) == grid
+    assert grid_batch_chunks(Layout(tp=tp, tp_mode=mode, tp_depth=depth)) == chunks
+
+
+def test_rule_grid_shape_names_the_valid_tp_values() -> None:
+    assert _error(Layout.parse("tp8 2d"), 8) == ("tp=8 does not form a 2d grid (q×q, q >= 2); use "
+                                                 "tp = 4, 9, 16, 25, ... or tp_mode='1d'")
+    assert "use tp = 8, 27, 64" in _error(Layout.parse("tp4 3d"), 4)
+    assert "(q×q×2, q >= 2); use tp = 8, 18, 32" in _error(Layout.parse("tp4 2.5d d2"), 4)
+
+
+def test_rule_depth_belongs_to_2_5d() -> None:
+    assert "tp_depth=2 is the depth of a 2.5d grid" in _error(Layout.parse("tp8 3d d2"), 8)
+    assert "set tp_mode='2.5d' or tp_depth=1" in _error(Layout(tp=4, tp_depth=2), 4)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("tp4 2d sp", "sequence parallel is the 1d form of that: drop 'sp'"),
+    ("tp4 2d cp2", "context parallel with 2d tensor parallel is not supported; use cp=1"),
+    ("pp2 tp4 2d", "pipeline parallel with 2d tensor parallel is not supported yet"),
+    ("dp2 tp8 3d zero3", "places them on three; use zero=0, or tp_mode='2d'"),
+    ("dp2 tp8 2.5d d2 zero2", "places them on three; use zero=0, or tp_mode='2d'"),
+])
+def test_rule_grid_modes_refuse_what_does_not_compose(text: str, expected: str) -> None:
+    layout = Layout.parse(text)
+    assert expected in _error(layout, layout.world_size, CONFIG)
+
+
+def test_grid_modes_compose_with_dp_zero_bf16_and_recompute() -> None:
+    for text in ("dp2 tp4 2d zero3 bf16 ac-full", "dp2 tp4 2d zero2", "dp2 tp8 3d", "tp8 2.5d d2 ac-selective"):
+        layout = Layout.parse(text)
+        assert layout.validate(layout.world_size, CONFIG, global_batch=16) is layout
+
+
+def test_rule_grid_sizes_divide() -> None:
+    heads = GPTConfig(vocab_size=128, n_head=6, n_kv_head=3, d_model=72, ffn_hidden=192)
+    assert "the 2d grid side q=2 does not divide 3 kv-heads" in _error(Layout.parse("tp4 2d"), 4, heads)
+    narrow = GPTConfig(vocab_size=129, n_head=3, d_model=6, ffn_hidden=192)
+    assert ("a 3d grid of side q=3 splits d_model=6 into 9 pieces; use a d_model that is a multiple "
+            "of 9") in _error(Layout.parse("tp27 3d"), 27, narrow)
+    odd_vocab = GPTConfig(vocab_size=129, n_head=4, d_model=64, ffn_hidden=192)
+    assert "splits vocab_size=129 into 2 pieces" in _error(Layout.parse("tp4 2d"), 4, odd_vocab)
+
+
+def test_rule_grid_splits_each_batch() -> None:
+    message = _error(Layout.parse("dp2 tp8 3d"), 16, CONFIG, global_batch=4)
+    assert message == ("3d tensor parallel splits each rank's (micro)batch of 2 sequences into 4 "
+                       "pieces; use a global batch that is a multiple of 8")
+
+
+def test_rule_grid_modes_are_for_the_kits_gpt() -> None:
+    llama = {"hugging_face": True, "num_attention_heads": 4, "hidden_size": 64}
+    assert "use tp_mode='1d' for this model" in _error(Layout.parse("tp4 2d"), 4, {"generic_model": 1, "tp_plan": 1})
+    assert "use tp_mode='1d' for this model" in _error(Layout.parse("tp4 2d"), 4, llama)
+
+
 def test_hugging_face_config_sizes_are_read() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(num_hidden_layers=6, num_attention_heads=12,
@@ -327,7 +391,8 @@ def test_valid_layouts_are_exactly_those_validate_accepts(world: int, context: d
                                                           every_option: bool) -> None:
     config = {"n_layer": 4, "n_head": 4, "n_kv_head": 2, "seq_len": 12, "ffn_hidden": 48}
     divisors = [d for d in range(1, world + 1) if world % d == 0]
-    grid = dict(tp=divisors, cp=divisors, pp=divisors, dp=divisors, pp_schedule=PP_SCHEDULES,
+    grid = dict(tp=divisors, tp_mode=TP_MODES, tp_depth=(1, 2), cp=divisors, pp=divisors, dp=divisors,
+                pp_schedule=PP_SCHEDULES,
                 virtual_stages=(1, 2), microbatches=(None, 1, 2, 4), zero=ZERO_LEVELS,
                 sequence_parallel=(False, True), cp_mode=CP_MODES,
                 offload=(False, True) if every_option else (False,),

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from colab_par.layout import (CHECKPOINTING, CP_MODES, FIELDS, PP_SCHEDULES, PRECISIONS, ZERO_LEVELS,
-                              Layout, LayoutError, default_microbatches)
+from colab_par.layout import (CHECKPOINTING, CP_MODES, FIELDS, PP_SCHEDULES, PRECISIONS, TP_MODES,
+                              ZERO_LEVELS, Layout, LayoutError, default_microbatches)
 from colab_par.models.gpt import GPT, GPTConfig
 from colab_par.planner import (DEVICES, ModelSpec, Plan, activation_bytes_per_layer, candidate_layouts,
                                estimate, get_device, measure_cpu_device, model_state_bytes,
@@ -279,7 +279,7 @@ def _accepted_in_search_space(spec: ModelSpec, world: int, global_batch: int, se
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     domains = {**{name: divisors for name in ("dp", "tp", "pp", "cp")},
                "zero": ZERO_LEVELS, "sequence_parallel": (False, True), "cp_mode": CP_MODES,
-               "pp_schedule": PP_SCHEDULES, "virtual_stages": (1, 2, 3),
+               "tp_mode": TP_MODES, "tp_depth": (1, 2), "pp_schedule": PP_SCHEDULES, "virtual_stages": (1, 2, 3),
                "microbatches": range(1, global_batch + 1), "offload": (False, True),
                "precision": PRECISIONS, "checkpointing": CHECKPOINTING}
     assert set(domains) == set(FIELDS)

@@ -29,7 +29,9 @@ def test_starts_on_the_planners_best_plan(picker: LayoutPicker) -> None:
 def test_selectors_offer_only_degrees_that_divide_world_and_model() -> None:
     picker = LayoutPicker(12, model={**LLAMA_8B, "n_layer": 30}, device="H100", global_batch=12,
                           seq_len=4096)
-    assert list(picker.controls["tp"].options) == [1, 2, 4]      # 32 heads, 8 kv-heads
+    # 32 heads, 8 kv-heads: 1d splits them 2 or 4 ways; tp=12 is a 2×2×3 grid (2.5d), split 2 ways
+    assert list(picker.controls["tp"].options) == [1, 2, 4, 12]
+    assert list(picker.controls["tp_mode"].options) == ["1d", "2d", "2.5d"]
     assert list(picker.controls["pp"].options) == [1, 2, 3, 6]   # 30 layers
     assert list(picker.controls["dp"].options) == [1, 2, 3, 4, 6, 12]
     assert set(picker.controls) == {f.name for f in Layout.__dataclass_fields__.values()}

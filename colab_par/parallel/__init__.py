@@ -34,8 +34,9 @@ from colab_par.parallel.data_parallel import (GradientAverager, apply_ddp, apply
 from colab_par.parallel.memory import memory_report
 from colab_par.parallel.init_record import InitRecord, record_build, record_reset
 from colab_par.parallel.materialize import WeightSource, broadcast_rng_state, is_meta_model, materialize
-from colab_par.parallel.mesh import broadcast_from_rank0, build_mesh, default_device
+from colab_par.parallel.mesh import broadcast_from_rank0, build_grid_mesh, build_mesh, default_device
 from colab_par.parallel.pipeline import PipelineRunner, split_model
+from colab_par.parallel.tensor_grid import apply_tensor_grid
 from colab_par.parallel.tensor_parallel import apply_tensor_parallel, tp_plan_for
 
 __all__ = ["parallelize", "ParallelModel", "WeightSource", "memory_report"]
@@ -429,7 +430,9 @@ def _parallelize_part(part: nn.Module, layout: Layout, mesh: Any, dp_cp_mesh: An
 
     `fill` gives a meta part its local shards: after FSDP has sharded it, before DDP (which
     broadcasts real parameters)."""
-    if layout.tp > 1:
+    if layout.tp_mode != "1d":
+        apply_tensor_grid(part, layout, build_grid_mesh(layout, device))
+    elif layout.tp > 1:
         plan = tp_plan_for(part, tp_plan, hf=hf, sequence_parallel=layout.sequence_parallel)
         apply_tensor_parallel(part, mesh["tp"], plan)
     if layout.cp > 1:

@@ -11,12 +11,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from colab_par.compat import flatten_mesh
-from colab_par.layout import Layout
+from colab_par.compat import flatten_mesh, unflatten_mesh
+from colab_par.layout import Layout, tensor_grid
 
-__all__ = ["MESH_DIMS", "build_mesh", "broadcast_from_rank0", "default_device"]
+__all__ = ["MESH_DIMS", "GRID_DIMS", "build_mesh", "build_grid_mesh", "broadcast_from_rank0", "default_device"]
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
+# The tp dim of a multi-dimensional tensor-parallel layout, arranged as its grid (outermost first).
+GRID_DIMS = {"2d": ("row", "col"), "2.5d": ("depth", "row", "col"), "3d": ("x", "y", "z")}
 
 
 def default_device() -> torch.device:
@@ -30,6 +32,7 @@ def default_device() -> torch.device:
 # group per dim (a gloo group is three threads and its sockets) that lives as long as the world,
 # so a session that parallelizes again and again reuses them instead of growing without bound.
 _MESHES: dict[tuple[str, tuple[int, ...]], tuple[DeviceMesh, DeviceMesh]] = {}
+_GRIDS: dict[tuple[str, tuple[int, ...], str, int], DeviceMesh] = {}
 _MESHES_WORLD: list[object] = [None]  # the default group they were built in
 
 
@@ -39,6 +42,7 @@ def build_mesh(layout: Layout, device: torch.device) -> tuple[DeviceMesh, Device
     Built once per shape in a world (see `_MESHES`); a re-initialised world builds anew."""
     if _MESHES_WORLD[0] is not dist.group.WORLD:
         _MESHES.clear()
+        _GRIDS.clear()
         _MESHES_WORLD[0] = dist.group.WORLD
     shape = tuple(getattr(layout, name) for name in MESH_DIMS)
     key = (device.type, shape)
@@ -46,6 +50,22 @@ def build_mesh(layout: Layout, device: torch.device) -> tuple[DeviceMesh, Device
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
         _MESHES[key] = (mesh, flatten_mesh(mesh["dp", "cp"], "dp_cp"))
     return _MESHES[key]
+
+
+def build_grid_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
+    """The tp ranks of `build_mesh` as the layout's tensor grid: a mesh of the `GRID_DIMS` of its
+    tp_mode, sliced from the same root (so FSDP over dp composes with it), built once per world."""
+    grid = tensor_grid(layout.tp, layout.tp_mode, layout.tp_depth)
+    if grid is None:
+        raise ValueError(f"layout {layout} has no tensor grid (tp_mode='1d')")
+    q, depth = grid
+    names = GRID_DIMS[layout.tp_mode]
+    sizes = (depth, q, q) if layout.tp_mode == "2.5d" else (q,) * len(names)
+    mesh, _ = build_mesh(layout, device)
+    key = (device.type, tuple(getattr(layout, name) for name in MESH_DIMS), layout.tp_mode, depth)
+    if key not in _GRIDS:
+        _GRIDS[key] = unflatten_mesh(mesh, "tp", sizes, names)[names]
+    return _GRIDS[key]
 
 
 @torch.no_grad()

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                parallelize_module)
 
 from colab_par import compat
+from colab_par.parallel.collectives import SumGradOverGroup
 
 __all__ = ["apply_tensor_parallel", "bert_tp_plan", "gpt_tp_plan", "hf_tp_plan", "resolve_tp_plan",
            "tp_plan_for", "HF_STYLES", "LocalParams", "ReplicatedGradSum", "ShardParameter"]
@@ -66,21 +67,6 @@ def gpt_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parallel
 
 
 # ---- styles torch does not have -------------------------------------------------------------------
-class _SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over `group` (each rank saw part of the data)."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.clone()  # autograd may still read the incoming buffer
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 @contextlib.contextmanager
 def _local_parameters(module: nn.Module, to_local: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
     """Temporarily put `to_local(param)` in place of the module's own DTensor parameters."""
@@ -133,7 +119,7 @@ class ReplicatedGradSum(LocalParams):
         return super()._apply(module, device_mesh)
 
     def _local(self, param: DTensor, device_mesh: DeviceMesh) -> torch.Tensor:
-        return _SumGradOverGroup.apply(param.to_local(), device_mesh.get_group())
+        return SumGradOverGroup.apply(param.to_local(), device_mesh.get_group())
 
 
 class ShardParameter(ParallelStyle):

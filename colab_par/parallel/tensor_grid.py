@@ -1,0 +1,217 @@
+"""Multi-dimensional tensor parallelism (Colossal-AI's 2D, 2.5D and 3D) for the kit's GPT.
+
+The tp ranks form a grid (`mesh.GRID_DIMS`). Unlike 1D (Megatron), the activations are
+partitioned too: each rank holds a batch piece × a hidden piece of every activation.
+- **2D** (Optimus, q×q, dims row/col): activations split by batch over rows and by hidden over
+  columns; a weight [out, in] split by in over rows and by out over columns. A linear gathers its
+  input along the row (the whole hidden) and its weight along the column (the whole in dim), and
+  multiplies: the output is split like its input. These all-gathers move what SUMMA's q broadcasts
+  move; their adjoints in backward are reduce-scatters.
+- **2.5D** (Tesseract, q×q×d): 2D in each of d depth layers, the batch split over the depths too;
+  weights are replicated over depth and their gradients summed over it.
+- **3D** (Bian et al., q×q×q, dims x/y/z): two activation layouts alternate. Layout A (between
+  blocks) splits batch over x·y and hidden over z; layout B (inside attention / FFN) splits batch
+  over x·z and heads / FFN columns over y. A linear gathers its input's batch over one side and its
+  weight over x, multiplies, and reduce-scatters the partial sums over the third side: q/k/v, gate
+  and up map A -> B, the output projections B -> A. Layout A's hidden piece on z is the chunks
+  x·q + z of q² (each of the q x-ranks stores one), so that weights are DTensors with plain Shard
+  placements.
+Every parameter is a DTensor on the grid mesh with exactly the placements its pieces have, so
+checkpoints (DCP) relayout to and from 1d and the optimizer and clipping see ordinary DTensors; the
+layers themselves run on the local pieces with the collectives of `collectives.py`. A linear keeps
+only its local input and weight pieces for backward and gathers them again there (as SUMMA does),
+so activation memory stays partitioned. Norm statistics are summed over the hidden split; the
+head's logits are gathered whole (like the 1d plan) so any loss function scores them unchanged.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+
+from colab_par.layout import Layout
+from colab_par.parallel.collectives import (SumGradOverGroup, Split, gather, gather_all,
+                                            gather_replicas, reduce_scatter_all, all_reduce_sum)
+
+__all__ = ["apply_tensor_grid", "GridPlan", "grid_plan"]
+
+Along = tuple[tuple[str, int], ...]  # (grid dim, tensor dim) pairs, innermost split first
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    shards: dict[str, int]  # grid dim -> the weight dim it splits (a dim not named: replicated)
+    gathers: Along  # gathered before use
+    grad_sums: tuple[str, ...] = ()  # replicated dims whose ranks saw different tokens
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    weight: WeightSpec
+    x_gathers: Along  # the input's pieces gathered before the product
+    y_scatters: Along = ()  # partial sums reduce-scattered after it
+
+
+@dataclass(frozen=True)
+class GridPlan:
+    """Where every piece of the GPT lives on one grid mode."""
+    dims: tuple[str, ...]
+    into_block: LinearSpec  # q/k/v, gate, up, the head: layout A -> B
+    out_of_block: LinearSpec  # attention and FFN output projections: B -> A
+    embedding: WeightSpec
+    norm: WeightSpec
+    norm_dim: str  # the grid dim splitting layout A's hidden
+    batch_dims: tuple[str, ...]  # the dims splitting layout A's batch, outermost first
+    logits_gathers: Along  # layout B logits -> whole
+
+
+def grid_plan(mode: str) -> GridPlan:
+    """The placements of `tensor_grid.py`'s docstring, written out per mode."""
+    if mode == "3d":
+        into = LinearSpec(WeightSpec({"x": 1, "y": 0, "z": 1}, (("x", 1),)), (("y", 0),), (("z", 0),))
+        out = LinearSpec(WeightSpec({"x": 0, "y": 1, "z": 0}, (("x", 0),)), (("z", 0),), (("y", 0),))
+        return GridPlan(("x", "y", "z"), into, out,
+                        embedding=WeightSpec({"x": 1, "y": 0, "z": 1}, (("x", 1), ("y", 0))),
+                        norm=WeightSpec({"x": 0, "z": 0}, (("x", 0),), ("y",)), norm_dim="z",
+                        batch_dims=("x", "y"), logits_gathers=(("y", -1), ("z", 0), ("x", 0)))
+    depth: tuple[str, ...] = ("depth",) if mode == "2.5d" else ()
+    linear = LinearSpec(WeightSpec({"row": 1, "col": 0}, (("row", 1),), depth), (("col", -1),))
+    return GridPlan((*depth, "row", "col"), linear, linear,
+                    embedding=WeightSpec({"row": 0, "col": 1}, (("row", 0),), depth),
+                    norm=WeightSpec({"col": 0}, (), ("row", *depth)), norm_dim="col",
+                    batch_dims=(*depth, "row"),
+                    logits_gathers=(("col", -1), ("row", 0), *((d, 0) for d in depth)))
+
+
+class Grid:
+    """One rank's view of a tensor grid: its mesh, a process group per dim, its coordinates."""
+
+    def __init__(self, mesh: DeviceMesh, plan: GridPlan):
+        self.mesh, self.plan = mesh, plan
+        self.groups = {name: mesh[name].get_group() for name in plan.dims}
+        self.coords = {name: mesh[name].get_local_rank() for name in plan.dims}
+        self.sizes = {name: mesh[name].size() for name in plan.dims}
+
+    def splits(self, along: Along) -> tuple[Split, ...]:
+        return tuple((self.groups[name], dim) for name, dim in along)
+
+    def placements(self, spec: WeightSpec) -> tuple[Placement, ...]:
+        return tuple(Shard(spec.shards[name]) if name in spec.shards else Replicate()
+                     for name in self.plan.dims)
+
+    def local_weight(self, param: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+        """This rank's piece of `param`, its gradient summed over the dims that saw other tokens."""
+        local = param.to_local() if isinstance(param, DTensor) else param
+        for name in spec.grad_sums:
+            local = SumGradOverGroup.apply(local, self.groups[name])
+        return local
+
+    def batch_piece(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a (micro)batch in layout A."""
+        pieces, index = 1, 0
+        for name in self.plan.batch_dims:
+            pieces, index = pieces * self.sizes[name], index * self.sizes[name] + self.coords[name]
+        if batch.shape[0] % pieces:
+            raise ValueError(f"{'×'.join(self.plan.dims)} tensor parallel splits each batch into "
+                             f"{pieces} pieces, and this one has {batch.shape[0]} sequences; use a "
+                             f"per-rank batch that is a multiple of {pieces}")
+        return batch.chunk(pieces, 0)[index]
+
+
+class _GridLinear(torch.autograd.Function):
+    """y = scatter_sum(gather(x) @ gather(w)ᵀ), keeping only the local pieces of x and w for
+    backward (gathered again there), in the autocast dtype when autocast is on."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, x_splits: tuple[Split, ...],
+                w_splits: tuple[Split, ...], y_splits: tuple[Split, ...]) -> torch.Tensor:
+        device = x.device.type
+        cast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        ctx.save_for_backward(x, weight)
+        ctx.splits, ctx.cast = (x_splits, w_splits, y_splits), cast
+        with torch.autocast(device, enabled=False):
+            xg, wg = gather_all(_to(x, cast), x_splits), gather_all(_to(weight, cast), w_splits)
+            return reduce_scatter_all(xg @ wg.t(), y_splits)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, weight = ctx.saved_tensors
+        x_splits, w_splits, y_splits = ctx.splits
+        dtype = grad.dtype
+        grad = gather_all(grad, y_splits)
+        xg, wg = gather_all(x.to(dtype), x_splits), gather_all(weight.to(dtype), w_splits)
+        dx = reduce_scatter_all(grad @ wg, x_splits).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = reduce_scatter_all(grad.flatten(0, -2).t() @ xg.flatten(0, -2), w_splits)
+        return dx, dw.to(weight.dtype), None, None, None
+
+
+def _to(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor if dtype is None else tensor.to(dtype)
+
+
+# ---- the GPT's modules on the grid ------------------------------------------------------------------
+def _linear_forward(module: nn.Linear, grid: Grid, x: torch.Tensor, *, spec: LinearSpec) -> torch.Tensor:
+    weight = grid.local_weight(module.weight, spec.weight)
+    return _GridLinear.apply(x, weight, grid.splits(spec.x_gathers), grid.splits(spec.weight.gathers),
+                             grid.splits(spec.y_scatters))
+
+
+def _head_forward(module: nn.Linear, grid: Grid, x: torch.Tensor) -> torch.Tensor:
+    logits = _linear_forward(module, grid, x, spec=grid.plan.into_block)
+    return gather_replicas(logits, grid.splits(grid.plan.logits_gathers))
+
+
+def _embedding_forward(module: nn.Embedding, grid: Grid, tokens: torch.Tensor) -> torch.Tensor:
+    spec = grid.plan.embedding
+    table = gather(grid.local_weight(module.weight, spec), grid.splits(spec.gathers))
+    return nn.functional.embedding(grid.batch_piece(tokens), table)
+
+
+def _norm_forward(module: nn.Module, grid: Grid, x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm over a hidden split across `norm_dim`: the sum of squares is summed there."""
+    spec = grid.plan.norm
+    weight = gather(grid.local_weight(module.weight, spec), grid.splits(spec.gathers))
+    squares = all_reduce_sum(x.float().pow(2).sum(-1, keepdim=True), grid.groups[grid.plan.norm_dim])
+    scale = torch.rsqrt(squares / module.weight.shape[0] + module.eps)
+    return (x.float() * scale).to(x.dtype) * weight
+
+
+_INTO_BLOCK = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+_OUT_OF_BLOCK = ("attention.wo", "feed_forward.w2")
+
+
+def apply_tensor_grid(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> None:
+    """Place the GPT's parameters on the grid `mesh` and run its layers on their pieces."""
+    from colab_par.models.gpt import GPT
+
+    if not isinstance(model, GPT):
+        raise ValueError(f"{layout.tp_mode} tensor parallel partitions colab_par's GPT; "
+                         f"{type(model).__name__} needs tp_mode='1d'")
+    plan = grid_plan(layout.tp_mode)
+    grid = Grid(mesh, plan)
+    if model.tok_embeddings is not None:
+        _place(model.tok_embeddings, grid, plan.embedding, _embedding_forward)
+    for block in model.layers.values():
+        for norm in (block.attention_norm, block.ffn_norm):
+            _place(norm, grid, plan.norm, _norm_forward)
+        for name in _INTO_BLOCK + _OUT_OF_BLOCK:
+            spec = plan.into_block if name in _INTO_BLOCK else plan.out_of_block
+            _place(block.get_submodule(name), grid, spec.weight,
+                   functools.partial(_linear_forward, spec=spec))
+    if model.norm is not None:
+        _place(model.norm, grid, plan.norm, _norm_forward)
+    if model.output is not None:
+        _place(model.output, grid, plan.into_block.weight, _head_forward)
+
+
+def _place(module: nn.Module, grid: Grid, spec: WeightSpec, forward: Any) -> None:
+    """Make `module.weight` a DTensor with `spec`'s placements and `forward` the module's forward."""
+    weight = module.weight
+    module.weight = nn.Parameter(distribute_tensor(weight.data, grid.mesh, grid.placements(spec)),
+                                 requires_grad=weight.requires_grad)
+    module.forward = functools.partial(forward, module, grid)
