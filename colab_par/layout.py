@@ -599,7 +599,7 @@ def _check_grid_sizes(layout: Any, world: int | None, sizes: dict, device: str |
                               "tp_mode='1d'")
 
 
-@_rule("tp_mode", "sequence_parallel", "cp", "pp")
+@_rule("tp_mode", "sequence_parallel", "cp")
 def _check_grid_composition(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     if layout.tp_mode == "1d":
         return
@@ -610,9 +610,6 @@ def _check_grid_composition(layout: Any, world: int | None, sizes: dict, device:
     if layout.cp > 1:
         raise LayoutError(f"context parallel with {mode} tensor parallel is not supported; use cp=1, "
                           "or tp_mode='1d' with cp")
-    if layout.pp > 1:
-        raise LayoutError(f"pipeline parallel with {mode} tensor parallel is not supported yet; use "
-                          "pp=1, or tp_mode='1d' with pp")
     if sizes.get("generic_model") or sizes.get("hugging_face"):
         raise LayoutError(f"{mode} tensor parallel partitions the kit's GPT (its linears, norms, "
                           "embedding and head); use tp_mode='1d' for this model")

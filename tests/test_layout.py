@@ -313,7 +313,6 @@ def test_rule_depth_belongs_to_2_5d() -> None:
 @pytest.mark.parametrize("text,expected", [
     ("tp4 2d sp", "sequence parallel is the 1d form of that: drop 'sp'"),
     ("tp4 2d cp2", "context parallel with 2d tensor parallel is not supported; use cp=1"),
-    ("pp2 tp4 2d", "pipeline parallel with 2d tensor parallel is not supported yet"),
     ("dp2 tp8 3d zero3", "places them on three; use zero=0, or tp_mode='2d'"),
     ("dp2 tp8 2.5d d2 zero2", "places them on three; use zero=0, or tp_mode='2d'"),
 ])
@@ -323,7 +322,8 @@ def test_rule_grid_modes_refuse_what_does_not_compose(text: str, expected: str) 
 
 
 def test_grid_modes_compose_with_dp_zero_bf16_and_recompute() -> None:
-    for text in ("dp2 tp4 2d zero3 bf16 ac-full", "dp2 tp4 2d zero2", "dp2 tp8 3d", "tp8 2.5d d2 ac-selective"):
+    for text in ("dp2 tp4 2d zero3 bf16 ac-full", "dp2 tp4 2d zero2", "dp2 tp8 3d", "tp8 2.5d d2 ac-selective",
+                 "pp2 tp4 2d", "pp2 tp8 3d zbv v2"):
         layout = Layout.parse(text)
         assert layout.validate(layout.world_size, CONFIG, global_batch=16) is layout
 

@@ -15,7 +15,7 @@ from test_checkpoint import SAVE_AT, resume, train_and_save
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 FOUR_ENGINES = ["tp4 2d", "tp4 2.5d", "tp4 2d ac-full"]
-EIGHT_ENGINES = ["tp8 3d", "tp8 2.5d d2", "dp2 tp4 2d zero3", "dp2 tp4 2d"]
+EIGHT_ENGINES = ["tp8 3d", "tp8 2.5d d2", "dp2 tp4 2d zero3", "dp2 tp4 2d", "pp2 tp4 2d"]
 
 
 @pytest.mark.parametrize("layout", FOUR_ENGINES)

@@ -27,7 +27,7 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torc
     moved = tensor.movedim(dim, 0).contiguous()
     out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
     dist.all_gather_into_tensor(out, moved, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # a strided view would leak its layout downstream
 
 
 def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
@@ -38,7 +38,7 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> 
     moved = tensor.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
     dist.reduce_scatter_tensor(out, moved, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def gather_all(tensor: torch.Tensor, splits: Sequence[Split]) -> torch.Tensor:
