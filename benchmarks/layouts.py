@@ -7,8 +7,8 @@ on real engines (colab_par.Cluster, gloo on CPU / nccl on GPUs):
   against fp32 Adam's 16Ψ split by the layout's sharding (ZeRO-3: 16Ψ/N);
 - comm: payload of every c10d collective on rank 0 during one step (the full buffer: an
   all-reduce's tensor, an all-gather's output, a reduce-scatter's input, a send's tensor), counted
-  by a TorchDispatchMode: DDP's buckets, FSDP's all-gather/reduce-scatter, DTensor redistributions,
-  ZeRO-1's broadcasts and pipeline send/recv all pass through the c10d ops. Ring traffic per rank
+  by `CollectiveBytes` (a TorchDispatchMode): DDP's buckets, FSDP's all-gather/reduce-scatter,
+  DTensor redistributions, ZeRO-1's broadcasts and pipeline send/recv all pass through the c10d ops. Ring traffic per rank
   is (N-1)/N of the payload (twice that for an all-reduce);
 - dp2 vs DDP: the same model, optimizer and batches in a plain `DistributedDataParallel` loop on
   the same engines, one step of each in turn (A B B A ...) so machine load hits both alike.
@@ -27,38 +27,6 @@ LAYOUTS_2 = ["dp2", "dp2 zero1", "dp2 zero2", "dp2 zero3", "dp2 zero3 offload", 
              "cp2", "cp2 ulysses", "pp2 1f1b mb4", "dp2 ac-full"]
 
 
-def _comm_counter():
-    """A dispatch mode that adds up the bytes of every c10d collective's tensor arguments."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    _FUNCTIONAL = ("all_reduce", "all_reduce_coalesced", "all_gather_into_tensor",
-                   "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
-                   "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast")
-
-    def _bytes(tree) -> int:
-        return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
-
-    class CommBytes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.bytes = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            namespace = func.namespace if hasattr(func, "namespace") else ""
-            name = func.__name__.split(".")[0]
-            if namespace == "c10d" and name not in ("barrier", "monitored_barrier"):
-                # in-place c10d ops: (output, input) or (tensors, ...); the payload is the larger
-                self.bytes += max(_bytes(args[:1]), _bytes(args[1:2]))
-            elif namespace == "_c10d_functional" and name in _FUNCTIONAL:
-                # functional ops return their output: an all-gather's is group_size × the input
-                self.bytes += _bytes(args[:1]) * (args[1] if "all_gather" in name else 1)
-            return func(*args, **(kwargs or {}))
-
-    return CommBytes()
-
-
 def _data(steps: int):
     import torch
 
@@ -75,6 +43,7 @@ def measure_layout(layout: str, steps: int) -> dict:
 
     from colab_par import memory_report, parallelize
     from colab_par.models import GPT, GPTConfig
+    from colab_par.parallel.collective_bytes import CollectiveBytes
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(**SIZES))
@@ -85,7 +54,7 @@ def measure_layout(layout: str, steps: int) -> dict:
     after_backward = memory_report(pm)
     pm.optimizer_step()
     after_step = memory_report(pm)
-    counter = _comm_counter()
+    counter = CollectiveBytes()
     with counter:
         pm.train_step(*data[1])
     dist.barrier()

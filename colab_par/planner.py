@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from colab_par.layout import CP_MODES, Choices, Layout, LayoutError, model_sizes, valid_layouts
+from colab_par.tensor_costs import GridShape, grid_local_params, kept_activation_bytes, tensor_comm_bytes
+from colab_par.layout import CP_MODES, TP_MODES, Choices, Layout, LayoutError, model_sizes, valid_layouts
 from colab_par.module_spec import ModuleSpec
 
 __all__ = ["MemoryBreakdown", "ModelSpec", "DeviceSpec", "Plan", "DEVICES", "GiB", "INIT_MODES",
@@ -495,6 +496,17 @@ def _local_params(spec: ModelSpec, layout: Layout) -> tuple[float, float]:
     return layers + max(embedding, head + d), layer
 
 
+def _grid_activations(spec: ModelSpec, layout: Layout, micro: int, seq: int,
+                      act_bytes: int) -> tuple[float, float]:
+    """(bytes a layer keeps, bytes outside the layers) under a 2d / 2.5d / 3d grid: what the kit's
+    grid layers keep (`tensor_costs`), a layer's input only under full recompute (selective is
+    counted as none), plus the gathered logits alive next to the loss."""
+    per_layer, outside = kept_activation_bytes(spec, layout, micro, seq, act_bytes)
+    if layout.checkpointing == "full":
+        per_layer = micro * seq * spec.d_model / layout.tp * act_bytes
+    return per_layer, outside + micro * seq * spec.vocab_size * act_bytes
+
+
 def _spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
     return size > 1 and stride * size > gpus_per_node
 
@@ -518,7 +530,8 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
     precision = layout.precision if layout.precision in dev.peak_flops else "fp32"
     act_bytes = 2 if precision == "bf16" else 4
     shard = layout.dp * layout.cp if layout.zero >= 2 else layout.dp
-    local, layer_params = _local_params(spec, layout)
+    grid = layout.tp_mode != "1d"
+    local, layer_params = grid_local_params(spec, layout) if grid else _local_params(spec, layout)
 
     # model state: the ZeRO accounting; zero=2 is FSDP with reshard_after_forward=False, which keeps
     # the gathered parameters from forward to backward (peak = ZeRO-2) and reshards after backward
@@ -540,19 +553,26 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
     local_batch = global_batch // layout.dp
     micro = local_batch // layout.microbatches
     s_local = seq_len // layout.cp
-    per_layer = activation_bytes_per_layer(s_local, micro, spec.d_model, spec.n_head, tp=layout.tp,
-                                           sp=layout.sequence_parallel,
-                                           recompute=layout.checkpointing, dtype_bytes=act_bytes)
+    if grid:
+        per_layer, logits = _grid_activations(spec, layout, micro, s_local, act_bytes)
+    else:
+        per_layer = activation_bytes_per_layer(s_local, micro, spec.d_model, spec.n_head, tp=layout.tp,
+                                               sp=layout.sequence_parallel,
+                                               recompute=layout.checkpointing, dtype_bytes=act_bytes)
+        logits = micro * s_local * spec.vocab_size * (act_bytes + 4)  # gathered logits + fp32 loss
     in_flight = _microbatches_in_flight(layout)
-    logits = micro * s_local * spec.vocab_size * (act_bytes + 4)  # gathered logits + fp32 loss
     activations = spec.n_layer / layout.pp * per_layer * in_flight + logits
     if layout.checkpointing != "none":  # backward recomputes one layer at a time, whole
-        activations += activation_bytes_per_layer(s_local, micro, spec.d_model, spec.n_head, tp=layout.tp,
-                                                  sp=layout.sequence_parallel, dtype_bytes=act_bytes) - per_layer
+        whole = (_grid_activations(spec, layout.replace(checkpointing="none"), micro, s_local, act_bytes)[0]
+                 if grid else activation_bytes_per_layer(s_local, micro, spec.d_model, spec.n_head,
+                                                         tp=layout.tp, sp=layout.sequence_parallel,
+                                                         dtype_bytes=act_bytes))
+        activations += whole - per_layer
     init_bytes = init_peak_bytes(init, model_params=spec.n_params,
                                  local_params=local / shard if layout.zero >= 2 else local,
                                  largest_tensor=spec.largest_tensor,
-                                 block_params=(spec.layer_matrix_params + 2 * spec.d_model) / layout.tp)
+                                 block_params=layer_params if grid else
+                                 (spec.layer_matrix_params + 2 * spec.d_model) / layout.tp)
     memory = MemoryBreakdown(state.params + gathered, state.grads, state.optimizer, activations,
                              state.host_params, state.host_grads, state.host_optimizer, buffers,
                              init_bytes, dev.process_memory)
@@ -675,7 +695,9 @@ def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str
     # tensor parallel: 2 all-reduces forward + 2 backward per layer (an all-gather/reduce-scatter
     # pair each with SP, same volume), 1 more forward pair under full recompute; embedding all-reduce
     # and logits all-gather.
-    if t > 1:
+    if layout.tp_mode != "1d":
+        times["tp"] = _grid_seconds(spec, layout, micro, s_local, act_bytes, dev, bandwidth(1, t))
+    elif t > 1:
         per_layer = 6 if layout.checkpointing == "full" else 4
         volume = m * (layers * per_layer * 2 * activation + 2 * activation
                       + micro_tokens * spec.vocab_size * act_bytes) * (t - 1) / t
@@ -706,7 +728,8 @@ def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str
                                              bandwidth(t, dp * c))
     # pipeline: each microbatch crosses each of this rank's stage boundaries forward and backward
     if p > 1:
-        hidden = activation / (t if layout.sequence_parallel else 1)
+        # the boundary activation is split over tp with SP, and in every grid mode (batch × hidden)
+        hidden = activation / (t if layout.sequence_parallel or layout.tp_mode != "1d" else 1)
         sends = 2 * m * layout.virtual_stages
         times["pp"] = sends * (hidden / bandwidth(t * c * dp, p) + dev.latency)
     # optimizer: read and write the (sharded) states once, memory bound; offload adds the PCIe trip
@@ -715,6 +738,19 @@ def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str
     if layout.offload:
         times["offload"] = 2 * local_params / (dp * c) * act_bytes / dev.host_bandwidth
     return times
+
+
+def _grid_seconds(spec: ModelSpec, layout: Layout, micro: int, seq: int, act_bytes: int,
+                  dev: DeviceSpec, bandwidth: float) -> float:
+    """The grid's collectives, exposed: each moves (q−1)/q of its buffer over a ring of q ranks
+    (`tensor_costs.tensor_comm_bytes`); per layer 7 linears of 6 collectives (8 in 3D) and 2 norms
+    of 3, each (q−1) latency hops."""
+    q = GridShape.of(layout).q
+    volume = layout.microbatches * tensor_comm_bytes(spec, layout, micro, seq, act_bytes) * (q - 1) / q
+    per_layer = 7 * (8 if layout.tp_mode == "3d" else 6) + 2 * 3
+    recompute = 1.5 if layout.checkpointing == "full" else 1.0
+    hops = layout.microbatches * spec.n_layer / layout.pp * per_layer * recompute * (q - 1)
+    return volume / bandwidth + hops * dev.latency
 
 
 def _data_parallel_seconds(layout: Layout, local_params: float, units: float, act_bytes: int,
@@ -757,7 +793,10 @@ def search_space(global_batch: int, *, bf16: bool, gpus_per_node: int = 8) -> di
         return (None,) if chosen.pp == 1 else (*(k * chosen.pp for k in (1, 2, 4, 8)),
                                                 max(global_batch // chosen.dp, 1))
 
-    return {"tp": range(1, gpus_per_node + 1), "tp_mode": ("1d",), "tp_depth": (1,),
+    return {"tp": range(1, gpus_per_node + 1),
+            "tp_mode": lambda chosen: TP_MODES if chosen.tp > 1 else ("1d",),
+            # 2.5d with depth 1 is 2d
+            "tp_depth": lambda chosen: (2, 4, 8) if chosen.tp_mode == "2.5d" else (1,),
             "cp_mode": lambda chosen: CP_MODES if chosen.cp > 1 else ("ring",),
             "pp_schedule": lambda chosen: ("zbv", "1f1b", "gpipe") if chosen.pp > 1 else ("1f1b",),
             "virtual_stages": lambda chosen: (1, 2) if chosen.pp > 1 else (1,),

@@ -88,6 +88,23 @@ def test_flatten_mesh_gives_one_group_over_both_dims(cluster2):
         assert result == {"names": ("dp_cp",), "ranks": [0, 1], "sum": 3.0}
 
 
+def _unflattened_mesh() -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    grid = compat.unflatten_mesh(mesh, "tp", (2, 1), ("row", "col"))
+    return {"names": grid.mesh_dim_names, "rows": dist.get_process_group_ranks(grid["row"].get_group()),
+            "coords": (grid["row"].get_local_rank(), grid["col"].get_local_rank())}
+
+
+def test_unflatten_mesh_splits_a_dim_into_a_grid(cluster2):
+    results = cluster2.run(_unflattened_mesh)
+    assert [r["coords"] for r in results] == [(0, 0), (1, 0)]
+    for result in results:
+        assert result["names"] == ("dp", "row", "col") and result["rows"] == [0, 1]
+
+
 # ---- torch.distributed.pipelining ------------------------------------------------------------------
 def _stage_hook_calls(n_microbatches: int) -> dict[str, int]:
     """A real zero-bubble V schedule over 2 ranks × 2 stages, counting the compute hooks it calls."""

@@ -10,6 +10,10 @@ import pytest
 
 from parity import (GPT_SIZES, SEED, assert_close_to_fp32, assert_parity, batches, build_model, engine_run,
                     reference_run)
+from colab_par.layout import Layout
+from colab_par.models import GPTConfig
+from colab_par.planner import ModelSpec, estimate
+from colab_par.tensor_costs import grid_local_params, kept_activation_bytes, tensor_comm_bytes
 from test_checkpoint import SAVE_AT, resume, train_and_save
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -68,6 +72,53 @@ def test_grid_partitions_weights_and_activations(cluster4, layout: str, block: t
         assert rank["share"] == pytest.approx(1 / 4, rel=0.02)  # norms: replicated over one side
 
 
+def measured_costs(layout: str) -> dict:
+    """On an engine: bytes of the collectives of one training step (after a first one), the
+    floating-point activations autograd keeps over a forward (parameters aside, each storage
+    once), and the parameters this rank holds."""
+    import torch
+
+    from colab_par import parallelize
+    from colab_par.parallel.collective_bytes import CollectiveBytes
+
+    pm = parallelize(build_model("gpt", SEED), layout)
+    first, second = batches(GPT_SIZES["vocab_size"], GPT_SIZES["seq_len"], steps=2)
+    pm.train_step(*first)
+    with CollectiveBytes() as counted:
+        pm.train_step(*second)
+    params = {p.to_local().untyped_storage().data_ptr() for p in pm.model.parameters()}
+    kept: dict[int, int] = {}
+
+    def keep(tensor):
+        storage = tensor.untyped_storage()
+        if tensor.is_floating_point() and storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        pm.model.loss_fn(pm.model(first[0]), first[1])
+    return {"comm": counted.bytes, "activations": sum(kept.values()),
+            "params": sum(p.to_local().numel() for p in pm.model.parameters())}
+
+
+def assert_costs_as_predicted(results: list[dict], text: str) -> None:
+    """Communication exactly the formula (+ the loss's float64 all-reduce), the parameters exactly,
+    the kept activations within 5 %."""
+    spec, layout = ModelSpec.of(GPTConfig(**GPT_SIZES)), Layout.parse(text)
+    batch, seq = 4, GPT_SIZES["seq_len"]
+    per_layer, outside = kept_activation_bytes(spec, layout, batch, seq)
+    for rank in results:
+        assert rank["comm"] == tensor_comm_bytes(spec, layout, batch, seq) + 8
+        assert rank["params"] == grid_local_params(spec, layout)[0]
+        if layout.checkpointing == "none":
+            assert rank["activations"] == pytest.approx(spec.n_layer * per_layer + outside, rel=0.05)
+
+
+@pytest.mark.parametrize("layout", ["tp4 2d", "tp4 2.5d", "tp4 2d ac-full"])
+def test_tensor_costs_are_what_the_planner_predicts(cluster4, layout: str) -> None:
+    assert_costs_as_predicted(cluster4.run(measured_costs, layout), layout)
+
+
 @pytest.mark.parametrize("saved_as,loaded_as", [("dp2 tp2", "tp4 2d"), ("tp4 2d", "dp2 tp2"),
                                                 ("tp4 2.5d", "dp4 zero3")])
 def test_checkpoint_moves_between_1d_and_grid(cluster4, tmp_path, saved_as: str, loaded_as: str) -> None:
@@ -77,11 +128,47 @@ def test_checkpoint_moves_between_1d_and_grid(cluster4, tmp_path, saved_as: str,
     assert result["losses"] == pytest.approx(uninterrupted[SAVE_AT:], rel=1e-5)
 
 
+LARGE = ModelSpec.of(dict(n_layer=8, d_model=8192, n_head=64, ffn_hidden=28672, vocab_size=32000))
+
+
+@pytest.mark.parametrize("p,modes", [(16, ["tp16 2d", "tp16 2.5d d4"]),
+                                     (64, ["tp64 2d", "tp64 2.5d d4", "tp64 3d"])])
+def test_grid_modes_partition_activations_over_all_p_ranks(p: int, modes: list[str]) -> None:
+    """The papers' claim: 2D, 2.5D and 3D split every activation over all p ranks (per-layer
+    activations × p the same for each), where 1d splits only the heads and FFN and sequence
+    parallel leaves the projections' gathered inputs whole."""
+    whole = kept_activation_bytes(LARGE, Layout(), 8, 4096, 2)[0]
+    for mode in modes:
+        assert kept_activation_bytes(LARGE, Layout.parse(mode), 8, 4096, 2)[0] * p == \
+            pytest.approx(whole, rel=2e-3)
+    # what 1d keeps whole grows with p: 2.2x / 5.6x the partitioned total at p=16, 5.8x / 20x at 64
+    assert kept_activation_bytes(LARGE, Layout.parse(f"tp{p} sp"), 8, 4096, 2)[0] * p > 2 * whole
+    assert kept_activation_bytes(LARGE, Layout.parse(f"tp{p}"), 8, 4096, 2)[0] * p > 5 * whole
+
+
+def test_the_planner_weighs_grid_modes() -> None:
+    """The planner searches the grid modes and counts their activations as the kit keeps them."""
+    plan = estimate(LARGE, "tp64 3d bf16", device="H100", global_batch=16, seq_len=4096)
+    per_layer, outside = kept_activation_bytes(LARGE, plan.layout, 16, 4096, 2)
+    assert plan.memory.activations == pytest.approx(8 * per_layer + outside + 16 * 4096 * 32000 * 2)
+    assert plan.times["tp"] > 0
+    from colab_par.planner import candidate_layouts
+    modes = {layout.tp_mode for layout in candidate_layouts(LARGE, 64, global_batch=64, seq_len=4096,
+                                                            bf16=True)}
+    assert modes == {"1d", "2d", "2.5d", "3d"}
+
+
 # ---- eight engines ----------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", EIGHT_ENGINES)
 def test_eight_engine_grid_layout_trains_like_single_process(cluster8, layout: str) -> None:
     assert_parity(cluster8.run(engine_run, layout), reference_run("gpt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp8 3d", "tp8 2.5d d2"])
+def test_eight_engine_tensor_costs_are_what_the_planner_predicts(cluster8, layout: str) -> None:
+    assert_costs_as_predicted(cluster8.run(measured_costs, layout), layout)
 
 
 @pytest.mark.slow

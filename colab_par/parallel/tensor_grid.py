@@ -108,7 +108,8 @@ class Grid:
         """This rank's piece of `param`, its gradient summed over the dims that saw other tokens."""
         local = param.to_local() if isinstance(param, DTensor) else param
         for name in spec.grad_sums:
-            local = SumGradOverGroup.apply(local, self.groups[name])
+            if self.sizes[name] > 1:
+                local = SumGradOverGroup.apply(local, self.groups[name])
         return local
 
     def batch_piece(self, batch: torch.Tensor) -> torch.Tensor:
@@ -176,9 +177,10 @@ def _norm_forward(module: nn.Module, grid: Grid, x: torch.Tensor) -> torch.Tenso
     """RMSNorm over a hidden split across `norm_dim`: the sum of squares is summed there."""
     spec = grid.plan.norm
     weight = gather(grid.local_weight(module.weight, spec), grid.splits(spec.gathers))
-    squares = all_reduce_sum(x.float().pow(2).sum(-1, keepdim=True), grid.groups[grid.plan.norm_dim])
+    wide = x.float()
+    squares = all_reduce_sum(wide.pow(2).sum(-1, keepdim=True), grid.groups[grid.plan.norm_dim])
     scale = torch.rsqrt(squares / module.weight.shape[0] + module.eps)
-    return (x.float() * scale).to(x.dtype) * weight
+    return (wide * scale).to(x.dtype) * weight
 
 
 _INTO_BLOCK = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")

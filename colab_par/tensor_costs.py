@@ -1,0 +1,182 @@
+"""Per-rank weights, activations and communication of the tensor-parallel modes for the kit's GPT.
+
+The papers' analyses (Optimus for 2D, Tesseract for 2.5D, Bian et al. for 3D) written out for the
+kit's GPT as `parallel/tensor_grid.py` partitions it, so the planner predicts what a run measures.
+1d (Megatron, with or without sequence parallel) is counted the same way, so the modes compare on
+one basis (`benchmarks/tensor_modes.py`); the planner's own 1d figures follow Korthikanti et al.
+- **weights**: every matrix in q² pieces (2D, 2.5D: replicated over the depth) or q³ (3D); norm
+  weights in q pieces (2D, 2.5D) or q² (3D).
+- **activations** a layer keeps for backward, with T = tokens per rank (a (micro)batch split in
+  q, q·d or q² pieces) and the hidden / head / FFN widths split in q: two RMSNorms (input, its
+  normalised copy, the output: 3·T·H/q, plus the fp32 scale), attention (rotated q, k, v at the
+  query heads' width and the attention output, whose [b, s, h, d] layout the output projection
+  reads without a copy: 4·T·H/q, plus the log-sum-exp),
+  SwiGLU (gate, silu(gate), up, their product: 4·T·F/q).
+- **communication** per linear y = x·Wᵀ (W: out × in): forward gathers x (T·in) and W (out·in/q in
+  2D, out·in/q² in 3D); backward gathers both again and reduce-scatters their gradients, so 3·T·in
+  + 3·out·in/q(²). 3D also reduce-scatters the output's partial sums forward and gathers its
+  gradient backward: 2·T·out. 2.5D sums weight gradients over the depth (all-reduce of out·in/q²).
+  Norms all-reduce their sums of squares (T fp32, forward and backward); the head's logits are
+  gathered whole. Bytes are the full buffers, as `CollectiveBytes` counts them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from colab_par.layout import Layout, grid_batch_chunks, tensor_grid
+
+__all__ = ["GridShape", "grid_local_params", "kept_activation_bytes", "tensor_comm_bytes"]
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class GridShape:
+    mode: str
+    q: int
+    depth: int
+    batch_pieces: int
+
+    @classmethod
+    def of(cls, layout: Layout) -> "GridShape":
+        grid = tensor_grid(layout.tp, layout.tp_mode, layout.tp_depth)
+        if grid is None:
+            raise ValueError(f"layout {layout} has no tensor grid; use tp_mode '2d', '2.5d' or '3d'")
+        return cls(layout.tp_mode, grid[0], grid[1], grid_batch_chunks(layout))
+
+    @property
+    def cube(self) -> bool:
+        return self.mode == "3d"
+
+    @property
+    def matrix_pieces(self) -> int:
+        return self.q ** 3 if self.cube else self.q ** 2
+
+    @property
+    def gathered_pieces(self) -> int:
+        """Pieces a linear's weight is still in after its gather: the output split (and 3D's)."""
+        return self.q ** 2 if self.cube else self.q
+
+    @property
+    def norm_pieces(self) -> int:
+        return self.q ** 2 if self.cube else self.q
+
+
+def _linears(spec: Any) -> list[tuple[int, int]]:
+    """(out, in) of one layer's linears: q, k, v, o, gate, up, down."""
+    d, hd, f = spec.d_model, spec.head_dim, spec.ffn_hidden
+    q_width, kv_width = spec.n_head * hd, spec.n_kv_head * hd
+    return [(q_width, d), (kv_width, d), (kv_width, d), (d, q_width), (f, d), (f, d), (d, f)]
+
+
+def grid_local_params(spec: Any, layout: Layout) -> tuple[float, float]:
+    """(parameters on the fullest rank, one layer's share), like the planner's 1d accounting."""
+    grid = GridShape.of(layout)
+    d = spec.d_model
+    layer = spec.layer_matrix_params / grid.matrix_pieces + 2 * d / grid.norm_pieces
+    layers = spec.n_layer / layout.pp * layer
+    embedding = head = spec.vocab_size * d / grid.matrix_pieces
+    norm = d / grid.norm_pieces
+    if layout.pp == 1 or layout.pp_schedule == "zbv":
+        return layers + embedding + head + norm, layer
+    return layers + max(embedding, head + norm), layer
+
+
+def kept_activation_bytes(spec: Any, layout: Layout, micro: int, seq: int,
+                          act_bytes: int = FP32) -> tuple[float, float]:
+    """(bytes one layer keeps for backward, bytes kept outside the layers) per microbatch on one
+    rank; outside: the final norm, the rotary tables and the loss's fp32 log-probabilities (of the
+    whole microbatch: the logits are gathered). Without recompute.
+
+    1d keeps the norms' tensors whole (sequence parallel: split, plus the gathered output the
+    projections keep) and splits the heads and FFN columns over tp."""
+    if layout.tp_mode == "1d":
+        tokens, split, hidden = micro * seq, layout.tp, spec.d_model
+    else:
+        grid = GridShape.of(layout)
+        tokens, split, hidden = micro * seq / grid.batch_pieces, grid.q, spec.d_model / grid.q
+    if layout.sequence_parallel:  # input and normalised copy split; the output gathered whole
+        norm = (tokens * hidden * (FP32 + act_bytes) + tokens * FP32) / split + tokens * hidden * act_bytes
+    else:
+        norm = tokens * hidden * (FP32 + 2 * act_bytes) + tokens * FP32
+    if layout.tp_mode == "3d":
+        norm += hidden * FP32  # the norm weight, gathered over x
+    q_width = spec.n_head * spec.head_dim / split
+    attention = 4 * tokens * q_width * act_bytes + tokens * spec.n_head / split * FP32
+    ffn = 4 * tokens * spec.ffn_hidden / split * act_bytes
+    outside = norm + 2 * seq * spec.head_dim * act_bytes + micro * seq * spec.vocab_size * FP32
+    return 2 * norm + attention + ffn, outside
+
+
+def tensor_comm_bytes(spec: Any, layout: Layout, micro: int, seq: int, act_bytes: int = FP32) -> float:
+    """Bytes of the tensor-parallel collectives one rank issues for one microbatch, forward and
+    backward, of its pipeline stage's layers (+ embedding or head where the stage holds them).
+    Exact for fp32 without recompute or with full recompute (the layers' forward collectives
+    twice)."""
+    if layout.tp_mode == "1d":
+        return _megatron_comm_bytes(spec, layout, micro, seq, act_bytes)
+    grid = GridShape.of(layout)
+    q, a = grid.q, act_bytes
+    tokens = micro * seq / grid.batch_pieces
+    d, v = spec.d_model, spec.vocab_size
+
+    def linear(out: int, inp: int) -> tuple[float, float]:
+        weight = out * inp / grid.gathered_pieces
+        partial = tokens * out if grid.cube else 0.0  # 3D's partial sums, reduce-scattered
+        depth_sum = out * inp / q ** 2 * FP32 if grid.depth > 1 and not grid.cube else 0.0
+        return ((tokens * inp + weight + partial) * a,
+                (2 * tokens * inp + 2 * weight + partial) * a + depth_sum)
+
+    def norm() -> tuple[float, float]:
+        stats = tokens * FP32  # the sums of squares, all-reduced forward and backward
+        if grid.cube:  # gather the weight over x, reduce-scatter its gradient, sum it over y
+            return stats + d / q * FP32, stats + d / q * FP32 + d / q ** 2 * FP32
+        replicas = d / q * FP32 * (1 + (grid.depth > 1))  # gradient summed over rows (and depth)
+        return stats, stats + replicas
+
+    layer_forward, layer_backward = 0.0, 0.0
+    for forward, backward in [linear(out, inp) for out, inp in _linears(spec)] + [norm(), norm()]:
+        layer_forward, layer_backward = layer_forward + forward, layer_backward + backward
+    recompute = layout.checkpointing == "full"
+    total = spec.n_layer / layout.pp * (layer_forward * (2 if recompute else 1) + layer_backward)
+
+    first, last = _holds_ends(layout)
+    if first:  # embedding: gather the fp32 table ([V/q.., H/q..] -> [V, H/q]); reduce-scatter its grad
+        table = v * d / q + (v * d / q ** 2 if grid.cube else 0.0)
+        depth_sum = v * d / q ** 2 * FP32 if grid.depth > 1 and not grid.cube else 0.0
+        total += 2 * table * FP32 + depth_sum
+    if last:  # final norm, head, and the logits gathered whole (vocab, then the batch pieces)
+        forward, backward = norm()
+        head_forward, head_backward = linear(v, d)
+        pieces = [grid.q, grid.depth] if grid.mode == "2.5d" else [grid.q] * (2 if grid.cube else 1)
+        logits, rows = tokens * v, tokens * v
+        for size in pieces:
+            rows *= size
+            logits += rows if size > 1 else 0.0
+        total += forward + backward + head_forward + head_backward + logits * a
+    return total
+
+
+def _megatron_comm_bytes(spec: Any, layout: Layout, micro: int, seq: int, act_bytes: int) -> float:
+    """1d: per layer two all-reduces of the activation forward (attention and FFN outputs) and two
+    backward (their inputs' gradients), each an all-gather + reduce-scatter pair with sequence
+    parallel (same buffers, twice as many); the embedding's output and the head's input (their
+    adjoints too with sequence parallel), and the head's logits gathered whole."""
+    if layout.tp == 1:
+        return 0.0
+    activation = micro * seq * spec.d_model * act_bytes
+    logits = micro * seq * spec.vocab_size * act_bytes
+    sp = 2 if layout.sequence_parallel else 1
+    forward = 2 * sp * activation
+    per_layer = forward * (2 if layout.checkpointing == "full" else 1) + 2 * sp * activation
+    first, last = _holds_ends(layout)
+    ends = (sp * activation if first else 0.0) + (sp * activation + logits if last else 0.0)
+    return spec.n_layer / layout.pp * per_layer + ends
+
+
+def _holds_ends(layout: Layout) -> tuple[bool, bool]:
+    """Whether the fullest rank (pipeline rank 0) holds the embedding and the head."""
+    if layout.pp == 1:
+        return True, True
+    return True, layout.pp_schedule == "zbv"
