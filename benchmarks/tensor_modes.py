@@ -5,9 +5,10 @@ Run: ``python benchmarks/tensor_modes.py``. Measured in one run on real engines 
 nccl on GPUs), each layout on the same GPT and batches:
 - weights: the parameter elements the rank holds, ×4 bytes (fp32);
 - activations: the floating-point tensors autograd keeps over one forward and loss, parameters
-  aside, each storage once (`saved_tensors_hooks`);
+  aside, each storage once (`ActivationMeter`);
 - comm: the bytes of every collective one training step issues (`CollectiveBytes`: an
-  all-reduce's buffer, an all-gather's output, a reduce-scatter's input).
+  all-reduce's buffer, an all-gather's output, a reduce-scatter's input);
+all three by `colab_par.parallel.step_costs.measure_step_costs`.
 Rank 0's figures, and in brackets measured / predicted by `colab_par.tensor_costs` (what the
 planner uses for the grid modes; 1d counted the same way). Memory and bytes are deterministic, so
 one sample each. The second table predicts one Llama-70B-sized layer (hidden 8192, 64 heads, FFN
@@ -32,41 +33,20 @@ LARGE_MODES = {4: ["tp4", "tp4 sp", "tp4 2d"], 8: ["tp8", "tp8 sp", "tp8 2.5d d2
 
 
 def measure(layout: str) -> dict:
-    """Engine side: weights, kept activations and one step's collective bytes."""
+    """Engine side: `measure_step_costs` of the GPT under `layout`."""
     import torch
-    from torch.distributed.tensor import DTensor
 
     from colab_par import parallelize
     from colab_par.models import GPT, GPTConfig
-    from colab_par.parallel.collective_bytes import CollectiveBytes
+    from colab_par.parallel.step_costs import measure_step_costs
 
     torch.manual_seed(0)
     pm = parallelize(GPT(GPTConfig(**SIZES)), layout)
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, SIZES["vocab_size"], (BATCH, SIZES["seq_len"] + 1), generator=gen)
             for _ in range(2)]
-    pm.train_step(seqs[0][:, :-1], seqs[0][:, 1:])
-    with CollectiveBytes() as counted:
-        pm.train_step(seqs[1][:, :-1], seqs[1][:, 1:])
-    locals_ = [p.to_local() if hasattr(p, "to_local") else p for p in pm.model.parameters()]
-    params = {t.untyped_storage().data_ptr() for t in locals_}
-    kept: dict[int, int] = {}
-
-    def keep(tensor):
-        with torch.no_grad():  # 1d keeps DTensors: count their local pieces
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            if hasattr(local, "trigger_wait"):  # a functional collective's pending result
-                local = local.trigger_wait()
-        storage = local.untyped_storage()
-        if local.is_floating_point() and storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        positions = torch.arange(SIZES["seq_len"])  # as the kit passes them (SP shards the sequence)
-        pm.model.loss_fn(pm.model(seqs[0][:, :-1], positions), seqs[0][:, 1:])
-    return {"weights": 4 * sum(t.numel() for t in locals_), "activations": sum(kept.values()),
-            "comm": counted.bytes}
+    costs = measure_step_costs(pm, *[(seq[:, :-1], seq[:, 1:]) for seq in seqs])
+    return {"weights": 4 * costs["params"], "activations": costs["activations"], "comm": costs["comm"]}
 
 
 def predicted(layout: str) -> dict:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["METRICS_KEY", "StepClock", "ActivationMeter", "Publisher", "metrics_data",
            "device_peak_flops", "model_flops_per_token", "memory_sample", "grad_bytes",
@@ -80,25 +81,28 @@ class StepClock:
 
 
 class ActivationMeter:
-    """Bytes of tensors saved for backward during forward (the activation memory of a step).
+    """Bytes of the floating-point tensors saved for backward during forward (the activation memory
+    of a step), each storage once; storages of `exclude` (e.g. the parameters) are not counted.
+    DTensors count their local pieces, pending functional collectives their results.
 
-    On CUDA the allocator's peak says this too; on CPU nothing else measures it. Storages saved
-    twice are counted once.
+    On CUDA the allocator's peak says this too; on CPU nothing else measures it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self.bytes = 0
         self._seen: set[int] = set()
+        self._exclude = {_local(t).untyped_storage().data_ptr() for t in exclude}
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        local = _local(tensor)
         try:
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            if key and key not in self._seen:
-                self._seen.add(key)
-                self.bytes += storage.nbytes()
+            storage = local.untyped_storage()
         except (RuntimeError, NotImplementedError):
-            pass  # tensor subclasses without storage (e.g. DTensor wrappers): their locals are seen too
+            return tensor  # a tensor subclass without storage of its own
+        key = storage.data_ptr()
+        if local.is_floating_point() and key and key not in self._seen and key not in self._exclude:
+            self._seen.add(key)
+            self.bytes += storage.nbytes()
         return tensor
 
     @contextlib.contextmanager
@@ -106,6 +110,15 @@ class ActivationMeter:
         self.bytes, self._seen = 0, set()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, _identity):
             yield self
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor behind a DTensor (its local piece) or a pending functional collective."""
+    with torch.no_grad():
+        if isinstance(tensor, DTensor):
+            tensor = tensor.to_local()
+        wait = getattr(tensor, "trigger_wait", None)  # AsyncCollectiveTensor
+        return wait() if wait is not None else tensor
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:

@@ -103,7 +103,8 @@ class LayoutPicker:
         start = self._start
         options = field_options(self.world_size, self.spec.config(self.seq_len), device=self.device.name,
                                 global_batch=self.global_batch)
-        labels = {"cp_mode": "cp mode", "pp_schedule": "schedule", "virtual_stages": "virtual st.",
+        labels = {"tp_mode": "tp mode", "tp_depth": "tp depth", "cp_mode": "cp mode",
+                  "pp_schedule": "schedule", "virtual_stages": "virtual st.",
                   "checkpointing": "recompute"}
         controls: dict[str, w.ValueWidget] = {
             name: w.Dropdown(options=options[name], description=labels.get(name, name))

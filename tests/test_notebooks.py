@@ -78,7 +78,7 @@ def test_02_layouts(kernel_path, tmp_path):
     table = text_of(cell_of(notebook, "results = {layout"))
     rows = re.findall(r"^(.+?)\s+loss ([\d.]+) -> ([\d.]+)\s+([\d,]+) tokens/s\s+memory per rank "
                       r"\(KiB\): \[([\d, ]+)\]", table, re.M)
-    assert [row[0] for row in rows] == ["dp4", "dp4 zero3", "tp4 sp", "pp4 mb4", "dp2 tp2 sp zero3"]
+    assert [row[0] for row in rows] == ["dp4", "dp4 zero3", "tp4 sp", "tp4 2d", "pp4 mb4", "dp2 tp2 sp zero3"]
     first_losses = [float(row[1]) for row in rows]
     assert max(first_losses) - min(first_losses) < 2e-3, f"same weights and data, different losses: {rows}"
     last_losses = [float(row[2]) for row in rows]
@@ -86,6 +86,7 @@ def test_02_layouts(kernel_path, tmp_path):
     assert all(last < first for first, last in zip(first_losses, last_losses))
     memory = {row[0]: [int(v) for v in row[4].split(",")] for row in rows}
     assert max(memory["dp4 zero3"]) < max(memory["dp4"]), "ZeRO-3 should hold less per rank than DP"
+    assert max(memory["tp4 2d"]) < min(memory["tp4 sp"]), "2D should partition what SP keeps whole"
     assert "image/png" in mime_types(cell_of(notebook, "measured memory per rank"))
 
 

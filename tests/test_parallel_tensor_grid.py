@@ -14,7 +14,7 @@ from colab_par.layout import Layout
 from colab_par.models import GPTConfig
 from colab_par.planner import ModelSpec, estimate
 from colab_par.tensor_costs import grid_local_params, kept_activation_bytes, tensor_comm_bytes
-from test_checkpoint import SAVE_AT, resume, train_and_save
+from test_checkpoint import SAVE_AT, relayout_midway, resume, train_and_save
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -73,32 +73,12 @@ def test_grid_partitions_weights_and_activations(cluster4, layout: str, block: t
 
 
 def measured_costs(layout: str) -> dict:
-    """On an engine: bytes of the collectives of one training step (after a first one), the
-    floating-point activations autograd keeps over a forward (parameters aside, each storage
-    once), and the parameters this rank holds."""
-    import torch
-
+    """On an engine: `measure_step_costs` of the parity GPT under `layout`."""
     from colab_par import parallelize
-    from colab_par.parallel.collective_bytes import CollectiveBytes
+    from colab_par.parallel.step_costs import measure_step_costs
 
     pm = parallelize(build_model("gpt", SEED), layout)
-    first, second = batches(GPT_SIZES["vocab_size"], GPT_SIZES["seq_len"], steps=2)
-    pm.train_step(*first)
-    with CollectiveBytes() as counted:
-        pm.train_step(*second)
-    params = {p.to_local().untyped_storage().data_ptr() for p in pm.model.parameters()}
-    kept: dict[int, int] = {}
-
-    def keep(tensor):
-        storage = tensor.untyped_storage()
-        if tensor.is_floating_point() and storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        pm.model.loss_fn(pm.model(first[0]), first[1])
-    return {"comm": counted.bytes, "activations": sum(kept.values()),
-            "params": sum(p.to_local().numel() for p in pm.model.parameters())}
+    return measure_step_costs(pm, *batches(GPT_SIZES["vocab_size"], GPT_SIZES["seq_len"], steps=2))
 
 
 def assert_costs_as_predicted(results: list[dict], text: str) -> None:
@@ -126,6 +106,14 @@ def test_checkpoint_moves_between_1d_and_grid(cluster4, tmp_path, saved_as: str,
     cluster4.run(train_and_save, saved_as, str(tmp_path))
     result = cluster4.run(resume, loaded_as, str(tmp_path))[0]
     assert result["losses"] == pytest.approx(uninterrupted[SAVE_AT:], rel=1e-5)
+
+
+@pytest.mark.parametrize("first,second", [("tp4 2d", "dp2 tp2"), ("dp4 zero3", "tp4 2.5d")])
+def test_live_relayout_between_1d_and_grid_continues_the_same_losses(cluster4, first: str, second: str) -> None:
+    uninterrupted = cluster4.run(train_and_save, first, None)[0]
+    result = cluster4.run(relayout_midway, first, second)[0]
+    assert Layout.parse(result["layout"]) == Layout.parse(second) and result["repointed"]
+    assert result["losses"] == pytest.approx(uninterrupted, rel=1e-5)
 
 
 LARGE = ModelSpec.of(dict(n_layer=8, d_model=8192, n_head=64, ffn_hidden=28672, vocab_size=32000))
