@@ -102,9 +102,15 @@ def test_tensor_costs_are_what_the_planner_predicts(cluster4, layout: str) -> No
 @pytest.mark.parametrize("saved_as,loaded_as", [("dp2 tp2", "tp4 2d"), ("tp4 2d", "dp2 tp2"),
                                                 ("tp4 2.5d", "dp4 zero3")])
 def test_checkpoint_moves_between_1d_and_grid(cluster4, tmp_path, saved_as: str, loaded_as: str) -> None:
-    uninterrupted = cluster4.run(train_and_save, saved_as, None)[0]
-    cluster4.run(train_and_save, saved_as, str(tmp_path))
-    result = cluster4.run(resume, loaded_as, str(tmp_path))[0]
+    assert_checkpoint_moves(cluster4, str(tmp_path), saved_as, loaded_as)
+
+
+def assert_checkpoint_moves(cluster, folder: str, saved_as: str, loaded_as: str) -> None:
+    """A checkpoint saved midway under one layout resumes under another with the losses the first
+    would have gone on with."""
+    uninterrupted = cluster.run(train_and_save, saved_as, None)[0]
+    cluster.run(train_and_save, saved_as, folder)
+    result = cluster.run(resume, loaded_as, folder)[0]
     assert result["losses"] == pytest.approx(uninterrupted[SAVE_AT:], rel=1e-5)
 
 
@@ -172,7 +178,4 @@ def test_3d_partitions_weights_and_activations(cluster8) -> None:
 @pytest.mark.parametrize("saved_as,loaded_as", [("tp8 3d", "dp4 tp2"), ("dp2 tp4 2d zero3", "tp8 3d"),
                                                 ("dp4 tp2", "tp8 2.5d d2")])
 def test_checkpoint_moves_between_1d_and_3d_grids(cluster8, tmp_path, saved_as: str, loaded_as: str) -> None:
-    uninterrupted = cluster8.run(train_and_save, saved_as, None)[0]
-    cluster8.run(train_and_save, saved_as, str(tmp_path))
-    result = cluster8.run(resume, loaded_as, str(tmp_path))[0]
-    assert result["losses"] == pytest.approx(uninterrupted[SAVE_AT:], rel=1e-5)
+    assert_checkpoint_moves(cluster8, str(tmp_path), saved_as, loaded_as)

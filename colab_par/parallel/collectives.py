@@ -55,40 +55,25 @@ def reduce_scatter_all(tensor: torch.Tensor, splits: Sequence[Split]) -> torch.T
     return tensor
 
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: tuple[Split, ...]) -> torch.Tensor:
-        ctx.splits = splits
-        return gather_all(tensor, splits)
+class _Adjoint(torch.autograd.Function):
+    """`forward(tensor, splits)` forward and `backward(grad, splits)` backward: a collective and
+    its adjoint."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return reduce_scatter_all(grad, ctx.splits), None
-
-
-class _ScatterSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: tuple[Split, ...]) -> torch.Tensor:
-        ctx.splits = splits
-        return reduce_scatter_all(tensor, splits)
+    def forward(ctx: Any, tensor: torch.Tensor, splits: tuple[Split, ...], forward: Any,
+                backward: Any) -> torch.Tensor:
+        ctx.splits, ctx.adjoint = splits, backward
+        return forward(tensor, splits)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return gather_all(grad, ctx.splits), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return ctx.adjoint(grad, ctx.splits), None, None, None
 
 
-class _GatherReplicas(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: tuple[Split, ...]) -> torch.Tensor:
-        ctx.splits = splits
-        return gather_all(tensor, splits)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        for group, dim in reversed(ctx.splits):
-            size, rank = dist.get_world_size(group), dist.get_rank(group)
-            grad = grad.chunk(size, dim)[rank]
-        return grad.contiguous(), None
+def _own_piece(grad: torch.Tensor, splits: Sequence[Split]) -> torch.Tensor:
+    for group, dim in reversed(splits):
+        grad = grad.chunk(dist.get_world_size(group), dim)[dist.get_rank(group)]
+    return grad.contiguous()
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -123,18 +108,18 @@ class SumGradOverGroup(torch.autograd.Function):
 
 def gather(tensor: torch.Tensor, splits: Sequence[Split]) -> torch.Tensor:
     """All-gather along `splits`; backward reduce-scatters (sums the pieces' gradients)."""
-    return _Gather.apply(tensor, tuple(splits)) if splits else tensor
+    return _Adjoint.apply(tensor, tuple(splits), gather_all, reduce_scatter_all) if splits else tensor
 
 
 def scatter_sum(tensor: torch.Tensor, splits: Sequence[Split]) -> torch.Tensor:
     """Reduce-scatter along `splits`; backward all-gathers."""
-    return _ScatterSum.apply(tensor, tuple(splits)) if splits else tensor
+    return _Adjoint.apply(tensor, tuple(splits), reduce_scatter_all, gather_all) if splits else tensor
 
 
 def gather_replicas(tensor: torch.Tensor, splits: Sequence[Split]) -> torch.Tensor:
     """All-gather along `splits` for a computation every rank then repeats identically (a loss);
     backward keeps this rank's piece of the gradient."""
-    return _GatherReplicas.apply(tensor, tuple(splits)) if splits else tensor
+    return _Adjoint.apply(tensor, tuple(splits), gather_all, _own_piece) if splits else tensor
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
