@@ -175,7 +175,7 @@ def test_3d_partitions_weights_and_activations(cluster8) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saved_as,loaded_as", [("tp8 3d", "dp4 tp2"), ("dp2 tp4 2d zero3", "tp8 3d"),
-                                                ("dp4 tp2", "tp8 2.5d d2")])
+@pytest.mark.parametrize("saved_as,loaded_as", [("tp8 3d", "dp4 tp2"), ("dp4 tp2", "tp8 3d"),
+                                                ("dp4 tp2", "tp8 2.5d d2"), ("dp2 tp4 2d zero3", "tp8 3d")])
 def test_checkpoint_moves_between_1d_and_3d_grids(cluster8, tmp_path, saved_as: str, loaded_as: str) -> None:
     assert_checkpoint_moves(cluster8, str(tmp_path), saved_as, loaded_as)
