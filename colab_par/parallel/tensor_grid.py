@@ -126,7 +126,8 @@ class Grid:
 
 class _GridLinear(torch.autograd.Function):
     """y = scatter_sum(gather(x) @ gather(w)ᵀ), keeping only the local pieces of x and w for
-    backward (gathered again there), in the autocast dtype when autocast is on."""
+    backward (gathered again there), in the autocast dtype when autocast is on (backward works in
+    the gradient's dtype, which is that dtype then)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, x_splits: tuple[Split, ...],
@@ -134,7 +135,7 @@ class _GridLinear(torch.autograd.Function):
         device = x.device.type
         cast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         ctx.save_for_backward(x, weight)
-        ctx.splits, ctx.cast = (x_splits, w_splits, y_splits), cast
+        ctx.splits = (x_splits, w_splits, y_splits)
         with torch.autocast(device, enabled=False):
             xg, wg = gather_all(_to(x, cast), x_splits), gather_all(_to(weight, cast), w_splits)
             return reduce_scatter_all(xg @ wg.t(), y_splits)
