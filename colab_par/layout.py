@@ -15,8 +15,8 @@ from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Iterator, Mapping, Union
 
 __all__ = ["Layout", "LayoutError", "model_sizes", "valid_layouts", "field_options",
-           "default_microbatches", "tensor_grid", "grid_batch_chunks", "DEGREES", "ZERO_LEVELS", "CP_MODES",
-           "TP_MODES", "PP_SCHEDULES", "PRECISIONS", "CHECKPOINTING", "FIELDS"]
+           "default_microbatches", "tensor_grid", "grid_batch_chunks", "DEGREES", "ZERO_LEVELS",
+           "CP_MODES", "TP_MODES", "PP_SCHEDULES", "PRECISIONS", "CHECKPOINTING", "FIELDS"]
 
 DEGREES = ("dp", "tp", "pp", "cp")
 ZERO_LEVELS = (0, 1, 2, 3)
@@ -27,8 +27,8 @@ PRECISIONS = ("fp32", "bf16")
 CHECKPOINTING = ("none", "selective", "full")
 _MULTI_STAGE = ("interleaved", "zbv")
 # Field order of the enumeration: a field comes after those its choices or its default depend on.
-FIELDS = ("tp", "tp_mode", "tp_depth", "cp", "pp", "dp", "pp_schedule", "virtual_stages", "microbatches", "zero",
-          "sequence_parallel", "cp_mode", "offload", "precision", "checkpointing")
+FIELDS = ("tp", "tp_mode", "tp_depth", "cp", "pp", "dp", "pp_schedule", "virtual_stages", "microbatches",
+          "zero", "sequence_parallel", "cp_mode", "offload", "precision", "checkpointing")
 _NAMED = {"zero": ZERO_LEVELS, "tp_mode": TP_MODES, "cp_mode": CP_MODES, "pp_schedule": PP_SCHEDULES,
           "precision": PRECISIONS, "checkpointing": CHECKPOINTING}
 
@@ -65,8 +65,9 @@ class Layout:
     Mesh order (outermost first) is pp, dp, cp, tp: tensor parallel ranks are neighbours, so on a
     multi-GPU node they share the fastest links. `tp_mode` arranges the tp ranks: "1d" (Megatron)
     in a line, "2d" / "2.5d" / "3d" in a q×q / q×q×tp_depth / q×q×q grid (Colossal-AI's
-    multi-dimensional tensor parallelism, which partitions activations as well as weights). ``microbatches=None`` (the default) becomes
-    `default_microbatches`, so every layout string trains as written.
+    multi-dimensional tensor parallelism, which partitions activations as well as weights).
+    ``microbatches=None`` (the default) becomes `default_microbatches`, so every layout string
+    trains as written.
     """
 
     dp: int = 1
@@ -468,17 +469,14 @@ def _head_split(layout: Any) -> int:
 
 @_rule("tp", "tp_mode", "tp_depth")
 def _check_heads(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
-    heads, kv_heads, split = sizes.get("n_head"), sizes.get("n_kv_head"), _head_split(layout)
-    by = "tp" if layout.tp_mode == "1d" else f"the {layout.tp_mode} grid side q"
-    if heads and heads % split:
-        raise LayoutError(f"{by}={split} does not divide {heads} heads; {_suggest(heads, 'tp')}"
-                          if layout.tp_mode == "1d" else
-                          f"{by}={split} does not divide {heads} heads; use a grid whose side divides "
-                          f"the heads, or tp_mode='1d'")
-    if kv_heads and kv_heads % split:
-        raise LayoutError(f"{by}={split} does not divide {kv_heads} kv-heads; "
-                          + (_suggest(kv_heads, "tp") if layout.tp_mode == "1d" else
-                             "use a grid whose side divides the kv-heads, or tp_mode='1d'"))
+    split, grid = _head_split(layout), layout.tp_mode != "1d"
+    by = f"the {layout.tp_mode} grid side q" if grid else "tp"
+    for what in ("heads", "kv-heads"):
+        count = sizes.get("n_head" if what == "heads" else "n_kv_head")
+        if count and count % split:
+            hint = (f"use a grid whose side divides the {what}, or tp_mode='1d'" if grid
+                    else _suggest(count, "tp"))
+            raise LayoutError(f"{by}={split} does not divide {count} {what}; {hint}")
 
 
 @_rule("tp", "cp", "cp_mode")

@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from colab_par.tensor_costs import GridShape, grid_local_params, kept_activation_bytes, tensor_comm_bytes
 from colab_par.layout import CP_MODES, TP_MODES, Choices, Layout, LayoutError, model_sizes, valid_layouts
+from colab_par.tensor_costs import GridShape, grid_local_params, kept_activation_bytes, tensor_comm_bytes
 from colab_par.module_spec import ModuleSpec
 
 __all__ = ["MemoryBreakdown", "ModelSpec", "DeviceSpec", "Plan", "DEVICES", "GiB", "INIT_MODES",

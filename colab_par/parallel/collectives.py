@@ -2,7 +2,8 @@
 
 Each forward collective is paired with its adjoint: an all-gather's gradient is a reduce-scatter
 (every rank used every piece, so the pieces' gradients are summed where they live), a
-reduce-scatter's is an all-gather, an all-reduce's is an all-reduce. `gather_replicas` is the one
+reduce-scatter's is an all-gather, an all-reduce's is an all-reduce, an identity whose ranks saw
+different data has a summing all-reduce (`sum_grad_over`). `gather_replicas` is the one
 exception: its callers compute the same loss from the same gathered tensor on every rank, so each
 rank's gradient of its piece is already whole and is just sliced out.
 """
@@ -13,8 +14,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Split", "SumGradOverGroup", "all_gather", "reduce_scatter", "gather", "scatter_sum",
-           "gather_replicas", "all_reduce_sum"]
+__all__ = ["Split", "all_gather", "reduce_scatter", "gather", "gather_replicas", "all_reduce_sum",
+           "sum_grad_over"]
 
 Split = tuple[dist.ProcessGroup, int]  # a group and the tensor dim its ranks' pieces lie along
 
@@ -56,18 +57,17 @@ def reduce_scatter_all(tensor: torch.Tensor, splits: Sequence[Split]) -> torch.T
 
 
 class _Adjoint(torch.autograd.Function):
-    """`forward(tensor, splits)` forward and `backward(grad, splits)` backward: a collective and
-    its adjoint."""
+    """`forward(tensor, over)` forward and `backward(grad, over)` backward: a collective and its
+    adjoint, over splits or a group."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: tuple[Split, ...], forward: Any,
-                backward: Any) -> torch.Tensor:
-        ctx.splits, ctx.adjoint = splits, backward
-        return forward(tensor, splits)
+    def forward(ctx: Any, tensor: torch.Tensor, over: Any, forward: Any, backward: Any) -> torch.Tensor:
+        ctx.over, ctx.adjoint = over, backward
+        return forward(tensor, over)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return ctx.adjoint(grad, ctx.splits), None, None, None
+        return ctx.adjoint(grad, ctx.over), None, None, None
 
 
 def _own_piece(grad: torch.Tensor, splits: Sequence[Split]) -> torch.Tensor:
@@ -76,44 +76,19 @@ def _own_piece(grad: torch.Tensor, splits: Sequence[Split]) -> torch.Tensor:
     return grad.contiguous()
 
 
-class _AllReduceSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, group=group)
-        return tensor
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+def _summed(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    tensor = tensor.clone()  # autograd may still read the incoming buffer
+    dist.all_reduce(tensor, group=group)
+    return tensor
 
 
-class SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over `group` (each rank saw part of the data)."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.clone()  # autograd may still read the incoming buffer
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+def _same(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return tensor.view_as(tensor)
 
 
 def gather(tensor: torch.Tensor, splits: Sequence[Split]) -> torch.Tensor:
     """All-gather along `splits`; backward reduce-scatters (sums the pieces' gradients)."""
     return _Adjoint.apply(tensor, tuple(splits), gather_all, reduce_scatter_all) if splits else tensor
-
-
-def scatter_sum(tensor: torch.Tensor, splits: Sequence[Split]) -> torch.Tensor:
-    """Reduce-scatter along `splits`; backward all-gathers."""
-    return _Adjoint.apply(tensor, tuple(splits), reduce_scatter_all, gather_all) if splits else tensor
 
 
 def gather_replicas(tensor: torch.Tensor, splits: Sequence[Split]) -> torch.Tensor:
@@ -124,4 +99,9 @@ def gather_replicas(tensor: torch.Tensor, splits: Sequence[Split]) -> torch.Tens
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Sum over `group`, differentiable (backward sums the gradients too)."""
-    return _AllReduceSum.apply(tensor, group)
+    return _Adjoint.apply(tensor, group, _summed, _summed)
+
+
+def sum_grad_over(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Identity forward; backward sums the gradient over `group` (each rank saw part of the data)."""
+    return _Adjoint.apply(tensor, group, _same, _summed)

@@ -35,8 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from colab_par.layout import Layout
-from colab_par.parallel.collectives import (SumGradOverGroup, Split, gather, gather_all,
-                                            gather_replicas, reduce_scatter_all, all_reduce_sum)
+from colab_par.parallel.collectives import (Split, all_reduce_sum, gather, gather_all, gather_replicas,
+                                            reduce_scatter_all, sum_grad_over)
 
 __all__ = ["apply_tensor_grid", "GridPlan", "grid_plan"]
 
@@ -109,7 +109,7 @@ class Grid:
         local = param.to_local() if isinstance(param, DTensor) else param
         for name in spec.grad_sums:
             if self.sizes[name] > 1:
-                local = SumGradOverGroup.apply(local, self.groups[name])
+                local = sum_grad_over(local, self.groups[name])
         return local
 
     def batch_piece(self, batch: torch.Tensor) -> torch.Tensor:
@@ -125,7 +125,7 @@ class Grid:
 
 
 class _GridLinear(torch.autograd.Function):
-    """y = scatter_sum(gather(x) @ gather(w)ᵀ), keeping only the local pieces of x and w for
+    """y = reduce_scatter(gather(x) @ gather(w)ᵀ), keeping only the local pieces of x and w for
     backward (gathered again there), in the autocast dtype when autocast is on (backward works in
     the gradient's dtype, which is that dtype then)."""
 

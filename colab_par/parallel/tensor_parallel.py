@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                parallelize_module)
 
 from colab_par import compat
-from colab_par.parallel.collectives import SumGradOverGroup
+from colab_par.parallel.collectives import sum_grad_over
 
 __all__ = ["apply_tensor_parallel", "bert_tp_plan", "gpt_tp_plan", "hf_tp_plan", "resolve_tp_plan",
            "tp_plan_for", "HF_STYLES", "LocalParams", "ReplicatedGradSum", "ShardParameter"]
@@ -119,7 +119,7 @@ class ReplicatedGradSum(LocalParams):
         return super()._apply(module, device_mesh)
 
     def _local(self, param: DTensor, device_mesh: DeviceMesh) -> torch.Tensor:
-        return SumGradOverGroup.apply(param.to_local(), device_mesh.get_group())
+        return sum_grad_over(param.to_local(), device_mesh.get_group())
 
 
 class ShardParameter(ParallelStyle):
