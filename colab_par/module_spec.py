@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import torch
 from torch import nn
 
 __all__ = ["ModuleSpec"]
