@@ -8,9 +8,9 @@ load checks them before DCP reads anything, so a damaged file is named (with the
 version that is intact) instead of failing deep inside torch.load; a checkpoint of another model
 is refused on one line naming the first parameter whose shape differs. Tensors (model, optimizer)
 go through DCP with the original model's FQNs, so a checkpoint saved under one layout loads under
-another (DCP reshards). The rest (step, data position, LR schedule, layout, RNG) is JSON — nothing
-is ever unpickled except DCP's metadata file, read with an unpickler that admits only DCP's own
-metadata classes.
+another (DCP reshards). Everything else (optimizer hyper-parameters, step, data position, LR
+schedule, layout, RNG) is JSON: a load reads tensors and JSON only and never runs code from the
+checkpoint (`checkpoint_format.py` says how).
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import hashlib
 import inspect
 import json
 import os
-import pickle
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -33,19 +33,15 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from colab_par import compat
+from colab_par.checkpoint_format import (FORMAT, NON_TENSORS, CheckpointError, TensorOnlyLoadPlanner,
+                                         TensorOnlyReader, from_json, split_state, to_json)
 
 __all__ = ["save", "load", "relayout", "latest_checkpoint", "saved_history", "CheckpointError"]
 
 COMMIT_MARKER = "COMMITTED"
 LATEST = "LATEST"
 META = "meta.json"
-FORMAT = 1
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, uncommitted, damaged, or does not fit the model it is loaded into."""
 
 
 # ---- save ----------------------------------------------------------------------------------------
@@ -57,6 +53,7 @@ def save(pm: Any, path: str | os.PathLike, *, trainer: Any = None, keep: int = 2
     if keep < 1:
         raise ValueError(f"keep={keep} must be >= 1 (the version just written is always kept)")
     _single_part(pm)  # refuse unsupported layouts before any folder is made
+    tensors, non_tensors = _savable_state(pm)
     root, rank = Path(path), _rank()
     token = shared_random_id()
     step = int(trainer.step) if trainer is not None else 0
@@ -64,12 +61,13 @@ def save(pm: Any, path: str | os.PathLike, *, trainer: Any = None, keep: int = 2
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         staging.mkdir()
-    _barrier()
-    dcp.save(_tensor_state(pm), checkpoint_id=str(staging))
+    _refuse_unshared(staging)
+    dcp.save(tensors, checkpoint_id=str(staging))
     _write_json(staging / f"rng-rank{rank}.json", _rng_state())
     if trainer is not None:
         _write_json(staging / f"history-rank{rank}.json", trainer.history)
     if rank == 0:
+        _write_json(staging / NON_TENSORS, non_tensors)
         _write_json(staging / META, {
             "format": FORMAT, "layout": str(pm.layout), "world_size": _world(), "step": step,
             "trainer": trainer.state_dict() if trainer is not None else None})
@@ -85,6 +83,41 @@ def save(pm: Any, path: str | os.PathLike, *, trainer: Any = None, keep: int = 2
         _prune(root, keep)
     _barrier()
     return final
+
+
+def _savable_state(pm: Any) -> tuple[dict[str, dict], dict[str, Any]]:
+    """This rank's tensors (for DCP) and every rank's non-tensor values as JSON (ZeRO-1 and pipeline
+    ranks each hold some parameters' optimizer settings). A value JSON cannot hold exactly is
+    refused on every rank, naming it, before any folder is made."""
+    tensors, others = split_state(_state(pm))
+    gathered = _gathered(to_json(others))
+    refused = _unique(name for _, names in gathered for name in names)
+    if refused:
+        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+        raise CheckpointError(
+            f"cannot save {refused[0]}{more}: a checkpoint keeps every non-tensor value as JSON "
+            "(None, bool, int, float, str, and tuples or lists of them), never as a pickle; make it "
+            "one of those (e.g. float(value)) or a tensor")
+    merged: dict[str, Any] = {}
+    for encoded, _ in gathered:
+        merged.update(encoded)
+    return tensors, merged
+
+
+def _refuse_unshared(staging: Path) -> None:
+    """Every rank must see the folder rank 0 just made; a folder local to one host would otherwise
+    fail deep inside DCP on the others."""
+    _barrier()
+    seen = _gathered((staging.is_dir(), socket.gethostname()))
+    unseen = [rank for rank, (visible, _) in enumerate(seen) if not visible]
+    if not unseen:
+        return
+    if _rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    hosts = ", ".join(_unique(seen[rank][1] for rank in unseen))
+    raise CheckpointError(f"rank(s) {', '.join(map(str, unseen))} (on {hosts}) cannot see "
+                          f"{staging.parent}, which rank 0 (on {seen[0][1]}) created: save to a folder "
+                          "on a file system every host shares")
 
 
 def latest_checkpoint(path: str | os.PathLike) -> Path:
@@ -119,25 +152,31 @@ def load(pm: Any, path: str | os.PathLike, *, trainer: Any = None) -> dict:
 
     Before any tensor is read, every file is checked against the sizes and SHA-256 sums recorded at
     commit (raising CheckpointError naming the damaged file and the newest earlier intact
-    version), and every tensor's global shape against the model's. Versions written before
-    checksums were recorded still load, unverified.
+    version), and every tensor's global shape against the model's. Only tensors and JSON are read:
+    a checkpoint listing anything pickled is refused (see `checkpoint_format.py`).
     """
     version = latest_checkpoint(path)
+    _refuse_other_format(version)
     _refuse_damaged(version)
     meta = json.loads((version / META).read_text())
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{str(version)!r} has format {meta.get('format')!r}; this colab_par "
-                              f"reads format {FORMAT}")
     if trainer is not None:
         _check_resumable(meta, trainer, version)
-    state = _tensor_state(pm)
-    reader = MetadataOnlyReader(version)
-    _refuse_misfit(state, reader.read_metadata(), version)
-    dcp.load(state, storage_reader=reader)
+    state = _state(pm)
+    tensors, others = split_state(state)
+    reader = TensorOnlyReader(version)
+    saved_others = _saved_non_tensors(version)
+    _refuse_misfit(tensors, others, reader.read_metadata(), saved_others, version)
+    dcp.load(tensors, storage_reader=reader, planner=TensorOnlyLoadPlanner())
+    for part, values in tensors.items():
+        state[part].update(values)
+    for name in others:
+        part, key = name.split(".", 1)
+        state[part][key] = from_json(saved_others[name], name)
     for part in pm.model_parts:
         own = get_model_state_dict(part)
         set_model_state_dict(part, {key: state["model"][key] for key in own})
     set_optimizer_state_dict(_single_part(pm), _local_optimizer(pm), state["optim"], options=_OPTIONS)
+    _expose_loaded_settings(pm.optimizer)
     if trainer is not None:
         trainer.load_state_dict(meta["trainer"])
     rng_file = version / f"rng-rank{_rank()}.json"
@@ -145,6 +184,38 @@ def load(pm: Any, path: str | os.PathLike, *, trainer: Any = None) -> dict:
         _set_rng_state(json.loads(rng_file.read_text()))
     _barrier()
     return meta
+
+
+def _format(version: Path) -> Any:
+    """The format its meta.json names (None when that file is missing or not a JSON object)."""
+    try:
+        meta = json.loads((version / META).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta.get("format") if isinstance(meta, dict) else None
+
+
+def _refuse_other_format(version: Path) -> None:
+    """Before the checksums: an older version's files are intact, yet this colab_par must not read
+    them. (A missing or garbled meta.json is left to the integrity check, which names it.)"""
+    found = _format(version)
+    if found is None or found == FORMAT:
+        return
+    if found == 1:
+        raise CheckpointError(
+            f"checkpoint {version} has format 1 (an older colab_par), which stores optimizer "
+            f"settings as pickles; this colab_par reads format {FORMAT} only, because unpickling a "
+            "checkpoint can run any code. Load it with the colab_par release that wrote it only if "
+            "you trust its source, or train again")
+    raise CheckpointError(f"checkpoint {version} has format {found!r}; this colab_par reads format "
+                          f"{FORMAT}: load it with the colab_par release that wrote it")
+
+
+def _saved_non_tensors(version: Path) -> dict[str, Any]:
+    saved = json.loads((version / NON_TENSORS).read_text())
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{version / NON_TENSORS} is not a JSON object; the file was altered")
+    return saved
 
 
 def _check_resumable(meta: dict, trainer: Any, version: Path) -> None:
@@ -176,17 +247,18 @@ def _digest(path: Path) -> dict:
     return {"bytes": size, "sha256": sha.hexdigest()}
 
 
-def _damage(version: Path) -> list[str] | None:
-    """What differs from the commit record (same list on every rank); None if it has no checksums."""
+def _damage(version: Path) -> list[str]:
+    """What differs from the commit record (same list on every rank)."""
     try:
         recorded = json.loads((version / COMMIT_MARKER).read_text()).get("files")
-    except ValueError:
-        return [f"its {COMMIT_MARKER} record is not valid JSON"]
-    if recorded is None:
-        return None
+    except (ValueError, AttributeError):
+        return [f"its {COMMIT_MARKER} record is not a JSON object"]
+    if not isinstance(recorded, dict):
+        return [f"its {COMMIT_MARKER} record lists no file checksums"]
     present = [name for name in sorted(recorded) if (version / name).is_file()]
     found = _file_digests(version, present)
-    problems = []
+    problems = [f"{name} is not in its {COMMIT_MARKER} record" for name in (META, NON_TENSORS)
+                if name not in recorded]
     for name, expected in sorted(recorded.items()):
         actual = found.get(name)
         if actual is None:
@@ -213,40 +285,39 @@ def _earlier_intact(version: Path) -> str:
                         if p != version and (p / COMMIT_MARKER).is_file()),
                        key=lambda p: (p / COMMIT_MARKER).stat().st_mtime, reverse=True)
     for earlier in committed:
-        problems = _damage(earlier)
-        if problems is None:
-            return (f"the earlier checkpoint {earlier} predates checksums and cannot be verified; "
-                    "load that path to try it")
-        if not problems:
+        if _format(earlier) == FORMAT and not _damage(earlier):
             return f"the earlier checkpoint {earlier} is intact: load that path instead"
     return f"no earlier committed checkpoint under {version.parent} is intact"
 
 
 # ---- fit: the checkpoint's tensors against the model's, before DCP reads them -----------------------
-def _refuse_misfit(state: dict[str, dict], metadata: Any, version: Path) -> None:
-    """Compare global shapes and names with the checkpoint's metadata; one line on every rank.
+def _refuse_misfit(tensors: dict[str, dict], others: dict[str, Any], metadata: Any,
+                   saved_others: dict[str, Any], version: Path) -> None:
+    """Compare names and global shapes with the checkpoint's (tensors with DCP's metadata, other
+    values with its JSON); one line on every rank.
 
-    Each rank checks the tensors it holds; the model names of all ranks together (pipeline stages
-    hold only theirs) decide which checkpoint tensors this model lacks."""
+    Each rank checks what it holds; the model names of all ranks together (pipeline stages hold
+    only theirs) decide which checkpoint entries this model lacks."""
     saved = metadata.state_dict_metadata
     mismatched, missing = [], []
-    local = [("model", key, value) for key, value in state["model"].items()]
-    local += [("optim", key, value) for key, value in state["optim"].items()]
-    for prefix, key, value in local:
-        entry = saved.get(f"{prefix}.{key}")
-        shown = key if prefix == "model" else f"optimizer {key}"
-        if entry is None:
+    local = [(f"{part}.{key}", value) for part, values in tensors.items() for key, value in values.items()]
+    for name, value in local + list(others.items()):
+        tensor = isinstance(value, torch.Tensor)
+        shown = name[len("model."):] if name.startswith("model.") else f"optimizer {name[len('optim.'):]}"
+        if name not in (saved if tensor else saved_others):
             missing.append(shown)
-        elif isinstance(value, torch.Tensor) and hasattr(entry, "size") and \
-                list(entry.size) != list(value.shape):
-            mismatched.append(f"{shown} is {list(entry.size)} in the checkpoint but "
+        elif tensor and list(saved[name].size) != list(value.shape):
+            mismatched.append(f"{shown} is {list(saved[name].size)} in the checkpoint but "
                               f"{list(value.shape)} here")
-    gathered = _gathered((mismatched, missing, list(state["model"])))
+    model_keys = list(tensors["model"]) + [name[len("model."):] for name in others
+                                           if name.startswith("model.")]
+    gathered = _gathered((mismatched, missing, model_keys))
     mismatched = sorted(_unique(m for rank in gathered for m in rank[0]),
                         key=lambda reason: reason.startswith("optimizer "))  # parameters first
     missing = _unique(m for rank in gathered for m in rank[1])
     ours = {f"model.{key}" for rank in gathered for key in rank[2]}
-    unexpected = [key[len("model."):] for key in saved if key.startswith("model.") and key not in ours]
+    unexpected = [key[len("model."):] for key in (*saved, *saved_others)
+                  if key.startswith("model.") and key not in ours]
     reasons = (mismatched + [f"{key} is not in the checkpoint" for key in missing]
                + [f"the checkpoint has {key}, which this model lacks" for key in unexpected])
     if not reasons:
@@ -283,15 +354,16 @@ def relayout(pm: Any, layout: Any, *, trainer: Any = None,
              scratch_dir: str | os.PathLike | None = None) -> Any:
     """Move a live model to another layout without restarting engines: save through DCP, rebuild,
     parallelize with `layout`, load (DCP reshards). Returns the new ParallelModel and re-points
-    `trainer` at it. `scratch_dir` must be visible to every rank (default: the system temp dir,
-    fine while all engines share a host)."""
+    `trainer` at it. `scratch_dir` is where the checkpoint is staged, a folder every rank can read
+    (default: the system temp dir, which only serves while all ranks run on one host; on several
+    hosts it is required)."""
     from colab_par.layout import Layout
     from colab_par.parallel import parallelize
 
     new_layout = Layout.parse(layout)
     factory = model_factory or _default_factory(pm)
     new_layout.validate(_world(), getattr(factory, "config", None))
-    base = Path(scratch_dir) if scratch_dir is not None else Path(tempfile.gettempdir())
+    base = _staging_base(scratch_dir)
     scratch = base / f"colab_par-relayout-{shared_random_id():016x}"
     try:
         save(pm, scratch, trainer=trainer, keep=1)
@@ -306,6 +378,27 @@ def relayout(pm: Any, layout: Any, *, trainer: Any = None,
     if trainer is not None:
         trainer.pm = new_pm
     return new_pm
+
+
+def _staging_base(scratch_dir: str | os.PathLike | None) -> Path:
+    """`scratch_dir`, or the system temp dir while every rank reports the same host (each host has
+    its own temp dir, which the other hosts' ranks cannot read). Same answer on every rank."""
+    if scratch_dir is not None:
+        return Path(scratch_dir)
+    hosts = _gathered(socket.gethostname())
+    if len(set(hosts)) > 1:
+        raise CheckpointError(_local_staging_refusal(hosts))
+    return Path(tempfile.gettempdir())
+
+
+def _local_staging_refusal(hosts: list[str]) -> str:
+    """Why relayout will not stage in a local temp dir for ranks on `hosts` (rank i on hosts[i])."""
+    where = "; ".join(f"{host}: rank(s) {', '.join(str(r) for r, h in enumerate(hosts) if h == host)}"
+                      for host in _unique(hosts))
+    return (f"relayout stages a checkpoint that every rank reads, and the ranks run on "
+            f"{len(set(hosts))} hosts ({where}), each with its own {tempfile.gettempdir()}; pass "
+            "scratch_dir= a folder on a file system all hosts share (in a notebook: %colossal "
+            "relayout LAYOUT --scratch-dir PATH)")
 
 
 def _same_optimizer(optimizer: torch.optim.Optimizer) -> Callable:
@@ -325,8 +418,10 @@ def _default_factory(pm: Any) -> Callable[[], torch.nn.Module]:
     return factory
 
 
-# ---- tensor state ----------------------------------------------------------------------------------
-def _tensor_state(pm: Any) -> dict[str, dict]:
+# ---- model and optimizer state ---------------------------------------------------------------------
+def _state(pm: Any) -> dict[str, dict]:
+    """{"model": ..., "optim": ...} with DCP-style flat names; mostly tensors, plus the optimizer's
+    hyper-parameters (`checkpoint_format.split_state` separates them)."""
     model: dict[str, Any] = {}
     for part in pm.model_parts:
         model.update(get_model_state_dict(part))
@@ -341,41 +436,20 @@ def _local_optimizer(pm: Any) -> torch.optim.Optimizer:
     return pm.optimizer.optim if isinstance(pm.optimizer, ZeroRedundancyOptimizer) else pm.optimizer
 
 
+def _expose_loaded_settings(optimizer: torch.optim.Optimizer) -> None:
+    """ZeroRedundancyOptimizer copies its own param_groups onto its inner optimizer's at every
+    step: give them the hyper-parameters just loaded into the inner one."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        for outer, inner in zip(optimizer.param_groups, optimizer.optim.param_groups):
+            outer.update({key: value for key, value in inner.items() if key != "params"})
+
+
 def _single_part(pm: Any) -> torch.nn.Module:
     parts = list(pm.model_parts)
     if len(parts) != 1:
         raise CheckpointError(f"this rank holds {len(parts)} pipeline stages under one optimizer; "
                               "checkpoints support one stage per rank (virtual_stages=1) for now")
     return parts[0]
-
-
-class MetadataOnlyReader(dcp.FileSystemReader):
-    """DCP reader whose metadata unpickler admits only DCP's metadata classes and plain values."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        rank = kwargs.get("rank")
-        with open(compat.dcp_metadata_path(self, rank), "rb") as handle:
-            metadata = _MetadataUnpickler(handle).load()
-        from torch.distributed.checkpoint.metadata import StorageMeta
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits DCP's metadata dataclasses, torch sizes/dtypes/layouts and paths; nothing callable."""
-
-    _ALLOWED = compat.DCP_METADATA_GLOBALS | {("torch", "Size"),
-                ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-                ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self._ALLOWED or module == "torch.distributed.checkpoint.metadata" or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise CheckpointError(f"DCP metadata refers to {module}.{name}, which is not checkpoint "
-                              "metadata; refusing to unpickle it")
 
 
 # ---- small state: RNG, files, ranks -----------------------------------------------------------------

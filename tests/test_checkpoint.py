@@ -1,20 +1,23 @@
 """DCP checkpoints on real engines: resume gives the uninterrupted losses, a checkpoint moves to
-another layout (and a live model re-lays itself out), commits are atomic, loading unpickles
-nothing but DCP metadata."""
+another layout (and a live model re-lays itself out), commits are atomic, optimizer settings come
+back exactly, and a load reads only tensors and JSON: a payload planted in a checkpoint never runs."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
+import shutil
+from fractions import Fraction
 
 import pytest
 import torch
 
-from colab_par.checkpoint import (COMMIT_MARKER, LATEST, CheckpointError, MetadataOnlyReader,
-                                  latest_checkpoint)
+from colab_par.checkpoint import COMMIT_MARKER, LATEST, CheckpointError, latest_checkpoint, load
+from colab_par.checkpoint_format import TensorOnlyReader
 from colab_par.cluster import EngineError
 from colab_par.layout import Layout
-from test_train import CONFIG, DATA, build_trainer
+from test_train import CONFIG, DATA, MODEL_SEED, build_trainer
 
 STEPS, SAVE_AT = 6, 3
 
@@ -125,24 +128,173 @@ def test_commits_are_atomic_and_pruned(cluster2, saved, tmp_path):
         latest_checkpoint(tmp_path / "empty")
 
 
+# ---- nothing but tensors and JSON is read ---------------------------------------------------------
 class _Boom:
-    """Unpickling this runs os.system: exactly what a checkpoint must never do."""
+    """Unpickling this runs a shell command: exactly what a checkpoint must never do."""
+
+    def __init__(self, command: str):
+        self.command = command
 
     def __reduce__(self):
-        return (os.system, ("touch boom",))
+        return (os.system, (self.command,))
+
+
+def _recommit(version) -> None:
+    """Record every file's size and SHA-256 as a commit does, so an altered version is "intact"."""
+    record = json.loads((version / COMMIT_MARKER).read_text())
+    record["files"] = {path.name: {"bytes": path.stat().st_size,
+                                   "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+                       for path in sorted(version.iterdir()) if path.name != COMMIT_MARKER}
+    (version / COMMIT_MARKER).write_text(json.dumps(record))
+
+
+def save_then_plant(layout: str, root: str, marker: str) -> None:
+    """On the engines: the kit saves a model under `layout`; then its DCP files are rewritten with
+    DCP's own writer the way format 1 stored them (the flattened optimizer state, hyper-parameters
+    included), every optimizer lr a payload that creates `marker`."""
+    import torch.distributed.checkpoint as dcp
+
+    from colab_par import checkpoint, save
+
+    pm = build_trainer(layout, STEPS).pm
+    version = save(pm, root)
+    state = checkpoint._state(pm)
+    for key in state["optim"]:
+        if key.startswith("param_groups.") and key.endswith(".lr"):
+            state["optim"][key] = _Boom(f"touch {marker}")
+    dcp.save(state, checkpoint_id=str(version))
+
+
+def load_fresh(layout: str, root: str) -> None:
+    load(build_trainer(layout, STEPS).pm, root)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the control load, one process
+@pytest.mark.parametrize("layout", ["dp2", "dp2 zero1", "dp2 zero3", "tp2", "pp2 gpipe mb2"])
+def test_a_payload_planted_in_a_checkpoint_never_runs(cluster2, tmp_path, layout):
+    root, marker = tmp_path / "root", tmp_path / "payload-ran"
+    cluster2.run(save_then_plant, layout, str(root), str(marker))
+    version = latest_checkpoint(root)
+    _recommit(version)
+    with pytest.raises(EngineError) as info:
+        cluster2.run(load_fresh, layout, str(root))
+    first = _first_line(info.value)
+    assert first.startswith(f"CheckpointError: checkpoint {version} lists optim.param_groups.")
+    assert ".lr (and " in first and "as a pickled (non-tensor) entry" in first
+    assert not marker.exists()
+    # The planted checkpoint is live: torch's default load planner runs the payload.
+    import torch.distributed.checkpoint as dcp
+
+    planted = next(key for key, entry in dcp.FileSystemReader(str(version)).read_metadata()
+                   .state_dict_metadata.items() if key.endswith(".lr"))
+    dcp.load({"optim": {planted[len("optim."):]: 0.0}}, checkpoint_id=str(version), no_dist=True)
+    assert marker.exists()
 
 
 def test_metadata_is_read_without_unpickling_arbitrary_objects(saved, tmp_path, monkeypatch):
     ckpt, _ = saved
-    metadata = MetadataOnlyReader(latest_checkpoint(ckpt)).read_metadata()
+    metadata = TensorOnlyReader(latest_checkpoint(ckpt)).read_metadata()
     assert any(key.startswith("model.") for key in metadata.state_dict_metadata)
     evil = tmp_path / "evil"
     evil.mkdir()
-    (evil / ".metadata").write_bytes(pickle.dumps(_Boom()))
     monkeypatch.chdir(tmp_path)
+    (evil / ".metadata").write_bytes(pickle.dumps(_Boom("touch boom")))
     with pytest.raises(CheckpointError, match="posix.system|os.system"):
-        MetadataOnlyReader(evil).read_metadata()
+        TensorOnlyReader(evil).read_metadata()
+    # A dotted name under an admitted module (protocol 4) must not reach os.system either.
+    module, name = b"torch.distributed.checkpoint.metadata", b"os.system"
+    dotted = (b"\x80\x04" + pickle.SHORT_BINUNICODE + bytes([len(module)]) + module
+              + pickle.SHORT_BINUNICODE + bytes([len(name)]) + name + pickle.STACK_GLOBAL
+              + pickle.SHORT_BINUNICODE + b"\x0atouch boom" + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)
+    (evil / ".metadata").write_bytes(dotted)
+    with pytest.raises(CheckpointError, match="metadata.os.system"):
+        TensorOnlyReader(evil).read_metadata()
     assert not (tmp_path / "boom").exists()
+
+
+def optimizer_with_settings(params):
+    return torch.optim.AdamW(params, lr=3e-3, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.05,
+                             amsgrad=True, foreach=False)
+
+
+def _build_with_settings(layout: str):
+    from colab_par import parallelize
+    from colab_par.data import SyntheticDataset
+    from colab_par.models.gpt import GPT, GPTConfig
+    from colab_par.train import Trainer, WarmupCosine
+
+    torch.manual_seed(MODEL_SEED)
+    pm = parallelize(GPT(GPTConfig(**CONFIG)), layout, optimizer_fn=optimizer_with_settings)
+    return Trainer(pm, SyntheticDataset(**DATA), steps=STEPS, lr_schedule=WarmupCosine(4, STEPS))
+
+
+def hyper_parameters(optimizer) -> list[list]:
+    """Each param group's settings with their types: what users see (ZeroRedundancyOptimizer's own
+    groups, copied onto its inner optimizer's at every step) and what steps (the inner ones)."""
+    groups = list(optimizer.param_groups) + list(getattr(optimizer, "optim", optimizer).param_groups)
+    return [sorted((key, type(value).__name__, value) for key, value in group.items() if key != "params")
+            for group in groups]
+
+
+def save_with_settings(layout: str, root: str) -> list[list]:
+    from colab_par import save
+
+    trainer = _build_with_settings(layout)
+    trainer.fit(stop_at=2)  # the schedule has moved lr off its base
+    save(trainer.pm, root, trainer=trainer)
+    return hyper_parameters(trainer.pm.optimizer)
+
+
+def load_with_scrambled_settings(layout: str, root: str) -> list[list]:
+    pm = _build_with_settings(layout).pm
+    for optimizer in (pm.optimizer, getattr(pm.optimizer, "optim", pm.optimizer)):
+        for group in optimizer.param_groups:
+            group.update(lr=0.5, betas=(0.1, 0.2), eps=1.0, weight_decay=0.0, foreach=None)
+    load(pm, root)
+    return hyper_parameters(pm.optimizer)
+
+
+def test_optimizer_settings_come_back_exactly(cluster2, tmp_path):
+    saved = cluster2.run(save_with_settings, "dp2 zero1", str(tmp_path))[0]
+    lr = dict((key, value) for key, _, value in saved[0])["lr"]
+    assert lr != 3e-3 and ("betas", "tuple", (0.8, 0.95)) in saved[0]
+    assert ("amsgrad", "bool", True) in saved[0] and ("foreach", "bool", False) in saved[0]
+    for layout in ("dp2 zero1", "tp2"):
+        restored = cluster2.run(load_with_scrambled_settings, layout, str(tmp_path))
+        assert restored[0] == restored[1] == saved
+
+
+def set_unsavable_lr(layout: str, root: str) -> None:
+    """Rank 1 alone holds an lr JSON cannot keep exactly: every rank must refuse, none may hang."""
+    import torch.distributed as dist
+
+    from colab_par import save
+
+    pm = build_trainer(layout, STEPS).pm
+    if dist.get_rank() == 1:
+        getattr(pm.optimizer, "optim", pm.optimizer).param_groups[0]["lr"] = Fraction(1, 1000)
+    save(pm, root)
+
+
+def test_a_setting_json_cannot_hold_is_refused_before_any_folder(cluster2, tmp_path):
+    with pytest.raises(EngineError) as info:
+        cluster2.run(set_unsavable_lr, "dp2 zero1", str(tmp_path / "root"))
+    first = _first_line(info.value)
+    assert first.startswith("CheckpointError: cannot save optim.param_groups.")
+    assert ".lr (Fraction)" in first and "never as a pickle" in first
+    assert not (tmp_path / "root").exists()
+
+
+def test_a_format_1_checkpoint_is_refused_with_the_reason(saved, tmp_path):
+    ckpt, _ = saved
+    old = tmp_path / "old"
+    shutil.copytree(latest_checkpoint(ckpt), old)
+    meta = json.loads((old / "meta.json").read_text())
+    (old / "meta.json").write_text(json.dumps({**meta, "format": 1}))
+    _recommit(old)
+    with pytest.raises(CheckpointError, match="has format 1 .*stores optimizer settings as pickles; "
+                                              "this colab_par reads format 2 only"):
+        load(None, old)
 
 
 # ---- errors a user can act on ----------------------------------------------------------------------
@@ -193,15 +345,16 @@ def test_corrupt_newest_without_an_intact_earlier_one_says_so(cluster2, tmp_path
     assert f"no earlier committed checkpoint under {tmp_path / 'root'} is intact" in first
 
 
-def test_checkpoint_without_checksums_still_loads(cluster2, saved, tmp_path):
-    """Versions committed before checksums were recorded load as before (unverified)."""
-    _, uninterrupted = saved
-    root = tmp_path / "old"
-    cluster2.run(train_and_save, "dp2 zero3", str(root))
-    marker = latest_checkpoint(root) / COMMIT_MARKER
-    marker.write_text(json.dumps({"step": SAVE_AT}))  # the commit record of an older colab_par
-    result = cluster2.run(resume, "dp2 zero3", str(root))[0]
-    assert result["losses"] == pytest.approx(uninterrupted[SAVE_AT:], rel=1e-6)
+def test_a_commit_record_without_checksums_is_refused(cluster2, saved, tmp_path):
+    """Every format-2 commit records its checksums: a record without them was altered."""
+    ckpt, _ = saved
+    version = tmp_path / "unverified"
+    shutil.copytree(latest_checkpoint(ckpt), version)
+    (version / COMMIT_MARKER).write_text(json.dumps({"step": SAVE_AT}))
+    with pytest.raises(EngineError) as info:
+        cluster2.run(resume, "dp2 zero3", str(version))
+    assert f"checkpoint {version} is damaged: its COMMITTED record lists no file checksums" in \
+        _first_line(info.value)
 
 
 def load_into_other_model(ckpt_dir: str, sizes: dict) -> None:
