@@ -209,8 +209,10 @@ class _ScriptWriter:
             self.blocks.append(f"restart(seed={self.seed!r})  # {text.strip()}")
             self.engine_names = set()
         elif args.command == "relayout":
+            scratch = "" if args.scratch_dir is None else f", scratch_dir={args.scratch_dir!r}"
             self.blocks.append(
-                f"{args.model} = relayout({args.model}, {args.layout!r}, trainer=globals().get({args.trainer!r}))"
+                f"{args.model} = relayout({args.model}, {args.layout!r}, trainer=globals().get({args.trainer!r})"
+                f"{scratch})"
                 f"  # {text.strip()}\n"
                 f"if rank == 0:\n    print(f\"colab_par: {args.model} now runs as {{{args.model}.layout}}\")")
 

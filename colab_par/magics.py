@@ -53,9 +53,10 @@ def parse_ranks(text: str, world: int) -> list[int]:
         raise UsageError(str(error)) from None
 
 
-def relayout_engine_variable(model: str, layout: str, trainer: str) -> str:
+def relayout_engine_variable(model: str, layout: str, trainer: str, scratch_dir: str | None = None) -> str:
     """On each engine: replace the ParallelModel in variable `model` by the same model re-laid out
-    as `layout` (`colab_par.checkpoint.relayout`), re-pointing the Trainer in `trainer` if any."""
+    as `layout` (`colab_par.checkpoint.relayout`, staging in `scratch_dir`), re-pointing the Trainer
+    in `trainer` if any."""
     from IPython import get_ipython
 
     from colab_par.checkpoint import relayout
@@ -64,7 +65,7 @@ def relayout_engine_variable(model: str, layout: str, trainer: str) -> str:
     if model not in user_ns:
         raise NameError(f"no engine variable {model!r}: name the one holding your ParallelModel "
                         "with --model NAME")
-    user_ns[model] = relayout(user_ns[model], layout, trainer=user_ns.get(trainer))
+    user_ns[model] = relayout(user_ns[model], layout, trainer=user_ns.get(trainer), scratch_dir=scratch_dir)
     return str(user_ns[model].layout)
 
 
@@ -97,6 +98,9 @@ def line_parser() -> _Parser:
     relayout.add_argument("--model", default="pm", help="engine variable holding the ParallelModel")
     relayout.add_argument("--trainer", default="trainer",
                           help="engine variable holding its Trainer, re-pointed if it exists")
+    relayout.add_argument("--scratch-dir", default=None,
+                          help="folder every engine can read to stage the move in (required when "
+                               "the engines span several hosts; default: the system temp dir)")
     return parser
 
 
@@ -178,7 +182,8 @@ class ColossalMagics(Magics):
             from colab_par.layout import Layout
 
             layout = Layout.parse(args.layout).validate(cluster.n)
-            now = cluster.run(relayout_engine_variable, args.model, str(layout), args.trainer)[0]
+            now = cluster.run(relayout_engine_variable, args.model, str(layout), args.trainer,
+                              args.scratch_dir)[0]
             print(f"colab_par: {args.model} now runs as {now}")
 
     # ---- cell magic -----------------------------------------------------------------------------

@@ -73,12 +73,14 @@ def test_what_only_a_notebook_runs_is_named_by_cell_and_line(tmp_path) -> None:
 def test_slurm_export_writes_an_sbatch_file_for_torchrun(tmp_path, capsys) -> None:
     path = tmp_path / "two.ipynb"
     nbformat.write(notebook_of("%load_ext colab_par\n%colossal start -n 4 --seed 7",
-                               "%%colossal --targets 0\nprint(rank)", "%colossal restart"), str(path))
+                               "%%colossal --targets 0\nprint(rank)", "%colossal restart",
+                               "%colossal relayout tp2 --scratch-dir /shared/run1"), str(path))
     script = tmp_path / "train.py"
     assert main(["export", str(path), "-o", str(script), "--slurm", "--nodes", "2", "--gpus-per-node", "4",
                  "--partition", "gpu", "--account", "proj", "--time", "02:00:00"]) == 0
     text = script.read_text()
     assert "join_world(seed=7)" in text and "restart(seed=7)" in text
+    assert "pm = relayout(pm, 'tp2', trainer=globals().get('trainer'), scratch_dir='/shared/run1')" in text
     assert "with engine_cell('0', all_output=False) as runs:\n    if runs:\n        print(rank)" in text
     assert "--nproc-per-node 4" in text
     sbatch = (tmp_path / "train.sbatch").read_text()

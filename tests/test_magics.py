@@ -123,7 +123,7 @@ def test_status_line_magic(on_cluster, capsys):
     assert out.count("yes") == 2 and "cpu" in out
 
 
-def test_relayout_line_magic_moves_the_engine_model_keeping_its_weights(on_cluster, capsys):
+def test_relayout_line_magic_moves_the_engine_model_keeping_its_weights(on_cluster, capsys, tmp_path):
     on_cluster.run_cell_magic("colossal", "", "import torch\nfrom colab_par import parallelize\n"
                               "from colab_par.models.gpt import GPT, GPTConfig\ntorch.manual_seed(0)\n"
                               "pm = parallelize(GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, "
@@ -138,3 +138,7 @@ def test_relayout_line_magic_moves_the_engine_model_keeping_its_weights(on_clust
     assert "layout tp2 tp 2 same True" in out and "[rank 1] layout tp2 tp 2 same True" in out
     with pytest.raises(EngineError, match="no engine variable 'missing'.*--model NAME"):
         on_cluster.run_line_magic("colossal", 'relayout "tp2" --model missing')
+    scratch = tmp_path / "shared"  # made by the move staged in it, left empty after it
+    on_cluster.run_line_magic("colossal", f'relayout "dp2" --scratch-dir {scratch}')
+    assert "colab_par: pm now runs as dp2" in capsys.readouterr().out
+    assert scratch.is_dir() and list(scratch.iterdir()) == []

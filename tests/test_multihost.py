@@ -43,11 +43,17 @@ def where_am_i() -> dict:
             "gloo_interface": os.environ.get("GLOO_SOCKET_IFNAME"), "threads": torch.get_num_threads()}
 
 
-def test_one_engine_per_host_trains_dp2_and_tp2_like_one_process(hosts) -> None:
+@pytest.fixture(scope="module")
+def one_engine_per_host(hosts):
     with Cluster(launcher=SSH({A: 1, B: 1}, ssh_args=hosts.ssh_args), dashboard=False, timeout=60) as cluster:
-        assert [row["host"] for row in cluster.run(where_am_i)] == list(HOSTS)
-        for layout in ("dp2", "tp2"):
-            assert_parity(cluster.run(engine_run, layout, "gpt", 2), reference_run("gpt", 2))
+        yield cluster
+
+
+def test_one_engine_per_host_trains_dp2_and_tp2_like_one_process(one_engine_per_host) -> None:
+    cluster = one_engine_per_host
+    assert [row["host"] for row in cluster.run(where_am_i)] == list(HOSTS)
+    for layout in ("dp2", "tp2"):
+        assert_parity(cluster.run(engine_run, layout, "gpt", 2), reference_run("gpt", 2))
 
 
 def test_two_engines_per_host_rank_bind_and_meet_at_rank_0s_address(hosts) -> None:
@@ -76,3 +82,37 @@ def test_two_engines_per_host_rank_bind_and_meet_at_rank_0s_address(hosts) -> No
             cluster.execute("import time, torch.distributed as dist\nif rank == 3:\n    time.sleep(60)\n"
                             "dist.barrier()")
         assert time.monotonic() - started < 15.0
+
+
+def relayout_across_hosts(shared: str) -> dict:
+    """dp2 -> tp2 on ranks that run on two hosts: refused without a shared folder (each host has its
+    own temp dir), then done through `shared`."""
+    import torch
+
+    from colab_par import parallelize
+    from colab_par.checkpoint import CheckpointError, relayout
+    from colab_par.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    pm = parallelize(GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=16,
+                                   kernels="torch")), "dp2")
+    before = pm.full_state_dict()
+    try:
+        relayout(pm, "tp2")
+        refused = None
+    except CheckpointError as error:
+        refused = str(error)
+    moved = relayout(pm, "tp2", scratch_dir=shared)
+    after = moved.full_state_dict()
+    return {"refused": refused, "layout": str(moved.layout), "left": sorted(os.listdir(shared)),
+            "same": sorted(after) == sorted(before) and all(torch.equal(before[k], after[k]) for k in before)}
+
+
+def test_relayout_across_hosts_needs_a_shared_folder(one_engine_per_host, tmp_path) -> None:
+    results = one_engine_per_host.run(relayout_across_hosts, str(tmp_path))
+    assert results[0] == results[1]
+    refused = results[0]["refused"]
+    assert refused is not None
+    assert "the ranks run on 2 hosts (colabpar-a: rank(s) 0; colabpar-b: rank(s) 1)" in refused
+    assert "pass scratch_dir=" in refused and "--scratch-dir PATH" in refused
+    assert results[0]["layout"] == "tp2" and results[0]["same"] and results[0]["left"] == []
