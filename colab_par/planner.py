@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from colab_par.devices import (CPU_PROCESS_BYTES, CPU_WRAPPER_COST, DEVICES, GiB, DeviceSpec, cpu_compute_costs,
-                               cpu_device, get_device, measure_cpu_device)
+from colab_par.devices import (CPU_PROCESS_BYTES, CPU_WRAPPER_COST, DEVICES, GiB, DeviceSpec,
+                               cpu_compute_costs, cpu_device, get_device, measure_cpu_device)
 from colab_par.flops import ModelSpec, flops_per_token
 from colab_par.layout import CP_MODES, TP_MODES, Choices, Layout, LayoutError, valid_layouts
 from colab_par.module_spec import ModuleSpec
