@@ -310,7 +310,8 @@ def test_module_reset_finds_public_and_torchs_private_resets():
 def test_triton_interpreted_follows_the_environment_at_import(interpret: str):
     import os
 
-    code = "import triton.language as tl\nfrom colab_par import compat\nprint(compat.triton_interpreted(tl.sum))"
+    code = ("import triton.language as tl\nfrom colab_par import compat\n"
+            "print(compat.triton_interpreted(tl.sum))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "TRITON_INTERPRET": interpret})
     assert done.returncode == 0, done.stderr
@@ -329,8 +330,8 @@ ALLOWED = {
         "replaces parameters in place while distributing them; tensor-parallel room",
     ("colab_par/parallel/tensor_parallel.py", "_modules"):
         "swaps submodules while distributing them; tensor-parallel room",
-    ("colab_par/parallel/batch.py", "torch.utils._pytree"): "moving behind compat (issue 23, batch work)",
-    ("colab_par/parallel/pipeline.py", "torch.utils._pytree"): "moving behind compat (issue 23, pipeline work)",
+    ("colab_par/parallel/batch.py", "torch.utils._pytree"): "moving behind compat (issue 23, batch)",
+    ("colab_par/parallel/pipeline.py", "torch.utils._pytree"): "moving behind compat (issue 23, pipeline)",
 }
 
 
@@ -356,7 +357,8 @@ def _foreign_private_attributes() -> frozenset[str]:
                FSDPModule, PipelineStage, ParallelStyle, torch.autograd.Function,
                transformers.PreTrainedModel, transformers.PretrainedConfig(), ipyparallel.AsyncResult,
                ipyparallel.Client, ipyparallel.DirectView]
-    objects += [cls for _, cls in inspect.getmembers(torch.nn, inspect.isclass) if issubclass(cls, torch.nn.Module)]
+    objects += [cls for _, cls in inspect.getmembers(torch.nn, inspect.isclass)
+                if issubclass(cls, torch.nn.Module)]
     names = {name for obj in objects for name in dir(obj)}
     for node in ast.walk(ast.parse(Path(compat.__file__).read_text(encoding="utf-8"))):
         if isinstance(node, ast.Attribute):
@@ -429,6 +431,7 @@ def test_the_private_api_scan_finds_each_kind_of_use(tmp_path):
         path.write_text("import torch\n" + code + "\n")
         assert name in [found for _, found in _private_uses(path, private_names)], code
     clean = tmp_path / "clean.py"
-    clean.write_text("class A:\n    def f(self):\n        self._parameters = {}\n        return self._schema\n"
-                     "from torch.utils.flop_counter import FlopCounterMode\nx = torch.ops.aten.add.default\n")
+    clean.write_text("class A:\n    def f(self):\n        self._parameters = {}\n"
+                     "        return self._schema\nfrom torch.utils.flop_counter import FlopCounterMode\n"
+                     "x = torch.ops.aten.add.default\n")
     assert _private_uses(clean, private_names) == []

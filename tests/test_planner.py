@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from colab_par.devices import device_for_product
 from colab_par.layout import (CHECKPOINTING, CP_MODES, FIELDS, PP_SCHEDULES, PRECISIONS, TP_MODES,
                               ZERO_LEVELS, Layout, LayoutError, default_microbatches)
 from colab_par.models.gpt import GPT, GPTConfig
@@ -208,6 +209,47 @@ def test_device_catalogue_and_errors() -> None:
     assert not DEVICES["T4"].bf16 and DEVICES["A100-40GB"].bf16
     with pytest.raises(ValueError, match="unknown device 'tpu'; choose one of H100-80GB"):
         get_device("tpu")
+
+
+# torch.cuda.get_device_name() of real cards (as they appear in nvidia-smi output and bug reports),
+# the catalogue entry each must find, and its dense BF16 peak: the datasheet's "with sparsity"
+# figure halved, or its dense figure where it lists one (A100, L40S). None: bf16 not supported.
+REAL_PRODUCTS = {
+    "NVIDIA H100 80GB HBM3": ("H100-80GB", 1979e12 / 2), "NVIDIA H100 PCIe": ("H100-PCIe", 1513e12 / 2),
+    "NVIDIA H100 NVL": ("H100-NVL", 1671e12 / 2), "NVIDIA H200": ("H200", 1979e12 / 2),
+    "NVIDIA H200 NVL": ("H200-NVL", 1671e12 / 2),
+    "NVIDIA A100-SXM4-40GB": ("A100-40GB", 312e12), "NVIDIA A100-SXM4-80GB": ("A100-80GB", 312e12),
+    "NVIDIA A100-PCIE-40GB": ("A100-PCIe-40GB", 312e12),
+    "NVIDIA A100 80GB PCIe": ("A100-PCIe-80GB", 312e12),
+    "NVIDIA L4": ("L4", 242e12 / 2), "NVIDIA L40S": ("L40S", 362.05e12), "Tesla T4": ("T4", None),
+}
+# Names that share a fragment with a catalogue entry but are other products (or a slice of one):
+# each must be unknown, so MFU is left out instead of computed against the wrong peak.
+CONFUSABLE = ["NVIDIA L40", "NVIDIA A10", "NVIDIA A10G", "NVIDIA A100-SXM4-40GB MIG 1g.5gb",
+              "NVIDIA H100", "NVIDIA H800", "NVIDIA A800-SXM4-80GB", "NVIDIA GH200 480GB", "NVIDIA H20",
+              "Tesla V100-SXM2-16GB", "NVIDIA GeForce RTX 4090", "NVIDIA RTX A6000", "NVIDIA L4 (virtual)"]
+
+
+@pytest.mark.parametrize("product", REAL_PRODUCTS)
+def test_a_gpu_is_found_by_its_exact_product_name(product: str) -> None:
+    entry, bf16 = REAL_PRODUCTS[product]
+    device = device_for_product(product)
+    assert device is DEVICES[entry] and get_device(product) is device
+    assert device.peak_flops.get("bf16") == (pytest.approx(bf16) if bf16 else None)
+    assert device_for_product(f" {product}\n") is device  # surrounding whitespace only
+
+
+@pytest.mark.parametrize("product", CONFUSABLE)
+def test_a_confusable_or_unknown_gpu_is_unknown(product: str) -> None:
+    assert device_for_product(product) is None
+
+
+def test_confusable_pairs_get_their_own_peaks() -> None:
+    """The substring matches the old lookup made: L4 inside L40S, an SXM H100 for a PCIe one."""
+    l4, l40s = device_for_product("NVIDIA L4"), device_for_product("NVIDIA L40S")
+    assert l40s.peak_flops["bf16"] > 2.5 * l4.peak_flops["bf16"] and l40s.memory == 2 * l4.memory
+    pcie, sxm = device_for_product("NVIDIA H100 PCIe"), device_for_product("NVIDIA H100 80GB HBM3")
+    assert pcie.peak_flops["bf16"] < 0.8 * sxm.peak_flops["bf16"] and pcie.hbm_bandwidth < sxm.hbm_bandwidth
 
 
 def test_measured_cpu_device_is_cached_and_shared_between_engines() -> None:
