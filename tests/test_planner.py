@@ -2,13 +2,19 @@
 pipeline timeline simulation, real parameter counts; and the invariants plan() must keep."""
 from __future__ import annotations
 
+import datetime
 import itertools
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from colab_par.devices import device_for_product
+from colab_par.devices import (CPU_COSTS_FILE, CPU_PROCESS_BYTES, CPU_WRAPPER_COST, GiB, cpu_device,
+                               device_for_product, load_cpu_costs)
 from colab_par.layout import (CHECKPOINTING, CP_MODES, FIELDS, PP_SCHEDULES, PRECISIONS, TP_MODES,
                               ZERO_LEVELS, Layout, LayoutError, default_microbatches)
 from colab_par.models.gpt import GPT, GPTConfig
@@ -257,6 +263,43 @@ def test_measured_cpu_device_is_cached_and_shared_between_engines() -> None:
     assert measure_cpu_device(1) is one
     assert one.peak_flops["fp32"] > 1e8 and not one.bf16
     assert four.peak_flops["fp32"] < one.peak_flops["fp32"] and four.memory < one.memory
+
+
+# ---- CPU costs measured with a process group (benchmarks/cpu_costs.py) -------------------------------
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_the_planners_cpu_costs_are_the_measured_files() -> None:
+    shipped = json.loads(CPU_COSTS_FILE.read_text())
+    assert shipped["script"] == "python benchmarks/cpu_costs.py"
+    assert shipped["machine"] and shipped["measured"]
+    assert CPU_WRAPPER_COST == shipped["wrapper_cost"] and CPU_PROCESS_BYTES == shipped["process_bytes"]
+    cpu = cpu_device(4, cores=2, peak_flops=1e10, efficiency=0.5, layer_overhead=1e-3, bandwidth=1e9,
+                     latency=1e-5)
+    per_pass = 1e-3 / 0.5  # two engines per core: each pass takes twice as long
+    expected = {k: v * per_pass for k, v in shipped["wrapper_cost"].items()}
+    assert cpu.wrapper_overhead == pytest.approx(expected)
+    assert cpu.process_memory == shipped["process_bytes"]
+    tp = estimate(SMALL, "tp2", device=cpu, global_batch=4, seq_len=64)
+    dp = estimate(SMALL, "dp2", device=cpu, global_batch=4, seq_len=64)
+    assert tp.memory.baseline == dp.memory.baseline == shipped["process_bytes"]
+
+
+@pytest.mark.slow
+def test_the_cpu_costs_benchmark_regenerates_the_file(tmp_path) -> None:
+    import torch
+
+    out = tmp_path / "cpu_costs.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "cpu_costs.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(out.read_text()).keys() == json.loads(CPU_COSTS_FILE.read_text()).keys()
+    fresh = load_cpu_costs(out)
+    assert fresh.wrapper_cost.keys() == CPU_WRAPPER_COST.keys() == {"tp", "fsdp", "cp"}
+    assert all(cost > 0 for cost in fresh.wrapper_cost.values()), fresh.wrapper_cost
+    assert 64 * 2 ** 20 < fresh.process_bytes < 4 * GiB
+    assert fresh.measured == datetime.date.today().isoformat() and fresh.torch == torch.__version__
+    assert fresh.engines == 2
 
 
 # ---- estimate and plan -------------------------------------------------------------------------------
