@@ -266,12 +266,17 @@ def module_reset(module: Any) -> Callable[[], None] | None:
 
 
 # ---- triton --------------------------------------------------------------------------------------------
-def triton_interpreted(function: Any) -> bool:
-    """Whether a triton function was built for the interpreter (`TRITON_INTERPRET=1` when triton
-    was imported) rather than for compilation (`triton.runtime.interpreter.InterpretedFunction`,
-    internal to triton)."""
+@cache
+def _interpreted_function() -> type:
     try:
         from triton.runtime.interpreter import InterpretedFunction
     except ImportError:
         raise _missing("triton", "triton.runtime.interpreter.InterpretedFunction") from None
-    return isinstance(function, InterpretedFunction)
+    return InterpretedFunction
+
+
+def triton_interpreted(function: Any) -> bool:
+    """Whether a triton function was built for the interpreter (`TRITON_INTERPRET=1` when triton
+    was imported) rather than for compilation (`triton.runtime.interpreter.InterpretedFunction`,
+    internal to triton)."""
+    return isinstance(function, _interpreted_function())
