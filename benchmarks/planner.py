@@ -19,6 +19,8 @@ import argparse
 import statistics
 from typing import Any
 
+from cpu_costs import engine_costs  # run as a script: benchmarks/ is on the path
+
 LAYOUTS = ["dp4", "dp4 zero1", "dp4 zero2", "dp4 zero3", "dp4 zero3 offload", "dp4 ac-full",
            "dp2 tp2 sp", "dp2 tp2 zero2 sp", "tp4 sp", "pp4 1f1b mb4", "dp2 pp2 1f1b mb2", "cp4",
            "dp2 cp2 ulysses"]
@@ -143,79 +145,6 @@ def memory_and_cleanup() -> dict[str, dict[str, int]]:
     models.clear()
     gc.collect()
     return reports
-
-
-def engine_costs(reps: int = 20) -> dict[str, float]:
-    """On every engine at once: compute costs, gloo latency per ring hop and bus bandwidth."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    from colab_par.planner import cpu_compute_costs
-
-    costs = cpu_compute_costs()
-    n = dist.get_world_size()
-    small, big = torch.zeros(2), torch.zeros(2 ** 20)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(reps):
-        dist.all_reduce(small)
-    latency = (time.perf_counter() - start) / reps / (2 * (n - 1))  # per hop of the ring
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(3):
-        dist.all_reduce(big)
-    seconds = (time.perf_counter() - start) / 3
-    bandwidth = 2 * (n - 1) / n * big.numel() * 4 / max(seconds - 2 * (n - 1) * latency, 1e-9)
-    overheads = _wrapper_overheads(n, latency)
-    return dict(costs, latency=latency, bandwidth=bandwidth,
-                **{f"wrapper_{k}": v for k, v in overheads.items()})
-
-
-# layout of each wrapper over n engines, and the collective hops one forward + backward takes on
-# a GPT of L layers (besides the loss all-reduce every layout shares)
-_WRAPPERS = {
-    "tp": ("tp{n} sp", lambda n, L: (4 * L + 2) * 2 * (n - 1)),
-    "fsdp": ("dp{n} zero3", lambda n, L: 3 * (L + 1) * (n - 1)),
-    "cp": ("cp{n}", lambda n, L: 3 * L * (n - 1)),
-}
-
-
-def _wrapper_overheads(n: int, hop_latency: float, n_layer: int = 4) -> dict[str, float]:
-    """Extra host seconds per layer pass of each wrapper, from a GPT so small that only host costs
-    remain: forward + backward under `parallelize`, minus the plain model on the same local work,
-    minus the wrapper's collective hops, per layer."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    from colab_par import parallelize
-    from colab_par.models.gpt import GPT, GPTConfig
-
-    config = GPTConfig(vocab_size=8 * n, seq_len=8 * n, n_layer=n_layer, n_head=n, d_model=8 * n,
-                       ffn_hidden=8 * n, kernels="torch")
-    tokens = torch.zeros(n, config.seq_len, dtype=torch.long)
-
-    def seconds(step, reps: int = 10) -> float:
-        step()
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(reps):
-            step()
-        dist.barrier()
-        return (time.perf_counter() - start) / reps
-
-    plain_model = GPT(config)
-    plain = seconds(lambda: plain_model.loss_fn(plain_model(tokens[:1]), tokens[:1]).backward())
-    overheads = {}
-    for name, (layout, hops) in _WRAPPERS.items():
-        pm = parallelize(GPT(config), layout.format(n=n))
-        wrapped = seconds(lambda: pm.forward_backward(tokens, tokens))
-        exposed = (hops(n, n_layer) + 2 * (n - 1)) * hop_latency
-        overheads[name] = max(0.0, (wrapped - plain - exposed) / n_layer)
-    return overheads
 
 
 def calibrated_device(cluster: Any, engines: int) -> Any:

@@ -135,17 +135,17 @@ def engines_and_device(kind: str) -> tuple[int, Any, str]:
     machine, else 2 CPU engines (gloo)."""
     import torch
 
-    from colab_par.planner import DEVICES, get_device, measure_cpu_device
+    from colab_par.devices import PRODUCTS, device_for_product, measure_cpu_device
 
     if kind == "cpu":
         return 2, measure_cpu_device(2), "gloo"
     if not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
     gpu = torch.cuda.get_device_name(0)
-    name = next((known for known in DEVICES if known.lower() in gpu.lower()), None)
-    if name is None:
-        raise SystemExit(f"{gpu} is not in the planner's catalogue ({', '.join(DEVICES)})")
-    return torch.cuda.device_count(), get_device(name), "nccl"
+    device = device_for_product(gpu)
+    if device is None:
+        raise SystemExit(f"{gpu} is not in the planner's catalogue ({', '.join(PRODUCTS)})")
+    return torch.cuda.device_count(), device, "nccl"
 
 
 def _free_per_engine(kind: str, engines: int, headroom: float) -> float:

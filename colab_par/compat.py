@@ -3,11 +3,14 @@
 These APIs can change in any release without a deprecation. Keeping them here means a version
 drift fails with one `CompatError` naming the supported range, instead of an AttributeError deep
 inside a training step, and one test per entry (tests/test_compat.py) checks the installed
-versions. Everything else in the kit uses public APIs only. Imports are lazy: transformers stays
+versions. Everything else in the kit uses public APIs only: tests/test_compat.py scans the package
+for private torch, transformers, triton and ipyparallel names outside this file (the exceptions it
+still allows are listed there, each with its reason). Imports are lazy: transformers stays
 optional, and the notebook client never pays for engine-side modules.
 """
 from __future__ import annotations
 
+import importlib
 import os
 from functools import cache
 from importlib.metadata import PackageNotFoundError, version
@@ -15,10 +18,13 @@ from typing import Any, Callable
 
 __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_path", "flatten_mesh",
            "STAGE_COMPUTE_HOOKS", "check_stage_compute_hooks", "create_causal_mask", "hf_tp_plan",
-           "ipp_engine_kernel_class", "ENGINE_MAIN_CODE", "ENGINE_MAIN_FILE", "task_futures", "checkpoint_wrapper", "sdpa_aten_ops"]
+           "ipp_engine_kernel_class", "ENGINE_MAIN_CODE", "ENGINE_MAIN_FILE", "task_futures",
+           "checkpoint_wrapper", "sdpa_aten_ops",
+           "torch_dispatch_mode", "tree_map", "tree_leaves", "device_constructors", "op_schema",
+           "storage_key", "module_reset", "triton_interpreted"]
 
 SUPPORTED = {"torch": "torch>=2.6,<3", "ipyparallel": "ipyparallel>=9",
-             "transformers": "transformers>=5.9"}
+             "transformers": "transformers>=5.9", "triton": "triton>=3.0"}
 """The ranges pyproject.toml declares; a missing private API names the one it belongs to."""
 
 _TRANSFORMERS_MIN = (5, 9)  # first release whose create_causal_mask takes no cache_position
@@ -193,3 +199,84 @@ def sdpa_aten_ops() -> list[Any]:
     if not found:
         raise _missing("torch", "aten::_scaled_dot_product_* attention kernels")
     return found
+
+
+# ---- dispatch modes, pytrees and aten op metadata ---------------------------------------------------
+@cache
+def _torch_private(module: str) -> Any:
+    """A private torch module, imported once; a missing one names the supported range."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise _missing("torch", module) from None
+
+
+def torch_dispatch_mode() -> type:
+    """The base class of a `__torch_dispatch__` mode (`TorchDispatchMode`, described in torch's
+    "Extending PyTorch" notes but living in the private `torch.utils._python_dispatch`)."""
+    mode = getattr(_torch_private("torch.utils._python_dispatch"), "TorchDispatchMode", None)
+    if mode is None:
+        raise _missing("torch", "torch.utils._python_dispatch.TorchDispatchMode")
+    return mode
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """`fn` applied to every leaf of nested tuples / lists / dicts (`torch.utils._pytree.tree_map`,
+    which knows torch's own containers too)."""
+    return _torch_private("torch.utils._pytree").tree_map(fn, tree)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of nested tuples / lists / dicts (`torch.utils._pytree.tree_leaves`)."""
+    return _torch_private("torch.utils._pytree").tree_leaves(tree)
+
+
+def device_constructors() -> set[Callable]:
+    """The torch functions that take a `device=` and create a tensor: those `torch.device(...)` as a
+    context manager redirects (`torch.utils._device._device_constructors`)."""
+    constructors = getattr(_torch_private("torch.utils._device"), "_device_constructors", None)
+    if constructors is None:
+        raise _missing("torch", "torch.utils._device._device_constructors")
+    return constructors()
+
+
+def op_schema(func: Any) -> Any:
+    """The schema of an aten overload (`OpOverload._schema`): its arguments and returns with their
+    alias annotations, i.e. which arguments it writes and whether its result is a view."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        raise _missing("torch", "OpOverload._schema")
+    return schema
+
+
+def storage_key(tensor: Any) -> int:
+    """An identity of `tensor`'s storage that holds on the meta device too, where every data pointer
+    is 0 (`UntypedStorage._cdata`, the address of the storage object)."""
+    key = getattr(tensor.untyped_storage(), "_cdata", None)
+    if key is None:
+        raise _missing("torch", "UntypedStorage._cdata")
+    return key
+
+
+def module_reset(module: Any) -> Callable[[], None] | None:
+    """The method that (re)initialises `module`'s own parameters: `reset_parameters`, or the private
+    `_reset_parameters` torch's own MultiheadAttention and Transformer keep instead; None if none."""
+    reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+    return reset if callable(reset) else None
+
+
+# ---- triton --------------------------------------------------------------------------------------------
+@cache
+def _interpreted_function() -> type:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        raise _missing("triton", "triton.runtime.interpreter.InterpretedFunction") from None
+    return InterpretedFunction
+
+
+def triton_interpreted(function: Any) -> bool:
+    """Whether a triton function was built for the interpreter (`TRITON_INTERPRET=1` when triton
+    was imported) rather than for compilation (`triton.runtime.interpreter.InterpretedFunction`,
+    internal to triton)."""
+    return isinstance(function, _interpreted_function())

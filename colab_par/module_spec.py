@@ -1,7 +1,7 @@
 """The planner's view of a model the kit did not write: sizes from its parameters, activations and
 FLOPs from one measured sample.
 
-A decoder is described by a handful of sizes (`planner.ModelSpec`); an arbitrary `nn.Module` is
+A decoder is described by a handful of sizes (`flops.ModelSpec`); an arbitrary `nn.Module` is
 not, so `ModuleSpec.probe` runs one forward and backward of a single sample in this process and
 records what the planner needs: parameters, the largest unit FSDP gathers at once (the biggest
 repeated block, or the whole model when it has none), bytes saved for backward, and FLOPs counted

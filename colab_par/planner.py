@@ -8,27 +8,21 @@ al. 2022, collective volumes from the ring algorithms, the pipeline bubble from 
 """
 from __future__ import annotations
 
-import functools
-import math
-import os
-import socket
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from colab_par.layout import CP_MODES, TP_MODES, Choices, Layout, LayoutError, model_sizes, valid_layouts
-from colab_par.tensor_costs import GridShape, grid_local_params, kept_activation_bytes, tensor_comm_bytes
+from colab_par.devices import (CPU_PROCESS_BYTES, CPU_WRAPPER_COST, DEVICES, GiB, DeviceSpec,
+                               cpu_compute_costs, cpu_device, get_device, measure_cpu_device)
+from colab_par.flops import ModelSpec, flops_per_token
+from colab_par.layout import CP_MODES, TP_MODES, Choices, Layout, LayoutError, valid_layouts
 from colab_par.module_spec import ModuleSpec
+from colab_par.tensor_costs import GridShape, grid_local_params, kept_activation_bytes, tensor_comm_bytes
 
 __all__ = ["MemoryBreakdown", "ModelSpec", "DeviceSpec", "Plan", "DEVICES", "GiB", "INIT_MODES",
            "model_state_bytes", "init_peak_bytes",
            "activation_bytes_per_layer", "pipeline_bubble", "get_device", "measure_cpu_device",
            "cpu_device", "cpu_compute_costs", "estimate", "search_space", "preferred",
-           "candidate_layouts", "plan", "flops_per_token"]
-
-GiB = 2 ** 30
+           "candidate_layouts", "plan", "flops_per_token", "CPU_PROCESS_BYTES", "CPU_WRAPPER_COST"]
 
 
 # ---- model state (ZeRO paper) --------------------------------------------------------------------
@@ -165,282 +159,6 @@ def pipeline_bubble(pp: int, microbatches: int, schedule: str = "1f1b", virtual_
     return bubble / 3 if schedule == "zbv" else bubble
 
 
-# ---- models --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelSpec:
-    """The sizes of a Llama-style decoder (the reference GPT, or a Hugging Face config)."""
-
-    n_layer: int
-    d_model: int
-    n_head: int
-    vocab_size: int
-    n_kv_head: int = 0
-    ffn_hidden: int = 0
-    seq_len: int = 0
-    tied_embeddings: bool = False
-    hugging_face: bool = False  # no context parallel / sequence parallel plan for those
-
-    def __post_init__(self) -> None:
-        if not self.n_kv_head:
-            object.__setattr__(self, "n_kv_head", self.n_head)
-        if not self.ffn_hidden:  # the reference GPT's SwiGLU width
-            object.__setattr__(self, "ffn_hidden", 4 * self.d_model * 2 // 3 // 8 * 8 or 8)
-
-    @classmethod
-    def of(cls, model: Any) -> "ModelSpec | ModuleSpec":
-        """From a ModelSpec, GPTConfig, GPT module, Hugging Face config/model or a mapping."""
-        if isinstance(model, (ModelSpec, ModuleSpec)):
-            return model
-        if not isinstance(model, Mapping) and hasattr(model, "config") and not hasattr(model, "d_model"):
-            model = model.config
-        sizes = model_sizes(model)
-        missing = [k for k in ("n_layer", "d_model", "n_head", "vocab_size") if k not in sizes]
-        if missing:
-            raise ValueError(f"model sizes {', '.join(missing)} are missing; pass a GPTConfig, a "
-                             "Hugging Face config, a dict like {'n_layer': 12, 'd_model': 768, "
-                             "'n_head': 12, 'vocab_size': 50257}, or for any other nn.Module "
-                             "ModuleSpec.probe(model, example_batch) (the picker takes "
-                             "example_batch=... and probes it)")
-        get = model.get if isinstance(model, Mapping) else lambda k, d=None: getattr(model, k, d)
-        return cls(n_layer=sizes["n_layer"], d_model=sizes["d_model"], n_head=sizes["n_head"],
-                   vocab_size=sizes["vocab_size"], n_kv_head=sizes.get("n_kv_head", 0),
-                   ffn_hidden=sizes.get("ffn_hidden", 0), seq_len=sizes.get("seq_len", 0),
-                   tied_embeddings=bool(get("tie_word_embeddings", False)),
-                   hugging_face=bool(getattr(model, "model_type", None)))
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
-    @property
-    def layer_matrix_params(self) -> int:
-        d, hd = self.d_model, self.head_dim
-        return 2 * d * self.n_head * hd + 2 * d * self.n_kv_head * hd + 3 * d * self.ffn_hidden
-
-    @property
-    def n_params(self) -> int:
-        embeddings = self.vocab_size * self.d_model * (1 if self.tied_embeddings else 2)
-        return embeddings + self.n_layer * (self.layer_matrix_params + 2 * self.d_model) + self.d_model
-
-    @property
-    def largest_tensor(self) -> int:
-        """Elements of the largest single parameter, whole (embedding/head, or a layer matrix)."""
-        d, hd = self.d_model, self.head_dim
-        return max(self.vocab_size * d, d * self.ffn_hidden, d * self.n_head * hd, d * self.n_kv_head * hd)
-
-    @property
-    def matmul_params(self) -> int:
-        """Parameters that take part in matmuls (all but the embedding lookup and the norms)."""
-        return self.n_layer * self.layer_matrix_params + self.vocab_size * self.d_model
-
-    def config(self, seq_len: int) -> dict[str, int]:
-        sizes = {"n_layer": self.n_layer, "n_head": self.n_head, "n_kv_head": self.n_kv_head,
-                 "ffn_hidden": self.ffn_hidden, "seq_len": seq_len}
-        return {**sizes, "hugging_face": 1} if self.hugging_face else sizes
-
-
-# ---- devices -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class DeviceSpec:
-    """Published peaks (dense, no sparsity) and link bandwidths per device, bytes/s one direction.
-
-    `latency` is the cost of one hop of a collective (a ring all-reduce over n ranks takes 2(n−1)
-    hops, an all-gather, reduce-scatter or all-to-all n−1, a send 1); `efficiency` is the fraction
-    of peak large training matmuls reach; `half_tokens` the
-    microbatch token count at which they reach half of that; `overlap` the fraction of backward
-    compute that can hide data-parallel communication; `layer_overhead` the host time to run one
-    layer's forward and backward ops for one microbatch (kernel launches, framework), hidden
-    behind the device's work when launches are asynchronous (GPUs), added to it on a CPU;
-    `wrapper_overhead` the extra host time per layer pass of each wrapper that is on ("tp":
-    DTensor tensor parallel, "fsdp": zero 2/3, "cp": ring / Ulysses attention);
-    `core_share` < 1 when more CPU engines than cores take turns (an idle rank lends its core);
-    `process_memory` the bytes a rank's process holds before any model (counted in a CPU engine's
-    peak; a GPU's CUDA context and NCCL buffers sit in the 10 % the capacity leaves free).
-    """
-
-    name: str
-    memory: float
-    peak_flops: Mapping[str, float]
-    hbm_bandwidth: float
-    intra_bandwidth: float
-    inter_bandwidth: float
-    host_bandwidth: float
-    latency: float = 5e-6
-    efficiency: float = 0.6
-    half_tokens: int = 256
-    overlap: float = 0.9
-    layer_overhead: float = 100e-6
-    wrapper_overhead: Mapping[str, float] = field(default_factory=dict)
-    async_launch: bool = True
-    core_share: float = 1.0
-    process_memory: float = 0.0
-
-    @property
-    def bf16(self) -> bool:
-        return "bf16" in self.peak_flops
-
-
-DEVICES: dict[str, DeviceSpec] = {d.name: d for d in (
-    DeviceSpec("H100-80GB", 80 * GiB, {"bf16": 989e12, "fp32": 67e12}, 3.35e12, 450e9, 50e9, 64e9),
-    DeviceSpec("H200", 141e9, {"bf16": 989e12, "fp32": 67e12}, 4.8e12, 450e9, 50e9, 64e9),
-    DeviceSpec("A100-40GB", 40 * GiB, {"bf16": 312e12, "fp32": 19.5e12}, 1.555e12, 300e9, 25e9, 32e9),
-    DeviceSpec("A100-80GB", 80 * GiB, {"bf16": 312e12, "fp32": 19.5e12}, 2.039e12, 300e9, 25e9, 32e9),
-    DeviceSpec("L4", 24 * GiB, {"bf16": 121e12, "fp32": 30.3e12}, 300e9, 32e9, 12.5e9, 32e9),
-    DeviceSpec("T4", 16 * GiB, {"fp32": 8.1e12}, 320e9, 16e9, 12.5e9, 16e9),
-)}
-_ALIASES = {"h100": "H100-80GB", "a100": "A100-80GB", "cuda": "H100-80GB"}
-
-
-@functools.lru_cache(maxsize=None)
-def measure_cpu_device(engines: int = 1) -> DeviceSpec:
-    """The CPU as `engines` single-threaded engines see it: measured matmul peak, layer cost and
-    loopback TCP bandwidth / latency (what gloo uses), the cores shared between the engines;
-    memory is the machine's RAM divided by them. Cached: measuring takes about a second."""
-    return cpu_device(engines, cores=os.cpu_count() or 1, **_cpu_measurements())
-
-
-@functools.lru_cache(maxsize=None)
-def _cpu_measurements() -> dict[str, float]:
-    bandwidth, latency = _loopback_bandwidth()
-    return dict(cpu_compute_costs(), bandwidth=bandwidth, latency=latency)
-
-
-# Extra host time per layer pass of each wrapper on a CPU, in plain layer passes: measured on 4
-# gloo engines sharing 2 cores by benchmarks/planner.py (2026-11-22, three runs on a loaded
-# machine: tp 15.7-22.3, fsdp 1.9-5.6, cp 4.3-5.3), which measures them afresh on the engines it
-# runs on. Measuring needs a process group, so the notebook-side `measure_cpu_device` takes these.
-CPU_WRAPPER_COST = {"tp": 22.0, "fsdp": 5.6, "cp": 5.3}
-# Resident memory of a CPU engine before any model: interpreter, torch, ipyparallel and the gloo
-# process group; measured by benchmarks/scale.py (2 engines, torch 2.13, 2026-11-23: 401 MiB).
-CPU_PROCESS_BYTES = 401 * 2 ** 20
-
-
-def cpu_device(engines: int, *, cores: int, peak_flops: float, efficiency: float, layer_overhead: float,
-               bandwidth: float, latency: float, process_memory: float = CPU_PROCESS_BYTES) -> DeviceSpec:
-    """A DeviceSpec for `engines` engines sharing `cores` cores, from single-core measurements."""
-    share = min(1.0, cores / max(engines, 1))  # a core's share per engine when they take turns
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(engines, 1)
-    return DeviceSpec("CPU", memory, {"fp32": peak_flops * share}, 10e9 * share, bandwidth * share,
-                      bandwidth * share, math.inf, latency=latency / share, efficiency=efficiency,
-                      half_tokens=0, overlap=share / 2, layer_overhead=layer_overhead / share,
-                      wrapper_overhead={k: v * layer_overhead / share for k, v in CPU_WRAPPER_COST.items()},
-                      async_launch=False, core_share=share, process_memory=process_memory)
-
-
-def cpu_compute_costs() -> dict[str, float]:
-    """Single-thread matmul peak (FLOP/s), the fixed cost of one layer's forward + backward
-    (seconds, from a tiny layer) and the efficiency a mid-sized layer reaches on top of it."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a = torch.randn(256, 256)
-        peak = 2 * 256 ** 3 / _seconds_per_call(lambda: a @ a)
-        overhead = _seconds_per_call(_layer_step(16, 8, 1)[0])
-        step, flops = _layer_step(128, 128, 2)
-        rate = flops / max(_seconds_per_call(step) - overhead, 1e-9)
-    finally:
-        torch.set_num_threads(threads)
-    return {"peak_flops": peak, "layer_overhead": overhead, "efficiency": min(1.0, rate / peak)}
-
-
-def _seconds_per_call(fn: Any, budget: float = 0.15) -> float:
-    fn()
-    start, count = time.perf_counter(), 0
-    while time.perf_counter() - start < budget:
-        fn()
-        count += 1
-    return (time.perf_counter() - start) / count
-
-
-def _layer_step(d: int, seq: int, batch: int) -> tuple[Any, float]:
-    """Forward + backward of one Llama-style layer (2 heads) and its FLOPs as the planner counts."""
-    import torch
-    import torch.nn.functional as F
-
-    ffn = 4 * d * 2 // 3 // 8 * 8 or 8
-    x = torch.randn(batch, seq, d, requires_grad=True)
-    attention = [torch.randn(d, d, requires_grad=True) for _ in range(4)]
-    gate_up = [torch.randn(ffn, d, requires_grad=True) for _ in range(2)]
-    down = torch.randn(d, ffn, requires_grad=True)
-    norm = torch.ones(d, requires_grad=True)
-
-    def step() -> None:
-        h = F.rms_norm(x, (d,), norm)
-        q, k, v = (F.linear(h, w).view(batch, seq, 2, d // 2).transpose(1, 2) for w in attention[:3])
-        mixed = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
-        h = x + F.linear(mixed.reshape(batch, seq, d), attention[3])
-        g = F.rms_norm(h, (d,), norm)
-        out = h + F.linear(F.silu(F.linear(g, gate_up[0])) * F.linear(g, gate_up[1]), down)
-        out.sum().backward()
-
-    tokens = batch * seq
-    return step, 6 * tokens * (4 * d * d + 3 * d * ffn) + 12 * d * seq * tokens
-
-
-_ECHO_PEER = """
-import socket, sys
-peer = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
-peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-total, received = int(sys.argv[2]), 0
-while received < total:
-    received += len(peer.recv(1 << 20))
-peer.sendall(b"k")
-while True:
-    byte = peer.recv(1)
-    if not byte:
-        break
-    peer.sendall(byte)
-"""
-
-
-def _loopback_bandwidth(total: int = 32 * 2 ** 20, chunk: int = 2 ** 20) -> tuple[float, float]:
-    """Bytes/s and one-way latency over local TCP to another process (what gloo goes through)."""
-    server = socket.create_server(("127.0.0.1", 0))
-    server.settimeout(30)
-    peer = subprocess.Popen([sys.executable, "-c", _ECHO_PEER, str(server.getsockname()[1]), str(total)])
-    try:
-        connection, _ = server.accept()
-        connection.settimeout(30)
-        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        payload = b"\0" * chunk
-        start = time.perf_counter()
-        for _ in range(total // chunk):
-            connection.sendall(payload)
-        connection.recv(1)
-        bandwidth = total / (time.perf_counter() - start)
-        start = time.perf_counter()
-        for _ in range(50):
-            connection.sendall(b"x")
-            connection.recv(1)
-        latency = (time.perf_counter() - start) / 100
-        connection.close()
-    finally:
-        server.close()
-        try:
-            peer.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            peer.kill()
-            peer.wait()
-    return bandwidth, latency
-
-
-def get_device(device: "str | DeviceSpec", engines: int = 1) -> DeviceSpec:
-    """A catalogue entry by name (case-insensitive, "cpu" = measured), or the DeviceSpec given."""
-    if isinstance(device, DeviceSpec):
-        return device
-    key = str(device).lower()
-    if key.startswith("cpu"):
-        return measure_cpu_device(engines)
-    by_lower = {name.lower(): name for name in DEVICES}
-    name = by_lower.get(key) or _ALIASES.get(key)
-    if name is None:
-        raise ValueError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)} or 'cpu' "
-                         "(measured), or pass a DeviceSpec")
-    return DEVICES[name]
-
-
 # ---- one layout ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Plan:
@@ -507,6 +225,11 @@ def _grid_activations(spec: ModelSpec, layout: Layout, micro: int, seq: int,
     return per_layer, outside + micro * seq * spec.vocab_size * act_bytes
 
 
+def _spec_of(model: Any) -> "ModelSpec | ModuleSpec":
+    """A probed model as it is, anything else as a decoder's sizes (`ModelSpec.of`)."""
+    return model if isinstance(model, ModuleSpec) else ModelSpec.of(model)
+
+
 def _spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
     return size > 1 and stride * size > gpus_per_node
 
@@ -520,7 +243,7 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
     fits only if both that peak and the training peak do."""
     _check_init(init)
     layout = Layout.parse(layout)
-    spec = ModelSpec.of(model)
+    spec = _spec_of(model)
     dev = get_device(device, layout.world_size)
     if isinstance(spec, ModuleSpec):
         return _estimate_module(spec, layout, dev, global_batch=global_batch, gpus_per_node=gpus_per_node,
@@ -653,16 +376,6 @@ def _microbatches_in_flight(layout: Layout) -> float:
     if layout.pp_schedule == "interleaved":
         return min(m, p * (1 + (p - 1) / (p * v)))
     return float(min(m, p))
-
-
-def flops_per_token(spec: ModelSpec, seq_len: int, recompute: str) -> float:
-    """6Ψ (forward + backward matmuls) + 12·L·h·s attention; recompute repeats (part of) forward."""
-    dense, attention = 6 * spec.matmul_params, 12 * spec.n_layer * spec.d_model * seq_len
-    if recompute == "full":
-        return (dense + attention) * 4 / 3
-    if recompute == "selective":
-        return dense + attention * 4 / 3
-    return dense + attention
 
 
 def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str, global_batch: int,
@@ -844,7 +557,7 @@ def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batc
     _check_init(init)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer, e.g. 8")
-    spec = ModelSpec.of(model)
+    spec = _spec_of(model)
     if global_batch < 1 or (seq_len < 1 and not isinstance(spec, ModuleSpec)):
         raise ValueError(f"global_batch={global_batch} and seq_len={seq_len} must be positive")
     dev = get_device(device, world_size)

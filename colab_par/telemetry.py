@@ -16,6 +16,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from colab_par import devices
+from colab_par.flops import ModelSpec, flops_per_token
+
 __all__ = ["METRICS_KEY", "StepClock", "ActivationMeter", "Publisher", "metrics_data",
            "device_peak_flops", "model_flops_per_token", "memory_sample", "grad_bytes",
            "pipeline_bubble"]
@@ -24,38 +27,33 @@ METRICS_KEY = "colab_par.metrics"
 ROWS_KEY = METRICS_KEY + ".rows."
 CHUNK = 64  # rows per published chunk: a publish re-sends at most ~2 chunks (a few KiB)
 
-_GPU_NAMES = ("h200", "h100", "a100", "l4", "t4")  # fragments of torch.cuda.get_device_name()
-
 
 def device_peak_flops(device: torch.device | str, precision: str = "fp32") -> float:
-    """Peak FLOP/s of one rank's device, from the planner's catalogue: data-sheet numbers for known
-    GPUs, a measured matmul rate on CPU (the machine's cores shared by the engines on it)."""
-    from colab_par import planner
-
+    """Peak FLOP/s of one rank's device: a known GPU's datasheet number, found by its exact product
+    name (`devices.PRODUCTS`), or a measured matmul rate on CPU (the machine's cores shared by the
+    engines on it). 0.0 for a GPU the catalogue does not name exactly: MFU is left out, not guessed."""
     device = torch.device(device)
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device).lower()
-        fragment = next((f for f in _GPU_NAMES if f in name), None)
-        if fragment is None:
-            return 0.0  # unknown GPU: MFU is left out rather than guessed
-        peaks = planner.get_device(fragment).peak_flops
+        known = devices.device_for_product(torch.cuda.get_device_name(device))
+        if known is None:
+            return 0.0
+        peaks = known.peak_flops
     else:
         engines = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (
             torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1)
-        peaks = planner.measure_cpu_device(engines).peak_flops
+        peaks = devices.measure_cpu_device(engines).peak_flops
     return peaks.get(precision) or peaks["fp32"]
 
 
 def model_flops_per_token(model: nn.Module, num_params: int, seq_len: int) -> float:
-    """Training FLOPs per token without recomputation (what MFU counts): the planner's
-    6·matmul-params + 12·layers·d_model·seq when the model has known sizes, else 6·params."""
-    from colab_par import planner
-
+    """Training FLOPs per token without recomputation (what MFU counts): the decoder formula
+    (`flops.flops_per_token`: 6·matmul-params + 12·layers·d_model·seq) when the model has known
+    sizes, else 6·params."""
     try:
-        spec = planner.ModelSpec.of(model)
+        spec = ModelSpec.of(model)
     except (ValueError, TypeError, AttributeError):
         return 6.0 * num_params
-    return float(planner.flops_per_token(spec, seq_len, "none"))
+    return float(flops_per_token(spec, seq_len, "none"))
 
 
 def _synchronize(device: torch.device) -> None:

@@ -15,7 +15,8 @@ from typing import Iterator
 
 import torch
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+
+from colab_par import compat
 
 __all__ = ["backend", "is_dtensor", "launches", "interpreter_active", "count_launch", "new_output",
            "poisoned_outputs", "next_power_of_2", "split_rows", "tile_rows", "row_block", "as_rows"]
@@ -29,7 +30,7 @@ _warned_late_interpret = False
 
 def interpreter_active() -> bool:
     """True when triton was imported in interpreter mode (TRITON_INTERPRET=1 before the import)."""
-    return isinstance(tl.sum, InterpretedFunction)
+    return compat.triton_interpreted(tl.sum)
 
 
 def _interpret_requested() -> bool:

@@ -94,12 +94,29 @@ def _error(layout: Layout, world: int | None = None, config=None, **kwargs) -> s
     return str(info.value)
 
 
+def _accepted(text: str, config=None, **context) -> Layout:
+    """Validate the layout `text` names for its own world size: it must come back as the same
+    object, whose string form parses back to it; callers check the fields it holds."""
+    layout = Layout.parse(text)
+    assert layout.validate(layout.world_size, config, **context) is layout
+    assert Layout.parse(str(layout)) == layout
+    return layout
+
+
+def _fields(layout: Layout) -> dict:
+    """The fields that differ from the default layout's."""
+    return {name: value for name, value in layout.to_dict().items() if value != getattr(Layout(), name)}
+
+
 def test_valid_layouts_pass_and_return_self() -> None:
-    for text, world in [("dp2", 2), ("dp2 tp2 zero3 sp", 4), ("pp2 1f1b mb2", 2),
-                        ("pp2 interleaved mb4 v2", 2), ("cp2", 2), ("cp2 ulysses", 2),
-                        ("dp4 zero2 offload", 4), ("dp2 zero1", 2)]:
-        layout = Layout.parse(text)
-        assert layout.validate(world, CONFIG, device="A100-80GB", global_batch=8) is layout
+    for text, fields in [
+            ("dp2", dict(dp=2)), ("dp2 tp2 zero3 sp", dict(dp=2, tp=2, zero=3, sequence_parallel=True)),
+            ("pp2 1f1b mb2", dict(pp=2, microbatches=2)),
+            ("pp2 interleaved mb4 v2", dict(pp=2, pp_schedule="interleaved", microbatches=4, virtual_stages=2)),
+            ("cp2", dict(cp=2)), ("cp2 ulysses", dict(cp=2, cp_mode="ulysses")),
+            ("dp4 zero2 offload", dict(dp=4, zero=2, offload=True)), ("dp2 zero1", dict(dp=2, zero=1))]:
+        layout = _accepted(text, CONFIG, device="A100-80GB", global_batch=8)
+        assert _fields(layout) == fields, text
 
 
 def _refused(**fields) -> str:
@@ -174,8 +191,9 @@ def test_rule_zero1_is_plain_data_parallel() -> None:
 
 def test_data_parallel_over_tensor_parallel_without_zero_is_valid() -> None:
     """Megatron's DP x TP: tensor-parallel gradients are averaged over the dp group."""
-    for text in ("dp2 tp2", "dp2 tp2 sp", "dp2 tp2 pp2", "dp2 tp2 cp2"):
-        Layout.parse(text).validate(Layout.parse(text).world_size, CONFIG, global_batch=8)
+    for text in ("dp2 tp2", "dp2 tp2 sp", "dp2 tp2 pp2 mb2", "dp2 tp2 cp2"):
+        layout = _accepted(text, CONFIG, global_batch=8)
+        assert (layout.dp, layout.tp, layout.zero) == (2, 2, 0), text
 
 
 def test_rule_sequence_parallel_needs_tp() -> None:
@@ -207,7 +225,7 @@ def test_rule_microbatches_fill_the_pipeline() -> None:
     message = _error(Layout(pp=4, pp_schedule="1f1b", microbatches=2), 4)
     assert "needs microbatches >= pp (4)" in message and "set microbatches=4" in message
     assert "leave it out" in message
-    Layout(pp=4, pp_schedule="gpipe", microbatches=2).validate(4)  # GPipe runs with any count
+    assert _accepted("pp4 gpipe mb2").microbatches == 2  # GPipe runs with any count
 
 
 def test_rule_interleaved_microbatches_multiple_of_pp() -> None:
@@ -242,9 +260,12 @@ def test_rule_ulysses_divides_local_heads() -> None:
     assert "ulysses context parallel splits heads: cp=8" in message and "cp_mode='ring'" in message
 
 
-def test_ulysses_repeats_kv_heads_that_cp_does_not_divide() -> None:
+def test_ulysses_accepts_kv_heads_that_cp_does_not_divide() -> None:
+    """1 kv head per tp rank and cp=2: the rule lets it through (context.py repeats the head;
+    tests/test_parallel_parity.py trains "tp2 cp2" on such a GQA model)."""
     gqa = {"n_head": 4, "n_kv_head": 2, "n_layer": 2, "seq_len": 16}
-    Layout(tp=2, cp=2, cp_mode="ulysses").validate(4, gqa)  # 1 kv head per tp rank, repeated
+    layout = _accepted("tp2 cp2 ulysses", gqa)
+    assert gqa["n_kv_head"] // layout.tp % layout.cp != 0  # cp does not divide the local kv heads
 
 
 def test_rule_layers_split_into_stages() -> None:
@@ -257,7 +278,7 @@ def test_rule_sequence_divides_ring_chunks() -> None:
     message = _error(Layout(cp=2), 2, {"seq_len": 66})
     assert "seq_len=66 is not divisible by 4 (2·cp for load-balanced ring)" in message
     assert "multiple of 4" in message
-    Layout(cp=2, cp_mode="ulysses").validate(2, {"seq_len": 66, "n_head": 4})
+    assert _accepted("cp2 ulysses", {"seq_len": 66, "n_head": 4}).cp_mode == "ulysses"  # no chunks
 
 
 def test_rule_sequence_parallel_divides_local_sequence() -> None:
@@ -283,8 +304,8 @@ def test_rule_local_batch_splits_into_microbatches() -> None:
 def test_rule_bf16_needs_a_capable_device() -> None:
     assert "T4 has none; use precision='fp32'" in _error(Layout(precision="bf16"), 1, device="T4")
     assert "V100 has none" in _error(Layout(precision="bf16"), 1, device="V100")
-    Layout(precision="bf16").validate(1, device="H100-80GB")
-    Layout(precision="bf16").validate(1, device="cpu")  # torch has bf16 on CPUs (slow, but it runs)
+    assert _accepted("bf16", device="H100-80GB").precision == "bf16"
+    assert _accepted("bf16", device="cpu").precision == "bf16"  # torch has bf16 on CPUs (slow, but it runs)
 
 
 # ---- multi-dimensional tensor parallel -----------------------------------------------------------
@@ -322,10 +343,16 @@ def test_rule_grid_modes_refuse_what_does_not_compose(text: str, expected: str) 
 
 
 def test_grid_modes_compose_with_dp_zero_bf16_and_recompute() -> None:
-    for text in ("dp2 tp4 2d zero3 bf16 ac-full", "dp2 tp4 2d zero2", "dp2 tp8 3d", "tp8 2.5d d2 ac-selective",
-                 "pp2 tp4 2d", "pp2 tp8 3d zbv v2"):
-        layout = Layout.parse(text)
-        assert layout.validate(layout.world_size, CONFIG, global_batch=16) is layout
+    for text, fields in [
+            ("dp2 tp4 2d zero3 bf16 ac-full",
+             dict(dp=2, tp=4, tp_mode="2d", zero=3, precision="bf16", checkpointing="full")),
+            ("dp2 tp4 2d zero2", dict(dp=2, tp=4, tp_mode="2d", zero=2)),
+            ("dp2 tp8 3d", dict(dp=2, tp=8, tp_mode="3d")),
+            ("tp8 2.5d d2 ac-selective", dict(tp=8, tp_mode="2.5d", tp_depth=2, checkpointing="selective")),
+            ("pp2 tp4 2d mb2", dict(pp=2, tp=4, tp_mode="2d", microbatches=2)),
+            ("pp2 tp8 3d zbv v2 mb2", dict(pp=2, tp=8, tp_mode="3d", pp_schedule="zbv", virtual_stages=2,
+                                           microbatches=2))]:
+        assert _fields(_accepted(text, CONFIG, global_batch=16)) == fields, text
 
 
 def test_rule_grid_sizes_divide() -> None:
@@ -358,7 +385,7 @@ def test_hugging_face_config_sizes_are_read() -> None:
     assert "tp=8 does not divide 12 heads" in _error(Layout(tp=8), 8, config)
     assert "tp=3 does not divide 4 kv-heads" in _error(Layout(tp=3), 3, config)
     assert "6 layers do not split" in _error(Layout(pp=4, microbatches=4), 4, config)
-    Layout(tp=2, pp=3, microbatches=3).validate(6, config)
+    assert _fields(_accepted("tp2 pp3 mb3", config)) == dict(tp=2, pp=3, microbatches=3)
 
 
 def test_rule_hugging_face_models_have_no_cp_or_sp() -> None:
@@ -368,7 +395,7 @@ def test_rule_hugging_face_models_have_no_cp_or_sp() -> None:
     message = _error(Layout(cp=2), 2, config)
     assert "context parallel needs colab_par's GPT" in message and "cp=1" in message
     assert "drop 'sp'" in _error(Layout(tp=2, sequence_parallel=True), 2, config)
-    Layout(cp=2).validate(2, {"n_head": 4, "seq_len": 64})  # plain sizes: the reference GPT
+    assert _accepted("cp2", {"n_head": 4, "seq_len": 64}).cp == 2  # plain sizes: the reference GPT
 
 
 # ---- enumeration: exactly what validate accepts ------------------------------------------------

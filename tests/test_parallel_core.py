@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from colab_par import LayoutError, parallelize
-from parity import (GPT_SIZES, LR, SEED, assert_close_to_fp32, assert_parity, batches, build_model,
-                    engine_run, reference_run)
+from parity import (GPT_SIZES, LR, SEED, assert_close_to_fp32, assert_parity, batches, bf16_engine_run,
+                    build_model, engine_run, reference_run)
 
 PARAMS = build_model("gpt", SEED).config.num_params()
 
@@ -111,7 +111,7 @@ def test_pre_sliced_local_batches_equal_the_global_batch(cluster2) -> None:
 
 @pytest.mark.parametrize("layout", ["dp2 zero3 bf16", "dp2 bf16"])
 def test_bf16_trains_close_to_fp32(cluster2, layout: str) -> None:
-    assert_close_to_fp32(cluster2.run(engine_run, layout), reference_run("gpt"))
+    assert_close_to_fp32(cluster2.run(bf16_engine_run, layout), reference_run("gpt"))
 
 
 def _refusal(layout: str, batch: int) -> str:

@@ -8,8 +8,8 @@ import sys
 import cloudpickle
 import pytest
 
-from parity import (GPT_SIZES, SEED, assert_close_to_fp32, assert_parity, batches, build_model, engine_run,
-                    reference_run)
+from parity import (GPT_SIZES, SEED, assert_close_to_fp32, assert_parity, batches, bf16_engine_run,
+                    build_model, engine_run, reference_run)
 from colab_par.layout import Layout
 from colab_par.models import GPTConfig
 from colab_par.planner import ModelSpec, estimate
@@ -32,7 +32,7 @@ def test_grid_built_shard_first_trains_like_single_process(cluster4) -> None:
 
 
 def test_grid_bf16_trains_close_to_fp32(cluster4) -> None:
-    assert_close_to_fp32(cluster4.run(engine_run, "tp4 2d bf16"), reference_run("gpt"))
+    assert_close_to_fp32(cluster4.run(bf16_engine_run, "tp4 2d bf16"), reference_run("gpt"))
 
 
 def pieces(layout: str) -> dict:

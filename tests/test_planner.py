@@ -2,12 +2,19 @@
 pipeline timeline simulation, real parameter counts; and the invariants plan() must keep."""
 from __future__ import annotations
 
+import datetime
 import itertools
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from colab_par.devices import (CPU_COSTS_FILE, CPU_PROCESS_BYTES, CPU_WRAPPER_COST, GiB, cpu_device,
+                               device_for_product, load_cpu_costs)
 from colab_par.layout import (CHECKPOINTING, CP_MODES, FIELDS, PP_SCHEDULES, PRECISIONS, TP_MODES,
                               ZERO_LEVELS, Layout, LayoutError, default_microbatches)
 from colab_par.models.gpt import GPT, GPTConfig
@@ -210,11 +217,89 @@ def test_device_catalogue_and_errors() -> None:
         get_device("tpu")
 
 
+# torch.cuda.get_device_name() of real cards (as they appear in nvidia-smi output and bug reports),
+# the catalogue entry each must find, and its dense BF16 peak: the datasheet's "with sparsity"
+# figure halved, or its dense figure where it lists one (A100, L40S). None: bf16 not supported.
+REAL_PRODUCTS = {
+    "NVIDIA H100 80GB HBM3": ("H100-80GB", 1979e12 / 2), "NVIDIA H100 PCIe": ("H100-PCIe", 1513e12 / 2),
+    "NVIDIA H100 NVL": ("H100-NVL", 1671e12 / 2), "NVIDIA H200": ("H200", 1979e12 / 2),
+    "NVIDIA H200 NVL": ("H200-NVL", 1671e12 / 2),
+    "NVIDIA A100-SXM4-40GB": ("A100-40GB", 312e12), "NVIDIA A100-SXM4-80GB": ("A100-80GB", 312e12),
+    "NVIDIA A100-PCIE-40GB": ("A100-PCIe-40GB", 312e12),
+    "NVIDIA A100 80GB PCIe": ("A100-PCIe-80GB", 312e12),
+    "NVIDIA L4": ("L4", 242e12 / 2), "NVIDIA L40S": ("L40S", 362.05e12), "Tesla T4": ("T4", None),
+}
+# Names that share a fragment with a catalogue entry but are other products (or a slice of one):
+# each must be unknown, so MFU is left out instead of computed against the wrong peak.
+CONFUSABLE = ["NVIDIA L40", "NVIDIA A10", "NVIDIA A10G", "NVIDIA A100-SXM4-40GB MIG 1g.5gb",
+              "NVIDIA H100", "NVIDIA H800", "NVIDIA A800-SXM4-80GB", "NVIDIA GH200 480GB", "NVIDIA H20",
+              "Tesla V100-SXM2-16GB", "NVIDIA GeForce RTX 4090", "NVIDIA RTX A6000", "NVIDIA L4 (virtual)"]
+
+
+@pytest.mark.parametrize("product", REAL_PRODUCTS)
+def test_a_gpu_is_found_by_its_exact_product_name(product: str) -> None:
+    entry, bf16 = REAL_PRODUCTS[product]
+    device = device_for_product(product)
+    assert device is DEVICES[entry] and get_device(product) is device
+    assert device.peak_flops.get("bf16") == (pytest.approx(bf16) if bf16 else None)
+    assert device_for_product(f" {product}\n") is device  # surrounding whitespace only
+
+
+@pytest.mark.parametrize("product", CONFUSABLE)
+def test_a_confusable_or_unknown_gpu_is_unknown(product: str) -> None:
+    assert device_for_product(product) is None
+
+
+def test_confusable_pairs_get_their_own_peaks() -> None:
+    """The substring matches the old lookup made: L4 inside L40S, an SXM H100 for a PCIe one."""
+    l4, l40s = device_for_product("NVIDIA L4"), device_for_product("NVIDIA L40S")
+    assert l40s.peak_flops["bf16"] > 2.5 * l4.peak_flops["bf16"] and l40s.memory == 2 * l4.memory
+    pcie, sxm = device_for_product("NVIDIA H100 PCIe"), device_for_product("NVIDIA H100 80GB HBM3")
+    assert pcie.peak_flops["bf16"] < 0.8 * sxm.peak_flops["bf16"] and pcie.hbm_bandwidth < sxm.hbm_bandwidth
+
+
 def test_measured_cpu_device_is_cached_and_shared_between_engines() -> None:
     one, four = measure_cpu_device(1), measure_cpu_device(4)
     assert measure_cpu_device(1) is one
     assert one.peak_flops["fp32"] > 1e8 and not one.bf16
     assert four.peak_flops["fp32"] < one.peak_flops["fp32"] and four.memory < one.memory
+
+
+# ---- CPU costs measured with a process group (benchmarks/cpu_costs.py) -------------------------------
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_the_planners_cpu_costs_are_the_measured_files() -> None:
+    shipped = json.loads(CPU_COSTS_FILE.read_text())
+    assert shipped["script"] == "python benchmarks/cpu_costs.py"
+    assert shipped["machine"] and shipped["measured"]
+    assert CPU_WRAPPER_COST == shipped["wrapper_cost"] and CPU_PROCESS_BYTES == shipped["process_bytes"]
+    cpu = cpu_device(4, cores=2, peak_flops=1e10, efficiency=0.5, layer_overhead=1e-3, bandwidth=1e9,
+                     latency=1e-5)
+    per_pass = 1e-3 / 0.5  # two engines per core: each pass takes twice as long
+    expected = {k: v * per_pass for k, v in shipped["wrapper_cost"].items()}
+    assert cpu.wrapper_overhead == pytest.approx(expected)
+    assert cpu.process_memory == shipped["process_bytes"]
+    tp = estimate(SMALL, "tp2", device=cpu, global_batch=4, seq_len=64)
+    dp = estimate(SMALL, "dp2", device=cpu, global_batch=4, seq_len=64)
+    assert tp.memory.baseline == dp.memory.baseline == shipped["process_bytes"]
+
+
+@pytest.mark.slow
+def test_the_cpu_costs_benchmark_regenerates_the_file(tmp_path) -> None:
+    import torch
+
+    out = tmp_path / "cpu_costs.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "cpu_costs.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(out.read_text()).keys() == json.loads(CPU_COSTS_FILE.read_text()).keys()
+    fresh = load_cpu_costs(out)
+    assert fresh.wrapper_cost.keys() == CPU_WRAPPER_COST.keys() == {"tp", "fsdp", "cp"}
+    assert all(cost > 0 for cost in fresh.wrapper_cost.values()), fresh.wrapper_cost
+    assert 64 * 2 ** 20 < fresh.process_bytes < 4 * GiB
+    assert fresh.measured == datetime.date.today().isoformat() and fresh.torch == torch.__version__
+    assert fresh.engines == 2
 
 
 # ---- estimate and plan -------------------------------------------------------------------------------

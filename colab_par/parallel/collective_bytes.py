@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from colab_par import compat
+from colab_par.compat import tree_leaves
 
 __all__ = ["CollectiveBytes"]
 
@@ -25,7 +26,7 @@ def _bytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
-class CollectiveBytes(TorchDispatchMode):
+class CollectiveBytes(compat.torch_dispatch_mode()):
     """``with CollectiveBytes() as counted: ...``; then ``counted.bytes``."""
 
     def __init__(self) -> None:

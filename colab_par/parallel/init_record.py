@@ -24,10 +24,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._device import _device_constructors
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
+from colab_par import compat
+from colab_par.compat import tree_map
 from colab_par.parallel.memory import trim_host_heap
 
 __all__ = ["InitRecord", "record_build", "record_reset", "named_state", "tie_groups", "retie",
@@ -88,7 +87,7 @@ class InitRecord:
 
     # ---- recording -----------------------------------------------------------------------------
     def _key(self, tensor: torch.Tensor) -> int:
-        key = tensor.untyped_storage()._cdata
+        key = compat.storage_key(tensor)
         if key not in self._storages:
             self._storages[key] = _Storage(tensor.untyped_storage().nbytes() // tensor.element_size(),
                                            tensor.dtype, [None])
@@ -110,7 +109,7 @@ class InitRecord:
     def record(self, func: Any, args: tuple, kwargs: dict, outputs: Any, rng: Any) -> None:
         """Log `func` after the meta kernel ran: new versions for what it wrote, new storages for
         what it created."""
-        schema = func._schema
+        schema = compat.op_schema(func)
         written = [a for a, spec in zip(args, schema.arguments)
                    if spec.alias_info is not None and spec.alias_info.is_write and isinstance(a, torch.Tensor)]
         written += [v for k, v in kwargs.items() if isinstance(v, torch.Tensor)
@@ -129,8 +128,8 @@ class InitRecord:
         outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         for index, out in enumerate(outs):
             if isinstance(out, torch.Tensor) and out.is_meta:
-                key = out.untyped_storage()._cdata
-                made = None if func._opname in _ALLOCATIONS else _Call(func, call_args, call_kwargs, rng,
+                key = compat.storage_key(out)
+                made = None if _op_name(func) in _ALLOCATIONS else _Call(func, call_args, call_kwargs, rng,
                                                                        output=index)
                 self._storages[key] = _Storage(out.untyped_storage().nbytes() // out.element_size(), out.dtype,
                                                [made])
@@ -189,7 +188,7 @@ class InitRecord:
             call = storage.versions[v]
             if call is None:
                 return None
-            if call.target is None or (call.func._opname in _OVERWRITES and _covers(call.target, storage)):
+            if call.target is None or (_op_name(call.func) in _OVERWRITES and _covers(call.target, storage)):
                 return v
         return None
 
@@ -233,14 +232,19 @@ class InitRecord:
 
 
 class _InitFunction:
-    """A torch.nn.init function as a recorded call (named like the aten ops for `_start`)."""
+    """A torch.nn.init function as a recorded call (named like the aten ops, see `_op_name`)."""
 
     def __init__(self, function: Callable):
-        self.function, self._opname = function, function.__name__
+        self.function = function
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with torch.no_grad():
             return self.function(*args, **kwargs)
+
+
+def _op_name(func: Any) -> str:
+    """"uniform_" for aten::uniform_ (any overload) and for torch.nn.init.uniform_ alike."""
+    return func.function.__name__ if isinstance(func, _InitFunction) else func.overloadpacket.__name__
 
 
 @contextlib.contextmanager
@@ -284,7 +288,7 @@ def named_state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(name, tensor) for name, tensor in named if tensor is not None]
 
 
-class _Recorder(TorchDispatchMode):
+class _Recorder(compat.torch_dispatch_mode()):
     def __init__(self, record: InitRecord, draw: bool):
         super().__init__()
         self.record, self.draw = record, draw
@@ -340,7 +344,7 @@ class _OnMeta(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func not in _device_constructors() or kwargs.get("device") is not None:
+        if func not in compat.device_constructors() or kwargs.get("device") is not None:
             return func(*args, **kwargs)
         out = func(*args, **{**kwargs, "device": "meta"})
         if isinstance(out, torch.Tensor) and out.numel() == 0:
@@ -374,9 +378,8 @@ def record_reset(model: nn.Module) -> InitRecord:
     _untie(model, ties)  # when the constructors ran, the tied modules still had their own weights
     with _Recorder(record, True), _recording_meta_skipping_inits(record, True), torch.no_grad():
         for module in _post_order(model):
-            # torch's own MultiheadAttention and Transformer keep theirs private
-            reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
-            if callable(reset):
+            reset = compat.module_reset(module)
+            if reset is not None:
                 reset()
             if callable(getattr(module, "post_init", None)) and callable(getattr(module, "init_weights", None)):
                 module.init_weights()
@@ -420,11 +423,7 @@ def _tensor_at(model: nn.Module, name: str) -> torch.Tensor:
 
 def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     owner, _, attr = name.rpartition(".")
-    module = model.get_submodule(owner)
-    if attr in module._parameters:
-        module._parameters[attr] = tensor
-    else:
-        module._buffers[attr] = tensor
+    setattr(model.get_submodule(owner), attr, tensor)  # stays a parameter, or a buffer as persistent as it was
 
 
 def _post_order(module: nn.Module) -> list[nn.Module]:

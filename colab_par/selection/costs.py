@@ -15,16 +15,16 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from colab_par import compat
+from colab_par.compat import tree_leaves
 from colab_par.selection.store import SpillStore
 from colab_par.selection.trial import Trial, make_optimizer
 
 __all__ = ["OpCounter", "measure_speeds", "optimizer_key"]
 
 
-class OpCounter(TorchDispatchMode):
+class OpCounter(compat.torch_dispatch_mode()):
     """Counts the ATen ops dispatched under it and the bytes their outputs write (a view writes
     none; an in-place op writes its output)."""
 
@@ -36,7 +36,7 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         self.ops += 1
-        if not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
+        if not any(r.alias_info is not None and not r.alias_info.is_write for r in compat.op_schema(func).returns):
             self.written += sum(t.numel() * t.element_size() for t in tree_leaves(out)
                                 if isinstance(t, torch.Tensor))
         return out

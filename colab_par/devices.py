@@ -1,0 +1,302 @@
+"""The devices the planner and telemetry know: GPUs by their exact product name with the vendors'
+datasheet peaks, and the CPU as measured.
+
+Below the planner (estimates) and telemetry (MFU on the engines). A GPU is recognised only by the
+exact name `torch.cuda.get_device_name()` reports for it (`PRODUCTS`): product lines share
+fragments ("L4" is in "L40S", an H100 PCIe is not an H100 SXM, a MIG slice is not the whole GPU),
+so anything else is unknown, and MFU is left out rather than guessed. The CPU's matmul peak, layer
+cost and loopback bandwidth are measured when first asked for; the costs that need a process group
+to measure (`CPU_COSTS`) come from `benchmarks/cpu_costs.py`, which writes `cpu_costs.json`.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from colab_par.flops import ModelSpec, flops_per_token
+
+__all__ = ["GiB", "DeviceSpec", "DEVICES", "PRODUCTS", "device_for_product", "get_device", "CpuCosts",
+           "CPU_COSTS", "CPU_COSTS_FILE", "CPU_WRAPPER_COST", "CPU_PROCESS_BYTES", "load_cpu_costs",
+           "measure_cpu_device", "cpu_device", "cpu_compute_costs"]
+
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Published peaks (dense, no sparsity) and link bandwidths per device, bytes/s one direction.
+
+    `latency` is the cost of one hop of a collective (a ring all-reduce over n ranks takes 2(n−1)
+    hops, an all-gather, reduce-scatter or all-to-all n−1, a send 1); `efficiency` is the fraction
+    of peak large training matmuls reach; `half_tokens` the
+    microbatch token count at which they reach half of that; `overlap` the fraction of backward
+    compute that can hide data-parallel communication; `layer_overhead` the host time to run one
+    layer's forward and backward ops for one microbatch (kernel launches, framework), hidden
+    behind the device's work when launches are asynchronous (GPUs), added to it on a CPU;
+    `wrapper_overhead` the extra host time per layer pass of each wrapper that is on ("tp":
+    DTensor tensor parallel, "fsdp": zero 2/3, "cp": ring / Ulysses attention);
+    `core_share` < 1 when more CPU engines than cores take turns (an idle rank lends its core);
+    `process_memory` the bytes a rank's process holds before any model (counted in a CPU engine's
+    peak; a GPU's CUDA context and NCCL buffers sit in the 10 % the capacity leaves free).
+    """
+
+    name: str
+    memory: float
+    peak_flops: Mapping[str, float]
+    hbm_bandwidth: float
+    intra_bandwidth: float
+    inter_bandwidth: float
+    host_bandwidth: float
+    latency: float = 5e-6
+    efficiency: float = 0.6
+    half_tokens: int = 256
+    overlap: float = 0.9
+    layer_overhead: float = 100e-6
+    wrapper_overhead: Mapping[str, float] = field(default_factory=dict)
+    async_launch: bool = True
+    core_share: float = 1.0
+    process_memory: float = 0.0
+
+    @property
+    def bf16(self) -> bool:
+        return "bf16" in self.peak_flops
+
+
+# ---- GPUs: the vendors' datasheets ---------------------------------------------------------------
+# Peaks are dense (NVIDIA lists BF16 tensor-core figures with 2:4 sparsity; dense is half): BF16
+# tensor core and plain FP32. Memory bandwidth as listed; intra-node bandwidth one direction:
+# NVLink per GPU (SXM boards), else the PCIe link (no NVLink bridge assumed); host bandwidth the
+# PCIe link one direction. Inter-node bandwidth is not the GPU's but the network such nodes
+# usually have per GPU: 400 Gb/s InfiniBand for Hopper, 200 Gb/s for A100, 100 Gb/s Ethernet for
+# the inference cards.
+# - H100 SXM5 / PCIe / NVL: NVIDIA H100 Tensor Core GPU datasheet
+#   (https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet): BF16
+#   1,979 / 1,513 / 1,671 TFLOPS with sparsity, FP32 67 / 51 / 60, 3.35 / 2.0 / 3.9 TB/s,
+#   NVLink 900 / 600 (bridge) / 600 GB/s, PCIe Gen5 128 GB/s.
+# - H200 SXM / NVL: https://www.nvidia.com/en-us/data-center/h200/: BF16 1,979 / 1,671 TFLOPS with
+#   sparsity, FP32 67 / 60, 141 GB, 4.8 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s.
+# - A100 SXM4 and PCIe, 40 and 80 GB: NVIDIA A100 datasheet
+#   (https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf):
+#   BF16 312 TFLOPS dense, FP32 19.5; 1,555 GB/s (40 GB), 2,039 (80 GB SXM), 1,935 (80 GB PCIe);
+#   NVLink 600 GB/s (SXM), PCIe Gen4 64 GB/s.
+# - L4: https://www.nvidia.com/en-us/data-center/l4/ datasheet: BF16 242 TFLOPS with sparsity,
+#   FP32 30.3, 24 GB, 300 GB/s, PCIe Gen4 x16 64 GB/s.
+# - L40S: https://www.nvidia.com/en-us/data-center/l40s/ datasheet: BF16 733 TFLOPS with sparsity
+#   (362.05 dense), FP32 91.6, 48 GB, 864 GB/s, PCIe Gen4 x16 64 GB/s.
+# - T4: https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf:
+#   FP32 8.1 TFLOPS, no bfloat16, 16 GB, 320 GB/s, PCIe Gen3 x16 32 GB/s.
+DEVICES: dict[str, DeviceSpec] = {d.name: d for d in (
+    DeviceSpec("H100-80GB", 80 * GiB, {"bf16": 989.5e12, "fp32": 67e12}, 3.35e12, 450e9, 50e9, 64e9),
+    DeviceSpec("H100-PCIe", 80 * GiB, {"bf16": 756.5e12, "fp32": 51e12}, 2.0e12, 64e9, 50e9, 64e9),
+    DeviceSpec("H100-NVL", 94e9, {"bf16": 835.5e12, "fp32": 60e12}, 3.9e12, 300e9, 50e9, 64e9),
+    DeviceSpec("H200", 141e9, {"bf16": 989.5e12, "fp32": 67e12}, 4.8e12, 450e9, 50e9, 64e9),
+    DeviceSpec("H200-NVL", 141e9, {"bf16": 835.5e12, "fp32": 60e12}, 4.8e12, 450e9, 50e9, 64e9),
+    DeviceSpec("A100-40GB", 40 * GiB, {"bf16": 312e12, "fp32": 19.5e12}, 1.555e12, 300e9, 25e9, 32e9),
+    DeviceSpec("A100-80GB", 80 * GiB, {"bf16": 312e12, "fp32": 19.5e12}, 2.039e12, 300e9, 25e9, 32e9),
+    DeviceSpec("A100-PCIe-40GB", 40 * GiB, {"bf16": 312e12, "fp32": 19.5e12}, 1.555e12, 32e9, 25e9, 32e9),
+    DeviceSpec("A100-PCIe-80GB", 80 * GiB, {"bf16": 312e12, "fp32": 19.5e12}, 1.935e12, 32e9, 25e9, 32e9),
+    DeviceSpec("L4", 24 * GiB, {"bf16": 121e12, "fp32": 30.3e12}, 300e9, 32e9, 12.5e9, 32e9),
+    DeviceSpec("L40S", 48 * GiB, {"bf16": 362.05e12, "fp32": 91.6e12}, 864e9, 32e9, 12.5e9, 32e9),
+    DeviceSpec("T4", 16 * GiB, {"fp32": 8.1e12}, 320e9, 16e9, 12.5e9, 16e9),
+)}
+
+PRODUCTS: dict[str, str] = {
+    "NVIDIA H100 80GB HBM3": "H100-80GB", "NVIDIA H100 PCIe": "H100-PCIe", "NVIDIA H100 NVL": "H100-NVL",
+    "NVIDIA H200": "H200", "NVIDIA H200 NVL": "H200-NVL",
+    "NVIDIA A100-SXM4-40GB": "A100-40GB", "NVIDIA A100-SXM4-80GB": "A100-80GB",
+    "NVIDIA A100-PCIE-40GB": "A100-PCIe-40GB", "NVIDIA A100 80GB PCIe": "A100-PCIe-80GB",
+    "NVIDIA L4": "L4", "NVIDIA L40S": "L40S", "Tesla T4": "T4",
+}
+"""`torch.cuda.get_device_name()` of each product (what nvidia-smi prints too) -> catalogue entry."""
+
+_ALIASES = {"h100": "H100-80GB", "a100": "A100-80GB", "cuda": "H100-80GB"}
+
+
+def device_for_product(product_name: str) -> DeviceSpec | None:
+    """The catalogue entry of the GPU `torch.cuda.get_device_name()` names, or None for any name
+    that is not exactly one of `PRODUCTS` (another product, a MIG slice, a renamed virtual GPU)."""
+    name = PRODUCTS.get(product_name.strip())
+    return None if name is None else DEVICES[name]
+
+
+def get_device(device: "str | DeviceSpec", engines: int = 1) -> DeviceSpec:
+    """A catalogue entry by name (case-insensitive, "cpu" = measured), or the DeviceSpec given."""
+    if isinstance(device, DeviceSpec):
+        return device
+    key = str(device).lower()
+    if key.startswith("cpu"):
+        return measure_cpu_device(engines)
+    by_lower = {name.lower(): name for name in DEVICES}
+    name = by_lower.get(key) or _ALIASES.get(key) or PRODUCTS.get(str(device))
+    if name is None:
+        raise ValueError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)} or 'cpu' "
+                         "(measured), or pass a DeviceSpec")
+    return DEVICES[name]
+
+
+# ---- CPU: costs measured with a process group (benchmarks/cpu_costs.py) --------------------------
+CPU_COSTS_FILE = Path(__file__).with_name("cpu_costs.json")
+
+
+@dataclass(frozen=True)
+class CpuCosts:
+    """CPU engine costs that need a running process group to measure, so the notebook cannot
+    measure them when it plans: the extra host time per layer pass of each wrapper, in plain
+    layer passes (`wrapper_cost`), and what an engine's process holds before any model
+    (`process_bytes`: interpreter, torch, ipyparallel, the gloo group). `measured`, `machine`,
+    `torch` and `engines` say where they come from."""
+
+    wrapper_cost: Mapping[str, float]
+    process_bytes: int
+    measured: str
+    machine: str
+    torch: str
+    engines: int
+
+
+def load_cpu_costs(path: "str | os.PathLike" = CPU_COSTS_FILE) -> CpuCosts:
+    """The costs `benchmarks/cpu_costs.py` wrote to `path` (JSON)."""
+    data = json.loads(Path(path).read_text())
+    return CpuCosts(wrapper_cost={k: float(v) for k, v in data["wrapper_cost"].items()},
+                    process_bytes=int(data["process_bytes"]), measured=data["measured"],
+                    machine=data["machine"], torch=data["torch"], engines=int(data["engines"]))
+
+
+CPU_COSTS = load_cpu_costs()
+CPU_WRAPPER_COST = dict(CPU_COSTS.wrapper_cost)
+CPU_PROCESS_BYTES = CPU_COSTS.process_bytes
+
+
+# ---- CPU: measured when asked for ----------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def measure_cpu_device(engines: int = 1) -> DeviceSpec:
+    """The CPU as `engines` single-threaded engines see it: measured matmul peak, layer cost and
+    loopback TCP bandwidth / latency (what gloo uses), the cores shared between the engines;
+    memory is the machine's RAM divided by them. Cached: measuring takes about a second."""
+    return cpu_device(engines, cores=os.cpu_count() or 1, **_cpu_measurements())
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_measurements() -> dict[str, float]:
+    bandwidth, latency = _loopback_bandwidth()
+    return dict(cpu_compute_costs(), bandwidth=bandwidth, latency=latency)
+
+
+def cpu_device(engines: int, *, cores: int, peak_flops: float, efficiency: float, layer_overhead: float,
+               bandwidth: float, latency: float, process_memory: float = CPU_PROCESS_BYTES) -> DeviceSpec:
+    """A DeviceSpec for `engines` engines sharing `cores` cores, from single-core measurements."""
+    share = min(1.0, cores / max(engines, 1))  # a core's share per engine when they take turns
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(engines, 1)
+    return DeviceSpec("CPU", memory, {"fp32": peak_flops * share}, 10e9 * share, bandwidth * share,
+                      bandwidth * share, math.inf, latency=latency / share, efficiency=efficiency,
+                      half_tokens=0, overlap=share / 2, layer_overhead=layer_overhead / share,
+                      wrapper_overhead={k: v * layer_overhead / share for k, v in CPU_WRAPPER_COST.items()},
+                      async_launch=False, core_share=share, process_memory=process_memory)
+
+
+def cpu_compute_costs() -> dict[str, float]:
+    """Single-thread matmul peak (FLOP/s), the fixed cost of one layer's forward + backward
+    (seconds, from a tiny layer) and the efficiency a mid-sized layer reaches on top of it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.randn(256, 256)
+        peak = 2 * 256 ** 3 / _seconds_per_call(lambda: a @ a)
+        overhead = _seconds_per_call(_layer_step(16, 8, 1)[0])
+        step, flops = _layer_step(128, 128, 2)
+        rate = flops / max(_seconds_per_call(step) - overhead, 1e-9)
+    finally:
+        torch.set_num_threads(threads)
+    return {"peak_flops": peak, "layer_overhead": overhead, "efficiency": min(1.0, rate / peak)}
+
+
+def _seconds_per_call(fn: Any, budget: float = 0.15) -> float:
+    fn()
+    start, count = time.perf_counter(), 0
+    while time.perf_counter() - start < budget:
+        fn()
+        count += 1
+    return (time.perf_counter() - start) / count
+
+
+def _layer_step(d: int, seq: int, batch: int) -> tuple[Any, float]:
+    """Forward + backward of one Llama-style layer (2 heads) and its FLOPs as the planner counts."""
+    import torch
+    import torch.nn.functional as F
+
+    layer = ModelSpec(n_layer=1, d_model=d, n_head=2, vocab_size=0)
+    ffn = layer.ffn_hidden
+    x = torch.randn(batch, seq, d, requires_grad=True)
+    attention = [torch.randn(d, d, requires_grad=True) for _ in range(4)]
+    gate_up = [torch.randn(ffn, d, requires_grad=True) for _ in range(2)]
+    down = torch.randn(d, ffn, requires_grad=True)
+    norm = torch.ones(d, requires_grad=True)
+
+    def step() -> None:
+        h = F.rms_norm(x, (d,), norm)
+        q, k, v = (F.linear(h, w).view(batch, seq, 2, d // 2).transpose(1, 2) for w in attention[:3])
+        mixed = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        h = x + F.linear(mixed.reshape(batch, seq, d), attention[3])
+        g = F.rms_norm(h, (d,), norm)
+        out = h + F.linear(F.silu(F.linear(g, gate_up[0])) * F.linear(g, gate_up[1]), down)
+        out.sum().backward()
+
+    return step, batch * seq * flops_per_token(layer, seq, "none")
+
+
+_ECHO_PEER = """
+import socket, sys
+peer = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+total, received = int(sys.argv[2]), 0
+while received < total:
+    received += len(peer.recv(1 << 20))
+peer.sendall(b"k")
+while True:
+    byte = peer.recv(1)
+    if not byte:
+        break
+    peer.sendall(byte)
+"""
+
+
+def _loopback_bandwidth(total: int = 32 * 2 ** 20, chunk: int = 2 ** 20) -> tuple[float, float]:
+    """Bytes/s and one-way latency over local TCP to another process (what gloo goes through)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(30)
+    peer = subprocess.Popen([sys.executable, "-c", _ECHO_PEER, str(server.getsockname()[1]), str(total)])
+    try:
+        connection, _ = server.accept()
+        connection.settimeout(30)
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        payload = b"\0" * chunk
+        start = time.perf_counter()
+        for _ in range(total // chunk):
+            connection.sendall(payload)
+        connection.recv(1)
+        bandwidth = total / (time.perf_counter() - start)
+        start = time.perf_counter()
+        for _ in range(50):
+            connection.sendall(b"x")
+            connection.recv(1)
+        latency = (time.perf_counter() - start) / 100
+        connection.close()
+    finally:
+        server.close()
+        try:
+            peer.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            peer.kill()
+            peer.wait()
+    return bandwidth, latency
