@@ -265,18 +265,19 @@ def _visible_gpus() -> int:
 
 
 def _catalogue_name() -> str:
-    """The planner's catalogue entry for this GPU: same model family, closest memory size
-    (A100 40 GB vs 80 GB); "cuda" (H100 figures) for models the catalogue lacks."""
+    """The planner's catalogue entry for this GPU, by its exact product name; "cuda" (H100
+    figures, said on the terminal) for a GPU the catalogue does not list."""
     import torch
 
-    from colab_par.planner import DEVICES
+    from colab_par.devices import device_for_product
 
-    name = torch.cuda.get_device_name(0).lower()
-    memory = torch.cuda.get_device_properties(0).total_memory
-    family = [entry for entry in DEVICES if entry.split("-")[0].lower() in name]
-    if not family:
+    product = torch.cuda.get_device_name(0)
+    entry = device_for_product(product)
+    if entry is None:
+        print(f"colab-par demo: {product!r} is not in the device catalogue; the planner assumes "
+              "H100 figures for it", file=sys.stderr)
         return "cuda"
-    return min(family, key=lambda entry: abs(DEVICES[entry].memory - memory))
+    return entry.name
 
 
 if __name__ == "__main__":
