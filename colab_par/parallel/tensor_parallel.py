@@ -11,7 +11,9 @@ torch's styles (a small style of our own only where torch has none). Where the p
   norms and residuals sharded along the sequence). The vocabulary is sharded in the embedding and
   the output head, whose logits are gathered so any loss function works on them unchanged.
 Every plan is checked against the model before anything is sharded (unknown or untrainable styles,
-patterns that match nothing, sizes that do not divide, tied weights sharded two ways).
+patterns that match nothing, uneven splits the next layers would see, tied weights sharded two
+ways). A vocabulary tp does not divide is split unevenly (DTensor's uneven shards): the embedding
+and a gathered head hide the split, so GPT-2's 50,257 tokens train under any tp.
 """
 from __future__ import annotations
 
@@ -362,10 +364,24 @@ def _placements(style: ParallelStyle, module: nn.Module) -> dict[str, Placement]
     return {}
 
 
+def _split_stays_inside(style: ParallelStyle, module: nn.Module) -> bool:
+    """Whether the module's split is invisible outside it, so DTensor may shard it unevenly (its
+    first ``size % tp`` ranks one row more): a vocabulary-split embedding (the masked lookup sums
+    whole rows), a column-split layer whose output is gathered, a row-split layer that splits its
+    whole input itself. A split that leaves the module (a local column-split output, a row-split
+    layer fed pieces) must cut heads and features where its neighbours do: evenly."""
+    if isinstance(style, RowwiseParallel):
+        return isinstance(style.input_layouts[0], Replicate)
+    if isinstance(style, ColwiseParallel):
+        return isinstance(style.output_layouts[0], Replicate)
+    return False
+
+
 def _check_shardable(model: nn.Module, plan: dict[str, ParallelStyle], tp: int) -> None:
     """Refuse, before anything is sharded, what `parallelize_module` would break on halfway or get
     wrong silently: one module under two patterns, Colwise/Rowwise on something other than
-    Linear/Embedding, dimensions that do not divide by tp, tied weights planned two ways."""
+    Linear/Embedding, uneven splits whose pieces leave the module (`_split_stays_inside`), tied
+    weights planned two ways."""
     owner: dict[int, str] = {}
     planned: dict[str, Placement] = {}  # parameter FQN -> where the plan puts it
     names = {id(m): name for name, m in model.named_modules()}
@@ -382,11 +398,13 @@ def _check_shardable(model: nn.Module, plan: dict[str, ParallelStyle], tp: int) 
                                  "nn.Linear or nn.Embedding; plan its Linear submodules instead")
             for pname, placement in _placements(style, module).items():
                 size = module._parameters[pname].shape[placement.dim] if isinstance(placement, Shard) else 0
-                if size % tp:
+                if size % tp and not _split_stays_inside(style, module):
                     raise ValueError(
                         f"{type(style).__name__} on {name!r} splits {pname} dim {placement.dim} of size "
-                        f"{size} over tp={tp}, which does not divide it; choose a tp that divides it or "
-                        "leave the module out of the plan")
+                        f"{size} over tp={tp}, which does not divide it, and its pieces leave the module "
+                        "split (the layers after it would cut heads or features unevenly); choose a tp "
+                        "that divides it, gather the output ('colwise_gather_output') or leave the "
+                        "module out of the plan")
                 planned[f"{name}.{pname}".lstrip(".")] = placement
     for fqns, _ in _tied_parameters(model):
         ways = {fqn: planned.get(fqn) for fqn in fqns}
