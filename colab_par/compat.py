@@ -193,3 +193,51 @@ def sdpa_aten_ops() -> list[Any]:
     if not found:
         raise _missing("torch", "aten::_scaled_dot_product_* attention kernels")
     return found
+
+
+# ---- pytrees (torch.utils._pytree) -----------------------------------------------------------------
+@cache
+def _pytree() -> Any:
+    try:
+        from torch.utils import _pytree
+    except ImportError:
+        raise _missing("torch", "torch.utils._pytree") from None
+    for name in ("tree_flatten", "tree_unflatten", "tree_map"):
+        if not callable(getattr(_pytree, name, None)):
+            raise _missing("torch", f"torch.utils._pytree.{name}")
+    return _pytree
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
+    """The leaves of a nested tuple/list/dict (ModelOutputs included) and its structure
+    (`torch.utils._pytree.tree_flatten`; torch has no public pytree module yet)."""
+    return _pytree().tree_flatten(tree)
+
+
+def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
+    """The inverse of `tree_flatten` (`torch.utils._pytree.tree_unflatten`)."""
+    return _pytree().tree_unflatten(leaves, spec)
+
+
+def tree_map(function: Callable[[Any], Any], tree: Any) -> Any:
+    """`tree` with `function` applied to every leaf (`torch.utils._pytree.tree_map`)."""
+    return _pytree().tree_map(function, tree)
+
+
+# ---- transformers' losses ----------------------------------------------------------------------------
+@cache
+def hf_token_losses() -> dict[str, Callable]:
+    """transformers' per-token language-model losses, ``loss(logits, labels, vocab_size,
+    num_items_in_batch)``: "causal" shifts the labels by one, "masked" does not
+    (`transformers.loss.loss_utils`, undocumented). A model's `loss_function` is one of them when it
+    is a language model."""
+    try:
+        from transformers.loss import loss_utils
+    except ImportError as error:
+        raise _missing("transformers", f"transformers.loss.loss_utils ({error})") from None
+    losses = {"causal": getattr(loss_utils, "ForCausalLMLoss", None),
+              "masked": getattr(loss_utils, "ForMaskedLMLoss", None)}
+    for kind, loss in losses.items():
+        if not callable(loss):
+            raise _missing("transformers", f"transformers.loss.loss_utils's {kind} language-model loss")
+    return losses

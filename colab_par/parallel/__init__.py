@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from colab_par.layout import Layout
 from colab_par.models.hf import causal_lm_logits, is_hf_model
 from colab_par.parallel.batch import (LabelMean, batch_to, call_model, check_batch, counted_labels,
-                                      labels_of, slice_batch)
+                                      default_loss, labels_of, slice_batch)
 from colab_par.parallel.blocks import find_blocks
 from colab_par.parallel.checkpointing import apply_activation_checkpointing
 from colab_par.parallel.context import apply_context_parallel, sequence_positions, shard_sequence
@@ -162,17 +162,17 @@ class ParallelModel:
 
     def _set_label_scale(self, batch: Any) -> Any:
         """With the default loss and labels: count them over the dp ranks and set `LabelMean`'s
-        scale for this step; returns what the model is called with (labels left out, the loss
+        items for this step; returns what the model is called with (labels left out, the loss
         is computed here)."""
         labels = labels_of(batch)
         if not isinstance(self.batch_loss_fn, LabelMean) or labels is None:
             return batch
-        counted = torch.tensor(float(counted_labels(labels, self.batch_loss_fn.causal)),
+        counted = torch.tensor(float(counted_labels(labels, self.batch_loss_fn.shifts)),
                                dtype=torch.float64, device=self.device)
         if self.dp_size > 1:
             dist.all_reduce(counted, group=self.mesh["dp"].get_group())
         pieces = self.dp_size * (self.layout.microbatches if self._runner is not None else 1)
-        self.batch_loss_fn.scale = pieces / max(counted.item(), 1.0)
+        self.batch_loss_fn.items = max(counted.item(), 1.0) / pieces
         return {k: v for k, v in batch.items() if k != "labels"}
 
     def _logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -306,7 +306,7 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
 
     fused_loss = _apply_hf_kernels(model, kernels, layout, device, fuse=loss_fn is None) if hf else False
     token_loss = loss_fn or getattr(model, "loss_fn", None) or _default_loss
-    batch_loss = loss_fn or LabelMean(model)
+    batch_loss = loss_fn or default_loss(model)
     if record is None:
         model.to(device)
         broadcast_from_rank0(model)

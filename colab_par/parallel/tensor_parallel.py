@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 
 from colab_par import compat
 from colab_par.parallel.collectives import sum_grad_over
+from colab_par.parallel.pipeline.layers import StandIn
 
 __all__ = ["apply_tensor_parallel", "bert_tp_plan", "gpt_tp_plan", "hf_tp_plan", "resolve_tp_plan",
            "tp_plan_for", "HF_STYLES", "LocalParams", "ReplicatedGradSum", "ShardParameter"]
@@ -284,7 +285,8 @@ def tp_plan_for(model: nn.Module, user_plan: Plan | None, *, hf: bool,
 def _resolve(model: nn.Module, pattern: str) -> tuple[list[nn.Module], list[tuple[nn.Module, str]], bool]:
     """What `pattern` names, matched the way ``parallelize_module`` does (fnmatch per dotted name):
     (modules, (owner, name) of bare parameters, whether some match is a module a pipeline stage
-    pruned: a None module or attribute, or a layer index missing from a stage's ModuleDict of layers)."""
+    does not hold: a None module or attribute, another stage's stand-in, or a layer index missing
+    from a stage's ModuleDict of layers)."""
     atoms = pattern.split(".")
     frontier, pruned = [model], False
     for depth, atom in enumerate(atoms):
@@ -292,8 +294,9 @@ def _resolve(model: nn.Module, pattern: str) -> tuple[list[nn.Module], list[tupl
         for module in frontier:
             for name, child in module._modules.items():
                 if fnmatch(name, atom):
-                    pruned |= child is None
-                    if child is not None:
+                    stand_in = child is None or isinstance(child, StandIn)
+                    pruned |= stand_in
+                    if not stand_in:
                         children.append(child)
             pruned |= module.__dict__.get(atom, False) is None  # a stage's `self.lm_head = None`
             pruned |= (isinstance(module, nn.ModuleDict) and atom.isdigit() and atom not in module._modules
