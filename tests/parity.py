@@ -59,8 +59,8 @@ def build_model(kind: str, seed: int | None) -> torch.nn.Module:
     """The model of `kind`, seeded with `seed` first (None: from the generator as it stands)."""
     if seed is not None:
         torch.manual_seed(seed)
-    if kind in any_models.BUILDERS:
-        return any_models.BUILDERS[kind]()
+    if kind in any_models.MODELS:
+        return any_models.MODELS[kind]()
     if kind in GPT_KINDS:
         from colab_par.models import GPT, GPTConfig
         return GPT(GPTConfig(**GPT_KINDS[kind]))
@@ -81,7 +81,7 @@ def _vocab_seq(kind: str) -> tuple[int, int]:
 
 def takes_tokens(kind: str) -> bool:
     """Language models train on (tokens, targets) pairs, passed to the kit as two arguments."""
-    return kind not in any_models.BUILDERS or kind in any_models.TOKEN_KINDS
+    return kind not in any_models.MODELS or kind in any_models.TOKEN_KINDS
 
 
 def training_batches(kind: str, steps: int = STEPS) -> list[Any]:

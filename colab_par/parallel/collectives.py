@@ -14,13 +14,14 @@ splits move exactly what they did.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["Split", "piece_sizes", "all_gather", "reduce_scatter", "gather", "gather_replicas", "all_reduce_sum",
-           "sum_grad_over"]
+           "sum_grad_over", "sum_replicas", "regroup_blocks"]
 
 # A group and the tensor dim its ranks' pieces lie along; a third element, the full size along that
 # dim, marks a split whose pieces may be uneven.
@@ -135,3 +136,55 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
 def sum_grad_over(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Identity forward; backward sums the gradient over `group` (each rank saw part of the data)."""
     return _Adjoint.apply(tensor, group, _same, _summed)
+
+
+def sum_replicas(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum over `group` for a computation every rank then repeats identically (a row-split layer's
+    partial products): backward passes the gradient through, each rank's being already whole."""
+    return _Adjoint.apply(tensor, group, _summed, _same)
+
+
+def regroup_blocks(tensor: torch.Tensor, group: dist.ProcessGroup, parts: int, dim: int) -> torch.Tensor:
+    """A dim made of `parts` equal blocks side by side (GPT-2's fused q|k|v columns), split in
+    contiguous equal pieces over `group`: this rank's piece in, its piece of every block out, side
+    by side (rank r gets the r-th piece of q, of k and of v). One all-to-all; backward, the inverse."""
+    if dist.get_world_size(group) == 1:
+        return tensor
+    return _Adjoint.apply(tensor, (group, parts, dim), _regrouped, _ungrouped)
+
+
+def _regroup_plan(size: int, group: dist.ProcessGroup, parts: int) -> tuple[torch.Tensor, list[int], list[int]]:
+    """For a local piece of `size` rows: the local rows to send (grouped by destination), how many
+    go to each rank, and how many come from each rank."""
+    rows, send, recv = _regroup_rows(size, dist.get_world_size(group), dist.get_rank(group), parts)
+    return torch.tensor(rows, dtype=torch.long), list(send), list(recv)
+
+
+@functools.lru_cache(maxsize=None)
+def _regroup_rows(size: int, ranks: int, rank: int, parts: int) -> tuple[tuple[int, ...], ...]:
+    block = size * ranks // parts
+    piece = block // ranks
+    wanted = [[part * block + dest * piece + i for part in range(parts) for i in range(piece)]
+              for dest in range(ranks)]  # global rows of each rank's pieces, in order
+    mine = range(rank * size, (rank + 1) * size)
+    send = [[row - mine.start for row in rows if row in mine] for rows in wanted]
+    recv = [sum(source * size <= row < (source + 1) * size for row in wanted[rank]) for source in range(ranks)]
+    return tuple(row for rows in send for row in rows), tuple(map(len, send)), tuple(recv)
+
+
+def _regrouped(tensor: torch.Tensor, over: tuple) -> torch.Tensor:
+    group, parts, dim = over
+    moved = tensor.movedim(dim, 0)
+    rows, send, recv = _regroup_plan(moved.shape[0], group, parts)
+    out = moved.new_empty((sum(recv), *moved.shape[1:]))
+    dist.all_to_all_single(out, moved.index_select(0, rows.to(moved.device)).contiguous(), recv, send, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _ungrouped(grad: torch.Tensor, over: tuple) -> torch.Tensor:
+    group, parts, dim = over
+    moved = grad.movedim(dim, 0).contiguous()
+    rows, send, recv = _regroup_plan(moved.shape[0], group, parts)  # a regrouped piece has the same size
+    back = moved.new_empty((sum(send), *moved.shape[1:]))
+    dist.all_to_all_single(back, moved, send, recv, group=group)
+    return moved.new_zeros(moved.shape).index_copy_(0, rows.to(moved.device), back).movedim(0, dim).contiguous()

@@ -4,7 +4,8 @@ A plan maps module patterns (``fnmatch`` per dotted name, e.g. ``layers.*.mlp.up
 ``ParallelStyle``s or to the style strings of transformers' own plans, which are translated here to
 torch's styles (a small style of our own only where torch has none). Where the plan comes from:
 - the user's ``tp_plan``;
-- a Hugging Face model's own ``_tp_plan``, or for BERT, which ships none, ours;
+- a Hugging Face model's own ``_tp_plan``, or for BERT and GPT-2, which ship none, the kit's
+  (`hf_plans.py`);
 - the reference GPT: a Megatron plan. q/k/v and the SwiGLU gate/up projections are split by output
   columns, the attention and FFN output projections by input rows, so each block needs one
   all-reduce in forward (or, with sequence parallel, a reduce-scatter + all-gather pair that keeps
@@ -31,11 +32,13 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                parallelize_module)
 
 from colab_par import compat
+from colab_par.models.hf import is_hf_model
 from colab_par.parallel.collectives import sum_grad_over
+from colab_par.parallel.hf_plans import KIT_PLANS, Conv1DColwise, Conv1DRowwise, bert_tp_plan, gpt2_tp_plan
 from colab_par.parallel.pipeline.layers import StandIn
 
-__all__ = ["apply_tensor_parallel", "bert_tp_plan", "gpt_tp_plan", "hf_tp_plan", "resolve_tp_plan",
-           "tp_plan_for", "HF_STYLES", "LocalParams", "ReplicatedGradSum", "ShardParameter"]
+__all__ = ["apply_tensor_parallel", "bert_tp_plan", "gpt2_tp_plan", "gpt_tp_plan", "has_tp_plan", "hf_tp_plan",
+           "resolve_tp_plan", "tp_plan_for", "HF_STYLES", "LocalParams", "ReplicatedGradSum", "ShardParameter"]
 
 Plan = dict[str, Any]  # module pattern -> ParallelStyle or Hugging Face style string
 
@@ -221,45 +224,31 @@ def _parameter_placement(pattern: str, name: str, param: torch.Tensor) -> Placem
 
 
 # ---- plans of Hugging Face models -----------------------------------------------------------------
-def bert_tp_plan(model: nn.Module) -> dict[str, str]:
-    """A Megatron plan for BERT encoders (BertModel, BertForMaskedLM, BertFor...Classification).
-
-    q/k/v and the FFN's intermediate projection are split by output columns, the attention output
-    and FFN output projections by input rows: one all-reduce each in forward. Self-attention views
-    its projections as ``(..., -1, head_size)``, so every rank simply sees its own heads. The
-    vocabulary is split in the word embeddings and in the MLM decoder (tied to them, so both are
-    split the same way) whose logits are gathered; position/type embeddings and norms stay whole.
-    """
-    prefix = getattr(model, "base_model_prefix", "")
-    base = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
-    layer = f"{base}encoder.layer.*"
-    plan = {f"{base}embeddings.word_embeddings": "embedding_rowwise",
-            f"{layer}.attention.self.query": "colwise", f"{layer}.attention.self.key": "colwise",
-            f"{layer}.attention.self.value": "colwise", f"{layer}.attention.output.dense": "rowwise",
-            f"{layer}.intermediate.dense": "colwise", f"{layer}.output.dense": "rowwise"}
-    if isinstance(dict(model.named_modules()).get("cls.predictions.decoder"), nn.Linear):
-        plan["cls.predictions.decoder"] = "colwise_gather_output"
-    return plan
-
-
-# Encoders without a plan of their own, by config.model_type (only what the tests train).
-_ENCODER_PLANS: dict[str, Callable[[nn.Module], dict[str, str]]] = {"bert": bert_tp_plan}
-
-
-def hf_tp_plan(model: nn.Module) -> dict[str, str]:
-    """A transformers model's own ``_tp_plan`` (FQN pattern -> style name), or ours for encoders
-    that ship none."""
-    raw: dict[str, str] = compat.hf_tp_plan(model)
+def hf_tp_plan(model: nn.Module) -> dict[str, Any]:
+    """A transformers model's own ``_tp_plan`` (FQN pattern -> style name), or the kit's for
+    families that ship none (`hf_plans.KIT_PLANS`: BERT, GPT-2)."""
+    raw: dict[str, Any] = compat.hf_tp_plan(model)
     if not raw:
         raw = {f"model.{k}": v for k, v in (getattr(model.config, "base_model_tp_plan", None) or {}).items()}
-    encoder_plan = _ENCODER_PLANS.get(getattr(model.config, "model_type", ""))
-    if not raw and encoder_plan is not None:
-        raw = encoder_plan(model)
+    kit_plan = KIT_PLANS.get(getattr(model.config, "model_type", ""))
+    if not raw and kit_plan is not None:
+        raw = kit_plan(model)
     if not raw:
         raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (_tp_plan / "
                          "config.base_model_tp_plan); pass parallelize(..., tp_plan={module pattern: "
                          "style}) or use a layout with tp=1")
     return raw
+
+
+def has_tp_plan(model: nn.Module) -> bool:
+    """Whether `model` brings a tensor-parallel plan of its own (transformers', or the kit's for its
+    family): no `tp_plan` needs to be given for it."""
+    if not is_hf_model(model):
+        return False
+    try:
+        return bool(hf_tp_plan(model))
+    except ValueError:
+        return False
 
 
 def tp_plan_for(model: nn.Module, user_plan: Plan | None, *, hf: bool,
@@ -358,6 +347,8 @@ def _placements(style: ParallelStyle, module: nn.Module) -> dict[str, Placement]
         return {style.name: style.placement}
     if isinstance(style, (SequenceParallel, ReplicatedGradSum)):
         return {name: Replicate() for name in params}
+    if isinstance(style, (Conv1DColwise, Conv1DRowwise)):
+        return dict(style.placements)
     linear, embedding = isinstance(module, nn.Linear), isinstance(module, nn.Embedding)
     if isinstance(style, ColwiseParallel):
         return {name: Shard(1 if embedding else 0) for name in params}
