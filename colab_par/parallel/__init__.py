@@ -230,6 +230,12 @@ class ParallelModel:
         self.optimizer.zero_grad(set_to_none=True)
 
     # ---- state ---------------------------------------------------------------------------------
+    @property
+    def tied_names(self) -> dict[str, list[str]]:
+        """With pipeline stages: each state-dict name of the model -> every name of the same tensor
+        (a head tied to the embeddings lives on two stages under two names); {} without."""
+        return {name: list(aliases) for name, aliases in self._whole_model_names.items()}
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters (original FQNs, on the CPU) on global rank 0; {} elsewhere."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=False)
