@@ -208,7 +208,7 @@ def test_split_rejects_layers_that_do_not_divide():
 def test_split_keeps_a_head_tied_to_the_embeddings_as_synchronised_copies():
     """The first stage holds the embedding, the last the head: one tensor, trained as two copies
     whose gradients the runner sums; refused where the sum cannot happen yet (FSDP, tp pieces)."""
-    first, last = split_model(tiny_gpt2(tied=True), "pp2 1f1b mb2", 0)[0], split_model(tiny_gpt2(tied=True), "pp2 1f1b mb2", 1)[0]
+    first, last = (split_model(tiny_gpt2(tied=True), "pp2 1f1b mb2", rank)[0] for rank in (0, 1))
     assert "transformer.wte.weight" in first.state_dict() and "lm_head.weight" in last.state_dict()
     assert [set(tie.names) for tie in first.pipeline_ties] == [{"transformer.wte.weight", "lm_head.weight"}]
     assert first.pipeline_ties == last.pipeline_ties

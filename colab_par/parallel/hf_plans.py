@@ -18,10 +18,11 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from colab_par.parallel.collectives import regroup_blocks, sum_grad_over, sum_replicas
 
-__all__ = ["KIT_PLANS", "bert_tp_plan", "gpt2_tp_plan", "Conv1DColwise", "Conv1DRowwise", "DivideAttribute"]
+__all__ = ["KIT_PLANS", "base_prefix", "bert_tp_plan", "gpt2_tp_plan", "Conv1DColwise", "Conv1DRowwise",
+           "DivideAttribute"]
 
 
-def _base(model: nn.Module) -> str:
+def base_prefix(model: nn.Module) -> str:
     """The prefix of the base model's modules ("bert.", "transformer.") or "" for a base model."""
     prefix = getattr(model, "base_model_prefix", "")
     return f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
@@ -30,7 +31,7 @@ def _base(model: nn.Module) -> str:
 def bert_tp_plan(model: nn.Module) -> dict[str, Any]:
     """BERT encoders (a masked LM, a classifier, the bare encoder). Self-attention views its
     projections as ``(..., -1, head_size)``, so every rank simply sees its own heads."""
-    base = _base(model)
+    base = base_prefix(model)
     layer = f"{base}encoder.layer.*"
     plan: dict[str, Any] = {
         f"{base}embeddings.word_embeddings": "embedding_rowwise",
@@ -50,7 +51,7 @@ def gpt2_tp_plan(model: nn.Module) -> dict[str, Any]:
     if getattr(model.config, "add_cross_attention", False):
         raise ValueError("GPT-2 with cross-attention (add_cross_attention=True) has no tensor-parallel "
                          "plan; use tp=1, or pass parallelize(..., tp_plan=...)")
-    base = _base(model)
+    base = base_prefix(model)
     layer = f"{base}h.*"
     plan: dict[str, Any] = {
         f"{base}wte": "embedding_rowwise",

@@ -34,7 +34,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 from colab_par import compat
 from colab_par.models.hf import is_hf_model
 from colab_par.parallel.collectives import sum_grad_over
-from colab_par.parallel.hf_plans import KIT_PLANS, Conv1DColwise, Conv1DRowwise, bert_tp_plan, gpt2_tp_plan
+from colab_par.parallel.hf_plans import (KIT_PLANS, Conv1DColwise, Conv1DRowwise, base_prefix, bert_tp_plan,
+                                        gpt2_tp_plan)
 from colab_par.parallel.pipeline.layers import StandIn
 
 __all__ = ["apply_tensor_parallel", "bert_tp_plan", "gpt2_tp_plan", "gpt_tp_plan", "has_tp_plan", "hf_tp_plan",
@@ -228,8 +229,9 @@ def hf_tp_plan(model: nn.Module) -> dict[str, Any]:
     """A transformers model's own ``_tp_plan`` (FQN pattern -> style name), or the kit's for
     families that ship none (`hf_plans.KIT_PLANS`: BERT, GPT-2)."""
     raw: dict[str, Any] = compat.hf_tp_plan(model)
-    if not raw:
-        raw = {f"model.{k}": v for k, v in (getattr(model.config, "base_model_tp_plan", None) or {}).items()}
+    if not raw:  # the config's plan names the base model's modules
+        config_plan = getattr(model.config, "base_model_tp_plan", None) or {}
+        raw = {f"{base_prefix(model)}{k}": v for k, v in config_plan.items()}
     kit_plan = KIT_PLANS.get(getattr(model.config, "model_type", ""))
     if not raw and kit_plan is not None:
         raw = kit_plan(model)
