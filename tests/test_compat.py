@@ -249,3 +249,33 @@ def test_engine_main_file_is_where_an_engine_main_thread_starts(cluster2):
             return handle.read()
 
     assert all(compat.ENGINE_MAIN_FILE in text for text in cluster2.run(dump))
+
+
+# ---- pytrees and transformers' losses ----------------------------------------------------------------
+def test_pytree_flattens_model_outputs_and_rebuilds_them():
+    transformers = pytest.importorskip("transformers")
+
+    output = transformers.modeling_outputs.CausalLMOutput(logits=torch.ones(2, 3))
+    leaves, spec = compat.tree_flatten(((torch.zeros(1), 2), {"out": output}))
+    assert [type(leaf) for leaf in leaves] == [torch.Tensor, int, torch.Tensor]
+    rebuilt = compat.tree_unflatten(leaves, spec)
+    assert torch.equal(rebuilt[1]["out"].logits, output.logits) and rebuilt[0][1] == 2
+    doubled = compat.tree_map(lambda leaf: leaf * 2, {"a": torch.ones(2), "b": [3]})
+    assert torch.equal(doubled["a"], torch.full((2,), 2.0)) and doubled["b"] == [6]
+
+
+def test_hf_token_losses_are_what_language_models_score_with():
+    """The causal loss shifts labels (summed over the items, divided by num_items_in_batch), the
+    masked one does not; GPT-2 (not named *ForCausalLM) and BERT's masked LM use them."""
+    transformers = pytest.importorskip("transformers")
+
+    losses = compat.hf_token_losses()
+    logits, labels = torch.randn(1, 4, 5), torch.tensor([[1, 2, -100, 4]])
+    flat = F.cross_entropy(logits[0], labels[0], ignore_index=-100, reduction="none")
+    shifted = F.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="none")
+    torch.testing.assert_close(losses["masked"](logits, labels, 5, num_items_in_batch=2.0), flat.sum() / 2)
+    torch.testing.assert_close(losses["causal"](logits, labels, 5, num_items_in_batch=2.0), shifted.sum() / 2)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=8))
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(hidden_size=8, num_hidden_layers=1,
+                                                                num_attention_heads=2, intermediate_size=8))
+    assert gpt2.loss_function is losses["causal"] and bert.loss_function is losses["masked"]

@@ -1,6 +1,6 @@
 """Cutting a trial's model into shards that fit one engine's memory budget (Hydra's partitioner).
 
-A model is a chain of units: the layers of colab_par's GPT or a Hugging Face ``*ForCausalLM``
+A model is a chain of units: the layers of colab_par's GPT or of a Hugging Face decoder
 (the first unit also holds the embedding, the last the final norm and head), or the children of an
 ``nn.Sequential``. A short probe runs the model once on the meta device with the trial's first
 batch: it costs no memory or time, yet gives each unit's parameter bytes and the activation bytes
