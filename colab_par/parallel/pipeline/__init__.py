@@ -14,13 +14,13 @@ from torch import nn
 
 from colab_par.layout import Layout
 from colab_par.parallel.batch import Batch
-from colab_par.parallel.pipeline.layers import layer_count, layer_stage, split_by_layers
+from colab_par.parallel.pipeline.layers import layer_count, layer_stage, layer_units, split_by_layers
 from colab_par.parallel.pipeline.runner import PipelineRunner
 from colab_par.parallel.pipeline.stages import TiedTensor, stage_ids, stage_owner
 from colab_par.parallel.pipeline.traced import TracedInterface, auto_split_points, balanced_cuts, split_traced
 
 __all__ = ["stage_ids", "stage_owner", "split_model", "auto_split_points", "balanced_cuts", "layer_count",
-           "layer_stage", "TracedInterface", "TiedTensor", "PipelineRunner"]
+           "layer_stage", "layer_units", "TracedInterface", "TiedTensor", "PipelineRunner"]
 
 
 def split_model(model: nn.Module, layout: Layout | str, pp_rank: int, *,

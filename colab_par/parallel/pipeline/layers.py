@@ -32,7 +32,7 @@ from colab_par.models.hf import is_hf_decoder
 from colab_par.parallel.blocks import find_blocks
 from colab_par.parallel.pipeline.stages import stage_ids, stage_layers, tensors_across_stages
 
-__all__ = ["layer_count", "layer_stage", "split_by_layers", "StandIn"]
+__all__ = ["layer_count", "layer_stage", "layer_units", "split_by_layers", "StandIn"]
 
 
 def layer_count(model: nn.Module) -> int | None:
@@ -49,6 +49,20 @@ def layer_stage(model: nn.Module, stage: int, n_stages: int, layers: range) -> n
     also the embedding, the last the final norm and head); parameters keep their FQNs."""
     build = _gpt_stage if isinstance(model, GPT) else _decoder_stage
     return build(model, stage, n_stages, layers)
+
+
+def layer_units(model: nn.Module) -> tuple[list[nn.Module], list[tuple[str, nn.Module]], list[nn.Module]]:
+    """A model `layer_count` knows, as the modules its first stage holds besides layers, its layers
+    by name, and the modules its last stage holds besides layers."""
+    if isinstance(model, GPT):
+        return ([model.tok_embeddings], [(f"layers.{key}", layer) for key, layer in model.layers.items()],
+                [model.norm, model.output])
+    layers = _decoder_layers(model)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__} is neither colab_par's GPT nor a Hugging Face decoder")
+    names = {id(module): name for name, module in model.named_modules()}
+    before, after = _outer_modules(model, layers)
+    return [m for _, m in before], [(names[id(layer)], layer) for layer in layers], [m for _, m in after]
 
 
 def split_by_layers(model: nn.Module, layout: Layout, pp_rank: int) -> list[nn.Module]:
