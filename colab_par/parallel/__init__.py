@@ -120,7 +120,7 @@ class ParallelModel:
         if not local and self.dp_size > 1:
             batch = slice_batch(batch, self.dp_size, self.dp_rank)
         batch = batch_to(batch, self.device)
-        inputs = self._set_label_scale(batch)
+        inputs = self._count_labels(batch)
         if self._runner is not None:
             loss_sum = torch.tensor(self._runner.step_batch(batch, loss_scale=loss_scale),
                                     dtype=torch.float64, device=self.device)
@@ -160,7 +160,7 @@ class ParallelModel:
         (loss * loss_scale).backward()
         return loss_sum, pending
 
-    def _set_label_scale(self, batch: Any) -> Any:
+    def _count_labels(self, batch: Any) -> Any:
         """With the default loss and labels: count them over the dp ranks and set `LabelMean`'s
         items for this step; returns what the model is called with (labels left out, the loss
         is computed here)."""

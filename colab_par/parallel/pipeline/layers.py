@@ -30,7 +30,7 @@ from colab_par.layout import Layout
 from colab_par.models.gpt import GPT
 from colab_par.models.hf import is_hf_decoder
 from colab_par.parallel.blocks import find_blocks
-from colab_par.parallel.pipeline.stages import stage_ids, stage_layers, tensors_across_stages
+from colab_par.parallel.pipeline.stages import TiedTensor, stage_ids, stage_layers, tensors_across_stages
 
 __all__ = ["layer_count", "layer_stage", "layer_units", "split_by_layers", "StandIn"]
 
@@ -126,7 +126,7 @@ def _outer_modules(model: nn.Module, layers: list[nn.Module]) -> tuple[list[tupl
     return before, after
 
 
-def _decoder_ties(model: nn.Module, n_stages: int, layout: Layout) -> list:
+def _decoder_ties(model: nn.Module, n_stages: int, layout: Layout) -> list[TiedTensor]:
     """The tensors several stages hold (a head tied to the embeddings), refused with tensor parallel."""
     layers = _decoder_layers(model)
     before, after = _outer_modules(model, layers)
