@@ -17,7 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable
 
 __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_path", "flatten_mesh",
-           "STAGE_COMPUTE_HOOKS", "check_stage_compute_hooks", "create_causal_mask", "hf_tp_plan",
+           "STAGE_COMPUTE_HOOKS", "check_stage_compute_hooks", "hf_tp_plan",
            "ipp_engine_kernel_class", "ENGINE_MAIN_CODE", "ENGINE_MAIN_FILE", "task_futures",
            "checkpoint_wrapper", "sdpa_aten_ops",
            "torch_dispatch_mode", "tree_map", "tree_leaves", "device_constructors", "op_schema",
@@ -26,8 +26,6 @@ __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_pat
 SUPPORTED = {"torch": "torch>=2.6,<3", "ipyparallel": "ipyparallel>=9",
              "transformers": "transformers>=5.9", "triton": "triton>=3.0"}
 """The ranges pyproject.toml declares; a missing private API names the one it belongs to."""
-
-_TRANSFORMERS_MIN = (5, 9)  # first release whose create_causal_mask takes no cache_position
 
 
 class CompatError(RuntimeError):
@@ -41,16 +39,6 @@ def _missing(package: str, what: str) -> CompatError:
         installed = "not installed"
     return CompatError(f"{what} is missing from {package} {installed}; colab_par supports "
                        f"{SUPPORTED[package]}: install a version in that range")
-
-
-def _release(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in text.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
 
 
 # ---- torch.distributed.checkpoint ------------------------------------------------------------------
@@ -102,26 +90,6 @@ def check_stage_compute_hooks() -> None:
 
 
 # ---- transformers ----------------------------------------------------------------------------------
-@cache
-def _transformers_masking() -> Any:
-    try:
-        import transformers
-        from transformers import masking_utils
-    except ImportError as error:
-        raise _missing("transformers", f"transformers.masking_utils ({error})") from None
-    if _release(transformers.__version__) < _TRANSFORMERS_MIN:
-        raise _missing("transformers", "create_causal_mask without cache_position")
-    return masking_utils
-
-
-def create_causal_mask(config: Any, inputs_embeds: Any, position_ids: Any) -> Any:
-    """The attention mask a Hugging Face decoder layer expects for a causal pass without a KV cache
-    (`transformers.masking_utils.create_causal_mask`, internal to the modeling code)."""
-    build: Callable = _transformers_masking().create_causal_mask
-    return build(config=config, inputs_embeds=inputs_embeds, attention_mask=None,
-                 past_key_values=None, position_ids=position_ids)
-
-
 def hf_tp_plan(model: Any) -> dict[str, str]:
     """A transformers model's own tensor-parallel plan, FQN pattern -> style (private `_tp_plan`,
     which `post_init` fills from the config's `base_model_tp_plan`); {} when it has none."""
@@ -201,7 +169,7 @@ def sdpa_aten_ops() -> list[Any]:
     return found
 
 
-# ---- dispatch modes, pytrees and aten op metadata ---------------------------------------------------
+# ---- dispatch modes and aten op metadata ---------------------------------------------------
 @cache
 def _torch_private(module: str) -> Any:
     """A private torch module, imported once; a missing one names the supported range."""
@@ -218,17 +186,6 @@ def torch_dispatch_mode() -> type:
     if mode is None:
         raise _missing("torch", "torch.utils._python_dispatch.TorchDispatchMode")
     return mode
-
-
-def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
-    """`fn` applied to every leaf of nested tuples / lists / dicts (`torch.utils._pytree.tree_map`,
-    which knows torch's own containers too)."""
-    return _torch_private("torch.utils._pytree").tree_map(fn, tree)
-
-
-def tree_leaves(tree: Any) -> list[Any]:
-    """The leaves of nested tuples / lists / dicts (`torch.utils._pytree.tree_leaves`)."""
-    return _torch_private("torch.utils._pytree").tree_leaves(tree)
 
 
 def device_constructors() -> set[Callable]:
@@ -280,3 +237,56 @@ def triton_interpreted(function: Any) -> bool:
     was imported) rather than for compilation (`triton.runtime.interpreter.InterpretedFunction`,
     internal to triton)."""
     return isinstance(function, _interpreted_function())
+
+
+# ---- pytrees (torch.utils._pytree) -----------------------------------------------------------------
+@cache
+def _pytree() -> Any:
+    try:
+        from torch.utils import _pytree
+    except ImportError:
+        raise _missing("torch", "torch.utils._pytree") from None
+    for name in ("tree_flatten", "tree_unflatten", "tree_map"):
+        if not callable(getattr(_pytree, name, None)):
+            raise _missing("torch", f"torch.utils._pytree.{name}")
+    return _pytree
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
+    """The leaves of a nested tuple/list/dict (ModelOutputs included) and its structure
+    (`torch.utils._pytree.tree_flatten`; torch has no public pytree module yet)."""
+    return _pytree().tree_flatten(tree)
+
+
+def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
+    """The inverse of `tree_flatten` (`torch.utils._pytree.tree_unflatten`)."""
+    return _pytree().tree_unflatten(leaves, spec)
+
+
+def tree_map(function: Callable[[Any], Any], tree: Any) -> Any:
+    """`tree` with `function` applied to every leaf (`torch.utils._pytree.tree_map`)."""
+    return _pytree().tree_map(function, tree)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of nested tuples / lists / dicts (`torch.utils._pytree.tree_leaves`)."""
+    return _pytree().tree_leaves(tree)
+
+
+# ---- transformers' losses ----------------------------------------------------------------------------
+@cache
+def hf_token_losses() -> dict[str, Callable]:
+    """transformers' per-token language-model losses, ``loss(logits, labels, vocab_size,
+    num_items_in_batch)``: "causal" shifts the labels by one, "masked" does not
+    (`transformers.loss.loss_utils`, undocumented). A model's `loss_function` is one of them when it
+    is a language model."""
+    try:
+        from transformers.loss import loss_utils
+    except ImportError as error:
+        raise _missing("transformers", f"transformers.loss.loss_utils ({error})") from None
+    losses = {"causal": getattr(loss_utils, "ForCausalLMLoss", None),
+              "masked": getattr(loss_utils, "ForMaskedLMLoss", None)}
+    for kind, loss in losses.items():
+        if not callable(loss):
+            raise _missing("transformers", f"transformers.loss.loss_utils's {kind} language-model loss")
+    return losses

@@ -588,13 +588,15 @@ def _check_grid_sizes(layout: Any, world: int | None, sizes: dict, device: str |
     if grid is None:
         return
     q = grid[0]
-    # 3d splits the hidden width over two grid sides (q² pieces), 2d and 2.5d over one
-    pieces = {"d_model": q * q if layout.tp_mode == "3d" else q, "vocab_size": q}
-    for name, split in pieces.items():
-        if sizes.get(name) and sizes[name] % split:
-            raise LayoutError(f"a {layout.tp_mode} grid of side q={q} splits {name}={sizes[name]} into "
-                              f"{split} pieces; use a {name} that is a multiple of {split}, or "
-                              "tp_mode='1d'")
+    # 3d splits the hidden width over two grid sides (q² pieces), 2d and 2.5d over one; every
+    # layer sees those pieces, so they must be equal (an odd vocabulary is split unevenly: only the
+    # embedding and the head, which gather it, see its pieces)
+    split = q * q if layout.tp_mode == "3d" else q
+    d_model = sizes.get("d_model")
+    if d_model and d_model % split:
+        raise LayoutError(f"a {layout.tp_mode} grid of side q={q} splits d_model={d_model} into "
+                          f"{split} pieces; use a d_model that is a multiple of {split}, or "
+                          "tp_mode='1d'")
 
 
 @_rule("tp_mode", "sequence_parallel", "cp")

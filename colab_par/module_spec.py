@@ -37,10 +37,10 @@ class ModuleSpec:
         it). Gradients the probe leaves are cleared."""
         from torch.utils.flop_counter import FlopCounterMode
 
-        from colab_par import compat
         from colab_par.parallel.batch import (batch_size, call_model, check_batch, default_batch_loss,
                                               slice_batch)
         from colab_par.parallel.blocks import find_blocks
+        from colab_par.parallel.tensor_parallel import has_tp_plan
         from colab_par.telemetry import ActivationMeter
 
         check_batch(example_batch)
@@ -56,7 +56,7 @@ class ModuleSpec:
         unit = max((sum(p.numel() for p in block.parameters()) for _, _, block in found), default=params)
         return cls(name=type(model).__name__, n_params=params, unit_params=unit, n_blocks=len(found),
                    activation_bytes=float(meter.bytes), flops_per_sample=float(counter.get_total_flops()),
-                   tensor_parallel=tp_plan is not None or bool(compat.hf_tp_plan(model)))
+                   tensor_parallel=tp_plan is not None or has_tp_plan(model))
 
     def config(self, seq_len: int = 0) -> dict[str, int]:
         """The sizes layout.py's rules read for a model of this kind."""

@@ -1,11 +1,13 @@
 """Models the kit did not write, as a user would define them in a notebook cell, with their batches.
 
 Each kind has a builder, fixed global batches (a tuple `(images, labels)` or a dict with an
-attention mask) and a plain single-process loss written without the kit, which the parity
-reference uses. Engines get these by value (cloudpickle), as they would get notebook classes.
+attention mask or labels) and a plain single-process loss written without the kit (for Hugging
+Face models, the model's own loss computed by transformers), which the parity reference uses.
+Engines get these by value (cloudpickle), as they would get notebook classes.
 """
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -113,13 +115,39 @@ def bert(tied: bool = True) -> nn.Module:
     return model
 
 
+# Hugging Face causal LMs trained on {"input_ids", "labels"} batches, scored by their own loss:
+# kind "<family>-lm" -> (config, model) class names. GPT-2's model is not named *ForCausalLM and
+# keeps its head tied to the embeddings, as released; the vocabulary is odd (tp splits it unevenly).
+LM_VOCAB, LM_SEQ = 67, 16
+CAUSAL_LMS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+              "phi3": ("Phi3Config", "Phi3ForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel")}
+DECODER = dict(vocab_size=LM_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=LM_SEQ, head_dim=8, tie_word_embeddings=False,
+               attn_implementation="sdpa")
+GPT2 = dict(vocab_size=LM_VOCAB, n_positions=LM_SEQ, n_embd=32, n_layer=4, n_head=4, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+
+
+def causal_lm(family: str) -> nn.Module:
+    """A tiny Hugging Face causal LM of `family`, no dropout, its special tokens in the vocabulary."""
+    import transformers
+
+    config_name, model_name = CAUSAL_LMS[family]
+    sizes = GPT2 if family == "gpt2" else DECODER
+    config = getattr(transformers, config_name)(**sizes, pad_token_id=None, bos_token_id=1, eos_token_id=2)
+    return getattr(transformers, model_name)(config)
+
+
 BUILDERS = {"cnn": NotebookCNN, "classifier": NotebookClassifier, "mlp": NoBlocksMLP, "bert": bert,
             "bert-untied": lambda: bert(tied=False), "tinylm": TinyLM}
+LM_BUILDERS = {f"{family}-lm": functools.partial(causal_lm, family) for family in CAUSAL_LMS}
+MODELS = {**BUILDERS, **LM_BUILDERS}  # every kind the parity suite trains
 
 
 def build(kind: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    return BUILDERS[kind]()
+    return MODELS[kind]()
 
 
 def make_batches(kind: str, steps: int, batch: int = 4) -> list[Any]:
@@ -133,6 +161,13 @@ def make_batches(kind: str, steps: int, batch: int = 4) -> list[Any]:
         elif kind == "mlp":
             x = torch.randn(batch, 16, generator=gen)
             out.append((x, (x[:, 0] * 2).long().clamp(-2, 2) + 2))
+        elif kind.endswith("-lm"):  # a learnable sequence, padded: labels -100 past each length
+            start = torch.randint(0, LM_VOCAB, (batch, 1), generator=gen)
+            ids = (start + 3 * torch.arange(LM_SEQ)) % LM_VOCAB
+            ids = torch.where(torch.rand(ids.shape, generator=gen) < 0.2,
+                              torch.randint(0, LM_VOCAB, ids.shape, generator=gen), ids)
+            lengths = torch.randint(LM_SEQ // 2, LM_SEQ + 1, (batch, 1), generator=gen)
+            out.append({"input_ids": ids, "labels": torch.where(torch.arange(LM_SEQ) < lengths, ids, -100)})
         elif kind.startswith("bert"):  # masked LM with padding: 15 % of the real tokens masked and predicted
             ids = (torch.randint(0, 8, (batch, 1), generator=gen) + 5 * torch.arange(SEQ)) % 60 + 4
             mask = (torch.arange(SEQ) < torch.randint(8, SEQ + 1, (batch, 1), generator=gen)).long()
@@ -149,8 +184,8 @@ def make_batches(kind: str, steps: int, batch: int = 4) -> list[Any]:
 
 def plain_loss(kind: str, model: nn.Module, batch: Any) -> torch.Tensor:
     """The loss as a user writes it in a single process (no kit code)."""
-    if kind.startswith("bert"):
-        return model(**batch).loss  # transformers' own masked-LM loss, one process
+    if kind.startswith("bert") or kind.endswith("-lm"):
+        return model(**batch).loss  # transformers' own masked- or causal-LM loss, one process
     if isinstance(batch, dict):
         logits = model(batch["input_ids"], batch["attention_mask"])
         return F.cross_entropy(logits, batch["labels"])

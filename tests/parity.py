@@ -27,6 +27,10 @@ SEED = 1234
 LR = 1e-3
 GPT_SIZES = dict(vocab_size=64, seq_len=16, n_layer=4, n_head=4, n_kv_head=2, d_model=32,
                  kernels="torch")
+# The kit's GPT by kind; "gpt-odd-vocab" has a vocabulary no tp degree of the tests divides (as
+# GPT-2's 50,257 tokens), so tensor parallel splits it unevenly.
+ODD_VOCAB = 101
+GPT_KINDS = {"gpt": GPT_SIZES, "gpt-odd-vocab": {**GPT_SIZES, "vocab_size": ODD_VOCAB}}
 LLAMA_SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, head_dim=8)
 HF_TOKENS = dict(pad_token_id=None, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary
@@ -55,11 +59,11 @@ def build_model(kind: str, seed: int | None) -> torch.nn.Module:
     """The model of `kind`, seeded with `seed` first (None: from the generator as it stands)."""
     if seed is not None:
         torch.manual_seed(seed)
-    if kind in any_models.BUILDERS:
-        return any_models.BUILDERS[kind]()
-    if kind == "gpt":
+    if kind in any_models.MODELS:
+        return any_models.MODELS[kind]()
+    if kind in GPT_KINDS:
         from colab_par.models import GPT, GPTConfig
-        return GPT(GPTConfig(**GPT_SIZES))
+        return GPT(GPTConfig(**GPT_KINDS[kind]))
     if kind in HF_DECODERS:
         import transformers
         config_name, model_name = HF_DECODERS[kind]
@@ -70,14 +74,14 @@ def build_model(kind: str, seed: int | None) -> torch.nn.Module:
 
 
 def _vocab_seq(kind: str) -> tuple[int, int]:
-    if kind == "gpt":
-        return GPT_SIZES["vocab_size"], GPT_SIZES["seq_len"]
+    if kind in GPT_KINDS:
+        return GPT_KINDS[kind]["vocab_size"], GPT_KINDS[kind]["seq_len"]
     return LLAMA_SIZES["vocab_size"], LLAMA_SIZES["max_position_embeddings"]
 
 
 def takes_tokens(kind: str) -> bool:
     """Language models train on (tokens, targets) pairs, passed to the kit as two arguments."""
-    return kind not in any_models.BUILDERS or kind in any_models.TOKEN_KINDS
+    return kind not in any_models.MODELS or kind in any_models.TOKEN_KINDS
 
 
 def training_batches(kind: str, steps: int = STEPS) -> list[Any]:
@@ -118,19 +122,40 @@ def engine_run(layout: str, kind: str = "gpt", steps: int = STEPS, source: str =
     changes nothing): Adam is blind to a uniformly scaled gradient, the norm is not. `options` go
     to `parallelize` (loss_fn, blocks, tp_plan).
     """
-    import math
+    pm = _parallelized(engine_model(kind, source), layout, **options)
+    run = _train(pm, kind, training_batches(kind, steps))
+    return {**run, "state": pm.full_state_dict()}
 
+
+def engine_run_moved(first: str, second: str, folder: str, kind: str = "gpt", steps: int = STEPS) -> dict[str, Any]:
+    """`engine_run` whose training moves layouts halfway: trained under `first`, saved with
+    `colab_par.save`, loaded (model and optimizer) under `second` and trained on from there."""
+    from colab_par import load, save
+
+    batches = training_batches(kind, steps)
+    before = _parallelized(engine_model(kind, DEFAULT_SOURCE), first)
+    done = _train(before, kind, batches[:steps // 2])
+    save(before, folder)
+    after = _parallelized(engine_model(kind, DEFAULT_SOURCE), second)
+    load(after, folder)
+    rest = _train(after, kind, batches[steps // 2:])
+    return {key: done[key] + rest[key] for key in done} | {"state": after.full_state_dict()}
+
+
+def _parallelized(model: Any, layout: str, **options: Any) -> Any:
     from colab_par import parallelize
 
-    pm = parallelize(engine_model(kind, source), layout, optimizer_fn=lambda p: torch.optim.AdamW(p, lr=LR),
-                     **options)
+    return parallelize(model, layout, optimizer_fn=lambda p: torch.optim.AdamW(p, lr=LR), **options)
+
+
+def _train(pm: Any, kind: str, batches: list[Any]) -> dict[str, list[float]]:
     losses, grad_norms = [], []
-    for batch in training_batches(kind, steps):
+    for batch in batches:
         # Language models take (tokens, targets) as two arguments; other models one batch object.
         losses.append(pm.forward_backward(*batch) if takes_tokens(kind) else pm.forward_backward(batch))
         grad_norms.append(pm.clip_grad_norm_(math.inf))
         pm.optimizer_step()
-    return {"losses": losses, "grad_norms": grad_norms, "state": pm.full_state_dict()}
+    return {"losses": losses, "grad_norms": grad_norms}
 
 
 def bf16_engine_run(layout: str, **options: Any) -> dict[str, Any]:
@@ -252,7 +277,7 @@ def _plain_loss(kind: str, model: torch.nn.Module, batch: Any) -> torch.Tensor:
     if not takes_tokens(kind):
         return any_models.plain_loss(kind, model, batch)
     x, y = batch
-    if kind in ("gpt", "tinylm"):
+    if kind in (*GPT_KINDS, "tinylm"):
         return model.loss_fn(model(x), y)
     logits = model(input_ids=x, use_cache=False).logits
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))

@@ -36,7 +36,7 @@ def test_supported_ranges_are_the_ones_pyproject_declares():
 def test_a_missing_api_names_the_supported_range():
     import transformers
 
-    error = compat._missing("transformers", "create_causal_mask")
+    error = compat._missing("transformers", "loss.loss_utils")
     assert isinstance(error, compat.CompatError)
     assert f"transformers {transformers.__version__}" in str(error)
     assert "transformers>=5.9" in str(error)
@@ -151,16 +151,6 @@ def _tiny_llama(attn: str):
                                       num_hidden_layers=2, num_attention_heads=2,
                                       num_key_value_heads=2, attn_implementation=attn)
     return transformers.LlamaForCausalLM(config)
-
-
-def test_create_causal_mask_masks_the_future():
-    model = _tiny_llama("eager")  # eager attention takes the mask as an additive float tensor
-    seq = 6
-    h = torch.randn(2, seq, 32)
-    mask = compat.create_causal_mask(model.config, h, torch.arange(seq).unsqueeze(0))
-    allowed = mask[0, 0] == 0
-    assert torch.equal(allowed, torch.ones(seq, seq, dtype=torch.bool).tril())
-    assert (mask[0, 0][~allowed] <= torch.finfo(h.dtype).min / 2).all()
 
 
 def test_hf_tp_plan_is_the_models_own_and_names_its_modules():
@@ -326,12 +316,12 @@ FOREIGN = ("torch", "transformers", "triton", "ipyparallel")
 ALLOWED = {
     ("colab_par/parallel/tensor_parallel.py", "_apply"):
         "a ParallelStyle subclass implements torch's _apply (no public hook); tensor-parallel room",
+    ("colab_par/parallel/hf_plans.py", "_apply"):
+        "GPT-2's Conv1D styles implement torch's ParallelStyle._apply (no public hook)",
     ("colab_par/parallel/tensor_parallel.py", "_parameters"):
         "replaces parameters in place while distributing them; tensor-parallel room",
     ("colab_par/parallel/tensor_parallel.py", "_modules"):
         "swaps submodules while distributing them; tensor-parallel room",
-    ("colab_par/parallel/batch.py", "torch.utils._pytree"): "moving behind compat (issue 23, batch)",
-    ("colab_par/parallel/pipeline.py", "torch.utils._pytree"): "moving behind compat (issue 23, pipeline)",
 }
 
 
@@ -435,3 +425,33 @@ def test_the_private_api_scan_finds_each_kind_of_use(tmp_path):
                      "        return self._schema\nfrom torch.utils.flop_counter import FlopCounterMode\n"
                      "x = torch.ops.aten.add.default\n")
     assert _private_uses(clean, private_names) == []
+
+
+# ---- pytrees and transformers' losses ----------------------------------------------------------------
+def test_pytree_flattens_model_outputs_and_rebuilds_them():
+    transformers = pytest.importorskip("transformers")
+
+    output = transformers.modeling_outputs.CausalLMOutput(logits=torch.ones(2, 3))
+    leaves, spec = compat.tree_flatten(((torch.zeros(1), 2), {"out": output}))
+    assert [type(leaf) for leaf in leaves] == [torch.Tensor, int, torch.Tensor]
+    rebuilt = compat.tree_unflatten(leaves, spec)
+    assert torch.equal(rebuilt[1]["out"].logits, output.logits) and rebuilt[0][1] == 2
+    doubled = compat.tree_map(lambda leaf: leaf * 2, {"a": torch.ones(2), "b": [3]})
+    assert torch.equal(doubled["a"], torch.full((2,), 2.0)) and doubled["b"] == [6]
+
+
+def test_hf_token_losses_are_what_language_models_score_with():
+    """The causal loss shifts labels (summed over the items, divided by num_items_in_batch), the
+    masked one does not; GPT-2 (not named *ForCausalLM) and BERT's masked LM use them."""
+    transformers = pytest.importorskip("transformers")
+
+    losses = compat.hf_token_losses()
+    logits, labels = torch.randn(1, 4, 5), torch.tensor([[1, 2, -100, 4]])
+    flat = F.cross_entropy(logits[0], labels[0], ignore_index=-100, reduction="none")
+    shifted = F.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="none")
+    torch.testing.assert_close(losses["masked"](logits, labels, 5, num_items_in_batch=2.0), flat.sum() / 2)
+    torch.testing.assert_close(losses["causal"](logits, labels, 5, num_items_in_batch=2.0), shifted.sum() / 2)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=8))
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(hidden_size=8, num_hidden_layers=1,
+                                                                num_attention_heads=2, intermediate_size=8))
+    assert gpt2.loss_function is losses["causal"] and bert.loss_function is losses["masked"]

@@ -1,7 +1,8 @@
 """Hugging Face weights in and out: `from_pretrained` / `save_pretrained` against transformers itself.
 
-Directories are written by transformers' own `save_pretrained` from tiny random Llama / Qwen2
-models, loaded on a real 2-engine cluster under ZeRO-3, tensor and pipeline parallel, and the
+Directories are written by transformers' own `save_pretrained` from tiny random Llama / Qwen2 /
+GPT-2 models (GPT-2's 67-token vocabulary split unevenly by tensor parallel), loaded on a real
+2-engine cluster under ZeRO-3, tensor and pipeline parallel, and the
 engines' logits are compared with transformers' own single-process model loaded from the same
 directory. The other way round, a model trained on the engines is written by the kit and read back
 by `transformers.AutoModelForCausalLM.from_pretrained`. Bad directories are refused before a
@@ -19,6 +20,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from any_models import GPT2  # noqa: E402
 from parity import HF_TOKENS, LLAMA_SIZES, SEED, batches, build_model  # noqa: E402
 
 from colab_par.cluster import EngineError  # noqa: E402
@@ -33,12 +35,16 @@ EXACT = dict(rtol=0.0, atol=1e-6)
 
 # ---- directories written by transformers --------------------------------------------------------
 def _config(kind: str, tied: bool = False, **changes) -> transformers.PretrainedConfig:
+    if kind == "gpt2":  # GPT2LMHeadModel: Conv1D layers, a fused q|k|v, an odd vocabulary
+        return transformers.GPT2Config(**{**GPT2, **changes}, **HF_TOKENS, tie_word_embeddings=tied)
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
     return config_class(**{**LLAMA_SIZES, **changes}, **HF_TOKENS, tie_word_embeddings=tied)
 
 
 def _hf_dir(folder: Path, kind: str = "llama", tied: bool = False, shard: str | None = "30KB") -> Path:
-    """A random model saved by transformers: sharded with an index (`shard`), or one file."""
+    """A random model saved by transformers: sharded with an index (`shard`), or one file. GPT-2 is
+    saved as released: its head tied to the embeddings."""
+    tied = tied or kind == "gpt2"
     torch.manual_seed(SEED)
     model = transformers.AutoModelForCausalLM.from_config(_config(kind, tied))
     options = {} if shard is None else {"max_shard_size": shard}
@@ -240,7 +246,7 @@ def test_weights_check_names_the_tensor_and_both_shapes(tmp_path):
 
 # ---- from_pretrained on the cluster ------------------------------------------------------------------
 @pytest.mark.parametrize("layout", LOAD_LAYOUTS)
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
 def test_from_pretrained_matches_transformers(cluster2, tmp_path, kind, layout):
     folder = _hf_dir(tmp_path / kind, kind, shard="30KB" if kind == "llama" else None)
     logits = _the_logits(cluster2.run(load_and_score, str(folder), layout))
@@ -267,17 +273,18 @@ def test_bad_directories_are_refused_before_any_weight_is_read(cluster2, tmp_pat
     reshaped = _hf_dir(tmp_path / "reshaped", shard=None)
     config = json.loads((reshaped / "config.json").read_text())
     (reshaped / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
-    gpt2 = tmp_path / "gpt2"
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)).save_pretrained(gpt2)
+    opt = tmp_path / "opt"
+    transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=64, hidden_size=32, word_embed_proj_dim=32, num_hidden_layers=2, ffn_dim=64,
+        num_attention_heads=4, max_position_embeddings=16)).save_pretrained(opt)
     cases = [(missing, "dp2 zero3", f"WeightsError: {missing / 'model.safetensors.index.json'} names 1 "
                                     f"shard file(s) that are not in {missing}: {lost.name}"),
              (reshaped, "tp2", "WeightsError: model.layers.0.mlp.gate_proj.weight in "
                                f"{reshaped / 'model.safetensors'} has shape [64, 32], but the model "
                                f"built from {reshaped / 'config.json'} expects [48, 32]"),
-             (gpt2, "tp2", "ValueError: GPT2LMHeadModel (model_type 'gpt2') has no tensor-parallel plan "
-                           "(its config.base_model_tp_plan is empty), so layout 'tp2' cannot split it; "
-                           "load it without tensor parallel (e.g. 'dp2 zero3' or 'pp2')")]
+             (opt, "tp2", "ValueError: OPTForCausalLM (model_type 'opt') has no tensor-parallel plan "
+                          "(its config.base_model_tp_plan is empty), so layout 'tp2' cannot split it; "
+                          "load it without tensor parallel (e.g. 'dp2 zero3' or 'pp2')")]
     for folder, layout, message in cases:
         before = _listing(folder)
         for error, reads in cluster2.run(load_counting_reads, str(folder), layout):
@@ -287,16 +294,21 @@ def test_bad_directories_are_refused_before_any_weight_is_read(cluster2, tmp_pat
 
 
 # ---- save_pretrained ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("layout", ["dp2 zero3", "tp2", "pp2", "dp2"])
-def test_trained_model_goes_back_to_transformers(cluster2, tmp_path, layout):
-    folder, out = _hf_dir(tmp_path / "llama"), tmp_path / "trained"
+@pytest.mark.parametrize("kind,layout", [("llama", "dp2 zero3"), ("llama", "tp2"), ("llama", "pp2"), ("llama", "dp2"),
+                                         ("gpt2", "tp2"), ("gpt2", "pp2")])
+def test_trained_model_goes_back_to_transformers(cluster2, tmp_path, kind, layout):
+    """GPT-2 too: its odd vocabulary split unevenly by tp2 is written whole (67 rows), and its head,
+    tied to the embeddings across pipeline stages, is written once."""
+    folder, out = _hf_dir(tmp_path / kind, kind), tmp_path / "trained"
     trained = _the_logits(cluster2.run(train_score_save, str(folder), layout, str(out)))
     assert (trained - _reference_logits(folder)).abs().max() > 1e-3  # training moved the weights
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(out.glob("model-*.safetensors"))
     assert len(shards) > 2 and set(index["weight_map"].values()) == {p.name for p in shards}
-    assert index["metadata"]["total_size"] == sum(
-        t.numel() * t.element_size() for t in transformers.AutoModelForCausalLM.from_pretrained(out).state_dict().values())
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tensors = {id(t): t for t in reloaded.state_dict(keep_vars=True).values()}  # a tied tensor once
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert reloaded.get_input_embeddings().weight.shape == (_config(kind).vocab_size, 32)
     torch.testing.assert_close(_reference_logits(out), trained, **EXACT)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left
 

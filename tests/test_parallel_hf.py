@@ -1,22 +1,41 @@
-"""Hugging Face decoder families (tiny configs, no weights) through parallelize.
+"""Hugging Face models (tiny configs, no weights) through parallelize, each learning its own objective.
 
-Every family that ships a tensor-parallel plan trains under its own plan (Qwen3's per-head norms
-are `replicated_with_grad_allreduce`, Phi-3's fused projections `colwise_gather_output` +
-`rowwise_split_input`), under ZeRO-3 with each decoder layer an FSDP unit, and cut into pipeline
-stages by layers; each like the same model on one process (losses 1e-5 relative, parameters within
-Adam's float32 tolerance).
+Every decoder family, GPT-2 included (its model is not named *ForCausalLM; its Conv1D layers and
+fused q|k|v get the kit's plan), trains on {"input_ids", "labels"} batches with padding labelled
+-100 under tensor parallel (its own plan, an odd vocabulary split unevenly), ZeRO-3 and pipeline
+stages cut by its layers, against transformers' own loss of the same model in one process (losses
+1e-5 relative, parameters within Adam's float32 tolerance). What a model is comes from what it is:
+its own loss says whether labels are shifted (GPT-2's are, BERT's are not).
 """
 from __future__ import annotations
 
+import sys
+
+import cloudpickle
 import pytest
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from any_models import CAUSAL_LMS, bert, causal_lm  # noqa: E402
 from parity import (HF_DECODERS, LR, SEED, _vocab_seq, assert_parity, batches, build_model,  # noqa: E402
                     engine_run, reference_run)
 
+from colab_par.models.hf import is_hf_decoder, is_hf_model, shifts_labels  # noqa: E402
+from colab_par.parallel.hf_plans import Conv1DColwise, gpt2_tp_plan  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
+
 FAMILIES = sorted(HF_DECODERS)
+LANGUAGE_MODELS = [f"{family}-lm" for family in sorted(CAUSAL_LMS)]
+
+
+def test_what_a_model_is_comes_from_its_own_loss() -> None:
+    gpt2, llama, masked = causal_lm("gpt2"), causal_lm("llama"), bert()
+    assert type(gpt2).__name__ == "GPT2LMHeadModel"  # not *ForCausalLM, still a causal LM
+    assert shifts_labels(gpt2) and shifts_labels(llama) and not shifts_labels(masked)
+    assert is_hf_decoder(gpt2) and is_hf_decoder(llama) and not is_hf_decoder(masked)
+    assert not is_hf_model(torch.nn.Linear(2, 2)) and not shifts_labels(torch.nn.Linear(2, 2))
 
 
 def _sharded_shapes(kind: str) -> dict[str, tuple]:
@@ -28,7 +47,8 @@ def _sharded_shapes(kind: str) -> dict[str, tuple]:
 
     pm = parallelize(build_model(kind, SEED + dist.get_rank()), "tp2")
     return {name: (tuple(p.to_local().shape), tuple(p.shape)) if isinstance(p, DTensor) else None
-            for name, p in pm.model.named_parameters() if ".layers.0." in name or "layers" not in name}
+            for name, p in pm.model.named_parameters() if ".layers.0." in name or ".h.0." in name
+            or "layers" not in name and ".h." not in name}
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -46,19 +66,47 @@ def test_tensor_parallel_uses_the_models_own_plan(cluster2, kind: str) -> None:
         assert all(shape is None for name, shape in norms.items() if "self_attn" not in name)
 
 
+def test_gpt2_plan_splits_its_conv1d_layers_heads_and_odd_vocabulary(cluster2) -> None:
+    """Conv1D weights are (in, out): column-split layers split dim 1, row-split ones dim 0; the
+    67-token vocabulary goes 34 + 33 in the embedding and the head tied to it."""
+    first, second = cluster2.run(_sharded_shapes, "gpt2-lm")
+    expected = {"transformer.h.0.attn.c_attn.weight": ((32, 48), (32, 96)),
+                "transformer.h.0.attn.c_attn.bias": ((48,), (96,)),
+                "transformer.h.0.attn.c_proj.weight": ((16, 32), (32, 32)),
+                "transformer.h.0.mlp.c_fc.weight": ((32, 64), (32, 128)),
+                "transformer.h.0.mlp.c_proj.weight": ((64, 32), (128, 32)),
+                "transformer.wte.weight": ((34, 32), (67, 32))}
+    for name, shape in expected.items():
+        assert first[name] == shape, name
+    assert second["transformer.wte.weight"] == ((33, 32), (67, 32))
+    assert "lm_head.weight" not in first  # tied: one parameter, listed once
+    assert first["transformer.wpe.weight"] is None and first["transformer.h.0.ln_1.weight"] is None
+
+
+def test_gpt2_fused_qkv_split_as_plain_columns_is_caught(cluster2) -> None:
+    """Negative control: split c_attn's q|k|v columns plainly (rank 0 would get all of q) and the
+    parity check fails."""
+    plain = {**gpt2_tp_plan(causal_lm("gpt2")), "transformer.h.*.attn.c_attn": Conv1DColwise()}
+    results = cluster2.run(engine_run, "tp2", "gpt2-lm", steps=3, tp_plan=plain)
+    with pytest.raises(AssertionError):
+        assert_parity(results, reference_run("gpt2-lm", steps=3))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2", "dp2 zero3", "pp2 1f1b mb2"])
-@pytest.mark.parametrize("kind", FAMILIES)
-def test_family_trains_like_single_process(cluster2, kind: str, layout: str) -> None:
+@pytest.mark.parametrize("kind", LANGUAGE_MODELS)
+def test_family_learns_its_own_objective_like_single_process(cluster2, kind: str, layout: str) -> None:
     assert_parity(cluster2.run(engine_run, layout, kind), reference_run(kind))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["pp2 tp2 1f1b mb2", "dp2 tp2 zero3"])
-@pytest.mark.parametrize("kind", ["qwen3", "phi3"])
-def test_tensor_parallel_composes_with_stages_and_fsdp(cluster4, kind: str, layout: str) -> None:
+@pytest.mark.parametrize("kind,layout", [("qwen3-lm", "pp2 tp2 1f1b mb2"), ("phi3-lm", "pp2 tp2 1f1b mb2"),
+                                         ("qwen3-lm", "dp2 tp2 zero3"), ("phi3-lm", "dp2 tp2 zero3"),
+                                         ("gpt2-lm", "dp2 tp2")])
+def test_tensor_parallel_composes_with_stages_and_data_parallel(cluster4, kind: str, layout: str) -> None:
     """The plan applies to each pipeline stage (patterns of other stages skipped) and under FSDP
-    (Qwen3's norm-gradient sum lives in the autograd graph, so FSDP's parameters keep it)."""
+    (Qwen3's norm-gradient sum lives in the autograd graph, so FSDP's parameters keep it);
+    GPT-2's Conv1D pieces are averaged over data-parallel ranks."""
     assert_parity(cluster4.run(engine_run, layout, kind), reference_run(kind))
 
 

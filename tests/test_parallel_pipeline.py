@@ -37,6 +37,15 @@ def tiny_llama(seed: int = 0) -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
+def tiny_gpt2(seed: int = 0, tied: bool = False) -> torch.nn.Module:
+    """GPT-2, whose layers are transformer.h (Conv1D projections, learned positions)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=4, n_head=4, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    return GPT2LMHeadModel(config)
+
+
 def flat_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
@@ -165,7 +174,7 @@ def test_zbv_placement_matches_torch_v_mapping(pp):
         assert sorted(stage_ids(layout, rank)) == sorted(s for s, r in mapping.items() if r == rank)
 
 
-@pytest.mark.parametrize("make_model", [tiny_gpt, tiny_llama], ids=["gpt", "llama"])
+@pytest.mark.parametrize("make_model", [tiny_gpt, tiny_llama, tiny_gpt2], ids=["gpt", "llama", "gpt2"])
 @pytest.mark.parametrize("layout", SCHEDULES + ["pp4 1f1b mb4"])
 def test_split_keeps_names_values_and_function(make_model, layout):
     model = make_model()
@@ -196,11 +205,32 @@ def test_split_rejects_layers_that_do_not_divide():
         split_model(tiny_gpt(), "pp2 interleaved v3 mb2", 0)
 
 
-def test_split_rejects_tied_embeddings():
+def test_split_keeps_a_head_tied_to_the_embeddings_as_synchronised_copies():
+    """The first stage holds the embedding, the last the head: one tensor, trained as two copies
+    whose gradients the runner sums; refused where the sum cannot happen yet (FSDP, tp pieces)."""
+    first, last = (split_model(tiny_gpt2(tied=True), "pp2 1f1b mb2", rank)[0] for rank in (0, 1))
+    assert "transformer.wte.weight" in first.state_dict() and "lm_head.weight" in last.state_dict()
+    assert [set(tie.names) for tie in first.pipeline_ties] == [{"transformer.wte.weight", "lm_head.weight"}]
+    assert first.pipeline_ties == last.pipeline_ties
+    with pytest.raises(ValueError, match=r"zero 2/3.*tie_word_embeddings=False"):
+        split_model(tiny_gpt2(tied=True), "dp2 pp2 zero3 1f1b mb2", 0)
+    with pytest.raises(ValueError, match=r"tensor-parallel pieces.*tie_word_embeddings=False"):
+        split_model(tiny_gpt2(tied=True), "tp2 pp2 1f1b mb2", 0)
+
+
+def test_split_refuses_a_decoder_that_runs_a_module_out_of_its_registration_order():
+    """Llama with its final norm registered before its layers: the last stage would not hold the
+    norm it runs, so the first step says so instead of scoring zeros."""
     model = tiny_llama()
-    model.lm_head.weight = model.model.embed_tokens.weight
-    with pytest.raises(ValueError, match="tie_word_embeddings=False"):
-        split_model(model, "pp2 1f1b mb2", 0)
+    inner = model.model
+    layers, rotary = inner.layers, inner.rotary_emb
+    del inner.layers, inner.rotary_emb
+    inner.layers, inner.rotary_emb = layers, rotary  # registered again, now after the norm
+    first, last = (split_model(model, "pp2 1f1b mb2", rank)[0] for rank in (0, 1))
+    hidden = first(torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"model.norm is registered before the decoder's layers, so the first "
+                                         r"pipeline stage holds it, but the model's forward runs it after"):
+        last(hidden)
 
 
 def test_split_rejects_rank_outside_pipeline():

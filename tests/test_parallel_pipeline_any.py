@@ -286,7 +286,7 @@ CNN_BATCH = (torch.randn(2, 1, 8, 8), torch.zeros(2, dtype=torch.long))
     (Tied, {"layout": "dp2 pp2 zero3 1f1b mb2",
             "example_batch": (torch.zeros(2, 3, dtype=torch.long), None)}, ValueError, r"\['embed.weight', 'out.weight'\] are one tied tensor used by stages \[0, 1\].*zero=0 or 1.*untie"),
     (Unused, {"example_batch": (torch.randn(2, 4), None)}, ValueError,
-     "spare.weight is not used by forward .* delete the unused module"),
+     "spare.weight is not used by forward, so no pipeline stage would hold it.* delete the unused module"),
 ])
 def test_split_refuses_what_cannot_work(make, options, error, match):
     layout = options.pop("layout", "pp2 1f1b mb2")

@@ -8,6 +8,7 @@ is sharded. A user plan (strings or DTensor styles) and BertForMaskedLM then tra
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import sys
 from typing import Any
@@ -28,9 +29,9 @@ HEAD = 4  # head size of the attention-like test modules
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 16) -> None:
         super().__init__()
-        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.up, self.down = nn.Linear(8, hidden), nn.Linear(hidden, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.gelu(self.up(x)))
@@ -39,18 +40,18 @@ class Block(nn.Module):
 class Net(nn.Module):
     """Linear-GELU-Linear-Linear, the block in a submodule so a style can sit on the block."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 16) -> None:
         super().__init__()
-        self.block, self.out = Block(), nn.Linear(8, 6)
+        self.block, self.out = Block(hidden), nn.Linear(8, 6)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.block(x))
 
 
 class Embed(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = 16, dim: int = 8) -> None:
         super().__init__()
-        self.emb, self.out = nn.Embedding(16, 8), nn.Linear(8, 6)
+        self.emb, self.out = nn.Embedding(vocab, dim), nn.Linear(dim, 6)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.out(self.emb(ids))
@@ -101,9 +102,9 @@ class Norm(nn.Module):
         return self.norm(x)
 
 
-# name -> (model class, plan, parameters the plan must split); the input is float (batch 2,
+# name -> (model builder, plan, parameters the plan must split); the input is float (batch 2,
 # sequence 4, features 8) except for Embed, which takes token ids.
-CASES: dict[str, tuple[type, dict[str, Any], set[str]]] = {
+CASES: dict[str, tuple[Any, dict[str, Any], set[str]]] = {
     "colwise+rowwise": (Net, {"block.up": "colwise", "block.down": "rowwise"},
                         {"block.up.weight", "block.up.bias", "block.down.weight"}),
     "colwise_gather_output+rowwise_split_input": (
@@ -129,6 +130,13 @@ CASES: dict[str, tuple[type, dict[str, Any], set[str]]] = {
     "sequence_parallel": (Norm, {"norm": "sequence_parallel"}, set()),
     "torch styles": (Net, {"block.up": ColwiseParallel(), "block.down": RowwiseParallel()},
                      {"block.up.weight", "block.up.bias", "block.down.weight"}),
+    # sizes tp=2 does not divide, split unevenly where the split stays inside the module
+    "uneven embedding_rowwise": (functools.partial(Embed, vocab=15), {"emb": "embedding_rowwise"}, {"emb.weight"}),
+    "uneven embedding_colwise": (functools.partial(Embed, dim=7), {"emb": "embedding_colwise", "out": "rowwise_split_input"},
+                                 {"emb.weight", "out.weight"}),
+    "uneven colwise_gather_output+rowwise_split_input": (
+        functools.partial(Net, hidden=15), {"block.up": "colwise_gather_output", "block.down": "rowwise_split_input"},
+        {"block.up.weight", "block.up.bias", "block.down.weight"}),
 }
 
 
@@ -153,15 +161,15 @@ def _style_case(case: str) -> dict[str, Any]:
 
     from colab_par import parallelize
 
-    cls, plan, _ = CASES[case]
+    make, plan, _ = CASES[case]
     torch.manual_seed(0)
-    reference = cls()
+    reference = make()
     model = copy.deepcopy(reference)
     pm = parallelize(model, "tp2", tp_plan=plan)
     gen = torch.Generator().manual_seed(1)
-    x = (torch.randint(0, 16, (2, 4), generator=gen) if cls is Embed
+    x = (torch.randint(0, reference.emb.num_embeddings, (2, 4), generator=gen) if isinstance(reference, Embed)
          else torch.randn(2, 4, 8, generator=gen))
-    weights = torch.randn(*x.shape[:2], 6 if cls in (Net, Embed) else 8, generator=gen)
+    weights = torch.randn(*x.shape[:2], 6 if isinstance(reference, (Net, Embed)) else 8, generator=gen)
     expected = reference(x)
     (expected * weights).sum().backward()
     if case == "sequence_parallel":  # each rank holds its own half of the sequence
@@ -174,16 +182,20 @@ def _style_case(case: str) -> dict[str, Any]:
     return {"out_error": (out - expected).abs().max().item(),
             "grad_errors": {name: (grads[name] - p.grad).abs().max().item()
                             for name, p in reference.named_parameters()},
-            "split": {name for name, p in pm.model.named_parameters() if isinstance(p, DTensor)
-                      and p.to_local().numel() * 2 == p.numel()}}
+            "pieces": {name: (p.to_local().numel(), p.numel()) for name, p in pm.model.named_parameters()
+                       if isinstance(p, DTensor) and p.to_local().numel() < p.numel()}}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_style_shards_and_computes_like_one_process(cluster2, case: str) -> None:
-    for result in cluster2.run(_style_case, case):
+    results = cluster2.run(_style_case, case)
+    for result in results:
         assert result["out_error"] < 1e-5
         assert max(result["grad_errors"].values()) < 1e-5, result["grad_errors"]
-        assert result["split"] == CASES[case][2]
+        assert set(result["pieces"]) == CASES[case][2]
+    for name in CASES[case][2]:  # the two ranks' pieces make the whole, nothing doubled or lost
+        local, whole = zip(*(result["pieces"][name] for result in results))
+        assert sum(local) == whole[0], (name, local, whole)
 
 
 # ---- bad plans ------------------------------------------------------------------------------------

@@ -120,16 +120,19 @@ def _local_tensors(pm: Any) -> dict[str, torch.Tensor]:
 def _catalogue(pm: Any, local: dict[str, torch.Tensor]) -> list[_Entry]:
     """Every tensor of the whole model in writing order (stage by stage), known on every rank.
 
-    One rank per pipeline stage (its first: dp, cp and tp rank 0) reports its tensors; a name two
-    stages hold (a tensor tied across stages) is written from the first."""
+    One rank per pipeline stage (its first: dp, cp and tp rank 0) reports its tensors; a tensor
+    tied across stages (under one name or two, as a head tied to the embeddings) is written once,
+    from the first stage, under its first name, as transformers writes it."""
     first_of_stage = pm.dp_rank == 0 and pm.cp_rank == 0 and pm.tp_rank == 0
     mine = ([(name, tuple(t.shape), t.dtype) for name, t in local.items()] if first_of_stage else [])
     reports: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(reports, (dist.get_rank(), pm.pp_rank, mine))
+    aliases = pm.tied_names
     entries: dict[str, _Entry] = {}
     for sender, pp_rank, tensors in reports:
         for name, shape, dtype in tensors:
-            entries.setdefault(name, _Entry(name, shape, dtype, sender, pp_rank))
+            if not any(alias in entries for alias in aliases.get(name, ())):
+                entries[name] = _Entry(name, shape, dtype, sender, pp_rank)
     return list(entries.values())
 
 

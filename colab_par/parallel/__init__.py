@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from colab_par.layout import Layout
 from colab_par.models.hf import causal_lm_logits, is_hf_model
 from colab_par.parallel.batch import (LabelMean, batch_to, call_model, check_batch, counted_labels,
-                                      labels_of, slice_batch)
+                                      default_loss, labels_of, slice_batch)
 from colab_par.parallel.blocks import find_blocks
 from colab_par.parallel.checkpointing import apply_activation_checkpointing
 from colab_par.parallel.context import apply_context_parallel, sequence_positions, shard_sequence
@@ -120,7 +120,7 @@ class ParallelModel:
         if not local and self.dp_size > 1:
             batch = slice_batch(batch, self.dp_size, self.dp_rank)
         batch = batch_to(batch, self.device)
-        inputs = self._set_label_scale(batch)
+        inputs = self._count_labels(batch)
         if self._runner is not None:
             loss_sum = torch.tensor(self._runner.step_batch(batch, loss_scale=loss_scale),
                                     dtype=torch.float64, device=self.device)
@@ -160,19 +160,19 @@ class ParallelModel:
         (loss * loss_scale).backward()
         return loss_sum, pending
 
-    def _set_label_scale(self, batch: Any) -> Any:
+    def _count_labels(self, batch: Any) -> Any:
         """With the default loss and labels: count them over the dp ranks and set `LabelMean`'s
-        scale for this step; returns what the model is called with (labels left out, the loss
+        items for this step; returns what the model is called with (labels left out, the loss
         is computed here)."""
         labels = labels_of(batch)
         if not isinstance(self.batch_loss_fn, LabelMean) or labels is None:
             return batch
-        counted = torch.tensor(float(counted_labels(labels, self.batch_loss_fn.causal)),
+        counted = torch.tensor(float(counted_labels(labels, self.batch_loss_fn.shifts)),
                                dtype=torch.float64, device=self.device)
         if self.dp_size > 1:
             dist.all_reduce(counted, group=self.mesh["dp"].get_group())
         pieces = self.dp_size * (self.layout.microbatches if self._runner is not None else 1)
-        self.batch_loss_fn.scale = pieces / max(counted.item(), 1.0)
+        self.batch_loss_fn.items = max(counted.item(), 1.0) / pieces
         return {k: v for k, v in batch.items() if k != "labels"}
 
     def _logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -230,6 +230,12 @@ class ParallelModel:
         self.optimizer.zero_grad(set_to_none=True)
 
     # ---- state ---------------------------------------------------------------------------------
+    @property
+    def tied_names(self) -> dict[str, list[str]]:
+        """With pipeline stages: each state-dict name of the model -> every name of the same tensor
+        (a head tied to the embeddings lives on two stages under two names); {} without."""
+        return {name: list(aliases) for name, aliases in self._whole_model_names.items()}
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters (original FQNs, on the CPU) on global rank 0; {} elsewhere."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=False)
@@ -306,7 +312,7 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
 
     fused_loss = _apply_hf_kernels(model, kernels, layout, device, fuse=loss_fn is None) if hf else False
     token_loss = loss_fn or getattr(model, "loss_fn", None) or _default_loss
-    batch_loss = loss_fn or LabelMean(model)
+    batch_loss = loss_fn or default_loss(model)
     if record is None:
         model.to(device)
         broadcast_from_rank0(model)

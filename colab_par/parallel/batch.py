@@ -9,9 +9,10 @@ Data parallel slices every tensor in it along dim 0 (the batch dimension). The l
 ``loss_fn(outputs, batch)``; without one, the model's own ``outputs.loss`` (Hugging Face models
 given ``labels``), else cross-entropy of the outputs (or ``outputs.logits``) against the target.
 With `labels` in a dict batch the default loss is the mean over counted labels (-100 ignored), and
-ranks may hold different numbers of them (masked-LM batches): `LabelMean` takes each rank's sum
-and the model divides by the count over all ranks, exactly as one process would. A user's
-`loss_fn` is averaged over ranks (and pipeline microbatches) as it is.
+ranks may hold different numbers of them (padded or masked-LM batches): `LabelMean` scores each
+piece with the model's own per-token loss (transformers' causal or masked LM loss, which knows
+whether it shifts the labels) given the count over all ranks as `num_items_in_batch`, exactly as
+one process would. A user's `loss_fn` is averaged over ranks (and pipeline microbatches) as it is.
 """
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+
+from colab_par.compat import tree_flatten, tree_map
+from colab_par.models.hf import hf_token_loss, is_hf_model, shifts_labels
 
 __all__ = ["Batch", "BatchLossFn", "check_batch", "batch_size", "slice_batch", "batch_to", "call_model",
-           "default_batch_loss", "labels_of", "counted_labels", "LabelMean"]
+           "default_batch_loss", "default_loss", "labels_of", "counted_labels", "LabelMean"]
 
 Batch = Any  # tuple/list (*inputs, target) or dict of tensors
 BatchLossFn = Callable[[Any, Batch], torch.Tensor]
@@ -72,7 +75,7 @@ def batch_to(batch: Batch, device: torch.device) -> Batch:
 def call_model(model: nn.Module, batch: Batch) -> Any:
     """The model's outputs for `batch` (see the module docstring for the calling convention)."""
     if isinstance(batch, dict):
-        return model(**{k: v for k, v in batch.items() if k in _forward_keywords(model)})
+        return model(**{k: v for k, v in batch.items() if k in forward_keywords(model)})
     return model(*batch[:-1])
 
 
@@ -95,35 +98,53 @@ def labels_of(batch: Batch) -> torch.Tensor | None:
     return labels if isinstance(labels, torch.Tensor) else None
 
 
-def counted_labels(labels: torch.Tensor, causal: bool) -> int:
+def counted_labels(labels: torch.Tensor, shifted: bool) -> int:
     """Labels a loss averages over: not -100 (ignored), after a causal LM's shift by one."""
-    return int(((labels[..., 1:] if causal else labels) != -100).sum())
+    return int(((labels[..., 1:] if shifted else labels) != -100).sum())
+
+
+def default_loss(model: nn.Module) -> BatchLossFn:
+    """The loss `parallelize` scores batches with when the user gives none: `LabelMean` for a
+    model whose per-token loss it can average exactly over ranks (transformers' language models
+    and models that are not transformers'), else the model's own ``outputs.loss`` (a transformers
+    classifier's, which each rank computes on its equal share of samples)."""
+    if is_hf_model(model) and hf_token_loss(model) is None:
+        return default_batch_loss
+    return LabelMean(model)
 
 
 class LabelMean:
-    """The default loss: `default_batch_loss`, except that with labels it is the sum of the
-    cross-entropy over this piece's counted labels times `scale`, which the model sets every step
-    (ranks × microbatches / labels counted over all dp ranks) so the average over ranks and
-    microbatches is the mean over all labels, as in one process. -100 is ignored and a causal LM
-    predicts label t+1 from position t, as transformers' own losses do."""
+    """The default loss of labelled dict batches: `default_batch_loss` until `items` is set, then
+    the model's own per-token loss (cross-entropy for a model that is not transformers') summed
+    over this piece's labels and divided by `items`, which the model sets every step to the labels
+    counted over all dp ranks / (ranks × microbatches): the average over ranks and microbatches is
+    then the mean over all labels, as in one process. -100 is ignored; whether labels are shifted
+    (position t predicts label t+1) is the loss's own business, and `shifts` says which labels
+    it counts."""
 
     def __init__(self, model: nn.Module):
-        self.causal = type(model).__name__.endswith("ForCausalLM")
-        self.scale: float | None = None
+        self.loss = hf_token_loss(model) or _summed_cross_entropy
+        self.shifts = shifts_labels(model)
+        self.items: float | None = None
 
     def __call__(self, outputs: Any, batch: Batch) -> torch.Tensor:
         labels = labels_of(batch)
-        if labels is None or self.scale is None:
+        if labels is None or self.items is None:
             return default_batch_loss(outputs, batch)
-        logits = getattr(outputs, "logits", outputs)
-        if self.causal:
-            logits, labels = logits[..., :-1, :], labels[..., 1:]
-        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                labels.reshape(-1).to(logits.device), ignore_index=-100, reduction="sum")
-        return total * self.scale
+        logits = getattr(outputs, "logits", outputs).contiguous()
+        return self.loss(logits, labels, vocab_size=logits.shape[-1], num_items_in_batch=self.items)
 
 
-def _forward_keywords(model: nn.Module) -> set[str] | _Everything:
+def _summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                          num_items_in_batch: float) -> torch.Tensor:
+    """Cross-entropy summed over the labels (-100 ignored) / `num_items_in_batch`, unshifted, in
+    the signature of transformers' language-model losses."""
+    total = F.cross_entropy(logits.reshape(-1, vocab_size).float(), labels.reshape(-1).to(logits.device),
+                            ignore_index=-100, reduction="sum")
+    return total / num_items_in_batch
+
+
+def forward_keywords(model: nn.Module) -> set[str] | _Everything:
     forward = getattr(model, "module", model).forward  # DDP wraps the user's module
     params = inspect.signature(forward).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):

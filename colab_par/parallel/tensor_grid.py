@@ -22,6 +22,8 @@ layers themselves run on the local pieces with the collectives of `collectives.p
 only its local input and weight pieces for backward and gathers them again there (as SUMMA does),
 so activation memory stays partitioned. Norm statistics are summed over the hidden split; the
 head's logits are gathered whole (like the 1d plan) so any loss function scores them unchanged.
+A vocabulary the grid side does not divide is split unevenly, as DTensor shards it; the embedding
+table and the logits are gathered from those pieces (`collectives.py` pads and trims them).
 """
 from __future__ import annotations
 
@@ -97,8 +99,12 @@ class Grid:
         self.coords = {name: mesh[name].get_local_rank() for name in plan.dims}
         self.sizes = {name: mesh[name].size() for name in plan.dims}
 
-    def splits(self, along: Along) -> tuple[Split, ...]:
-        return tuple((self.groups[name], dim) for name, dim in along)
+    def splits(self, along: Along, full: dict[int, int] | None = None) -> tuple[Split, ...]:
+        """The collectives' splits for `along`; `full` names the full size of dims whose pieces
+        may be uneven (the vocabulary)."""
+        full = full or {}
+        return tuple((self.groups[name], dim, full[dim]) if dim in full else (self.groups[name], dim)
+                     for name, dim in along)
 
     def placements(self, spec: WeightSpec) -> tuple[Placement, ...]:
         return tuple(Shard(spec.shards[name]) if name in spec.shards else Replicate()
@@ -165,12 +171,12 @@ def _linear_forward(module: nn.Linear, grid: Grid, x: torch.Tensor, *, spec: Lin
 
 def _head_forward(module: nn.Linear, grid: Grid, x: torch.Tensor) -> torch.Tensor:
     logits = _linear_forward(module, grid, x, spec=grid.plan.into_block)
-    return gather_replicas(logits, grid.splits(grid.plan.logits_gathers))
+    return gather_replicas(logits, grid.splits(grid.plan.logits_gathers, {-1: module.weight.shape[0]}))
 
 
 def _embedding_forward(module: nn.Embedding, grid: Grid, tokens: torch.Tensor) -> torch.Tensor:
     spec = grid.plan.embedding
-    table = gather(grid.local_weight(module.weight, spec), grid.splits(spec.gathers))
+    table = gather(grid.local_weight(module.weight, spec), grid.splits(spec.gathers, {0: module.weight.shape[0]}))
     return nn.functional.embedding(grid.batch_piece(tokens), table)
 
 

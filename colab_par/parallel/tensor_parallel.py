@@ -4,14 +4,17 @@ A plan maps module patterns (``fnmatch`` per dotted name, e.g. ``layers.*.mlp.up
 ``ParallelStyle``s or to the style strings of transformers' own plans, which are translated here to
 torch's styles (a small style of our own only where torch has none). Where the plan comes from:
 - the user's ``tp_plan``;
-- a Hugging Face model's own ``_tp_plan``, or for BERT, which ships none, ours;
+- a Hugging Face model's own ``_tp_plan``, or for BERT and GPT-2, which ship none, the kit's
+  (`hf_plans.py`);
 - the reference GPT: a Megatron plan. q/k/v and the SwiGLU gate/up projections are split by output
   columns, the attention and FFN output projections by input rows, so each block needs one
   all-reduce in forward (or, with sequence parallel, a reduce-scatter + all-gather pair that keeps
   norms and residuals sharded along the sequence). The vocabulary is sharded in the embedding and
   the output head, whose logits are gathered so any loss function works on them unchanged.
 Every plan is checked against the model before anything is sharded (unknown or untrainable styles,
-patterns that match nothing, sizes that do not divide, tied weights sharded two ways).
+patterns that match nothing, uneven splits the next layers would see, tied weights sharded two
+ways). A vocabulary tp does not divide is split unevenly (DTensor's uneven shards): the embedding
+and a gathered head hide the split, so GPT-2's 50,257 tokens train under any tp.
 """
 from __future__ import annotations
 
@@ -20,7 +23,6 @@ from fnmatch import fnmatch
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
@@ -29,10 +31,14 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                parallelize_module)
 
 from colab_par import compat
+from colab_par.models.hf import is_hf_model
 from colab_par.parallel.collectives import sum_grad_over
+from colab_par.parallel.hf_plans import (KIT_PLANS, Conv1DColwise, Conv1DRowwise, base_prefix, bert_tp_plan,
+                                        gpt2_tp_plan)
+from colab_par.parallel.pipeline.layers import StandIn
 
-__all__ = ["apply_tensor_parallel", "bert_tp_plan", "gpt_tp_plan", "hf_tp_plan", "resolve_tp_plan",
-           "tp_plan_for", "HF_STYLES", "LocalParams", "ReplicatedGradSum", "ShardParameter"]
+__all__ = ["apply_tensor_parallel", "bert_tp_plan", "gpt2_tp_plan", "gpt_tp_plan", "has_tp_plan", "hf_tp_plan",
+           "resolve_tp_plan", "tp_plan_for", "HF_STYLES", "LocalParams", "ReplicatedGradSum", "ShardParameter"]
 
 Plan = dict[str, Any]  # module pattern -> ParallelStyle or Hugging Face style string
 
@@ -218,45 +224,32 @@ def _parameter_placement(pattern: str, name: str, param: torch.Tensor) -> Placem
 
 
 # ---- plans of Hugging Face models -----------------------------------------------------------------
-def bert_tp_plan(model: nn.Module) -> dict[str, str]:
-    """A Megatron plan for BERT encoders (BertModel, BertForMaskedLM, BertFor...Classification).
-
-    q/k/v and the FFN's intermediate projection are split by output columns, the attention output
-    and FFN output projections by input rows: one all-reduce each in forward. Self-attention views
-    its projections as ``(..., -1, head_size)``, so every rank simply sees its own heads. The
-    vocabulary is split in the word embeddings and in the MLM decoder (tied to them, so both are
-    split the same way) whose logits are gathered; position/type embeddings and norms stay whole.
-    """
-    prefix = getattr(model, "base_model_prefix", "")
-    base = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
-    layer = f"{base}encoder.layer.*"
-    plan = {f"{base}embeddings.word_embeddings": "embedding_rowwise",
-            f"{layer}.attention.self.query": "colwise", f"{layer}.attention.self.key": "colwise",
-            f"{layer}.attention.self.value": "colwise", f"{layer}.attention.output.dense": "rowwise",
-            f"{layer}.intermediate.dense": "colwise", f"{layer}.output.dense": "rowwise"}
-    if isinstance(dict(model.named_modules()).get("cls.predictions.decoder"), nn.Linear):
-        plan["cls.predictions.decoder"] = "colwise_gather_output"
-    return plan
-
-
-# Encoders without a plan of their own, by config.model_type (only what the tests train).
-_ENCODER_PLANS: dict[str, Callable[[nn.Module], dict[str, str]]] = {"bert": bert_tp_plan}
-
-
-def hf_tp_plan(model: nn.Module) -> dict[str, str]:
-    """A transformers model's own ``_tp_plan`` (FQN pattern -> style name), or ours for encoders
-    that ship none."""
-    raw: dict[str, str] = compat.hf_tp_plan(model)
-    if not raw:
-        raw = {f"model.{k}": v for k, v in (getattr(model.config, "base_model_tp_plan", None) or {}).items()}
-    encoder_plan = _ENCODER_PLANS.get(getattr(model.config, "model_type", ""))
-    if not raw and encoder_plan is not None:
-        raw = encoder_plan(model)
+def hf_tp_plan(model: nn.Module) -> dict[str, Any]:
+    """A transformers model's own ``_tp_plan`` (FQN pattern -> style name), or the kit's for
+    families that ship none (`hf_plans.KIT_PLANS`: BERT, GPT-2)."""
+    raw: dict[str, Any] = compat.hf_tp_plan(model)
+    if not raw:  # the config's plan names the base model's modules
+        config_plan = getattr(model.config, "base_model_tp_plan", None) or {}
+        raw = {f"{base_prefix(model)}{k}": v for k, v in config_plan.items()}
+    kit_plan = KIT_PLANS.get(getattr(model.config, "model_type", ""))
+    if not raw and kit_plan is not None:
+        raw = kit_plan(model)
     if not raw:
         raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (_tp_plan / "
                          "config.base_model_tp_plan); pass parallelize(..., tp_plan={module pattern: "
                          "style}) or use a layout with tp=1")
     return raw
+
+
+def has_tp_plan(model: nn.Module) -> bool:
+    """Whether `model` brings a tensor-parallel plan of its own (transformers', or the kit's for its
+    family): no `tp_plan` needs to be given for it."""
+    if not is_hf_model(model):
+        return False
+    try:
+        return bool(hf_tp_plan(model))
+    except ValueError:
+        return False
 
 
 def tp_plan_for(model: nn.Module, user_plan: Plan | None, *, hf: bool,
@@ -282,7 +275,8 @@ def tp_plan_for(model: nn.Module, user_plan: Plan | None, *, hf: bool,
 def _resolve(model: nn.Module, pattern: str) -> tuple[list[nn.Module], list[tuple[nn.Module, str]], bool]:
     """What `pattern` names, matched the way ``parallelize_module`` does (fnmatch per dotted name):
     (modules, (owner, name) of bare parameters, whether some match is a module a pipeline stage
-    pruned: a None module or attribute, or a layer index missing from a stage's ModuleDict of layers)."""
+    does not hold: a None module or attribute, another stage's stand-in, or a layer index missing
+    from a stage's ModuleDict of layers)."""
     atoms = pattern.split(".")
     frontier, pruned = [model], False
     for depth, atom in enumerate(atoms):
@@ -290,8 +284,9 @@ def _resolve(model: nn.Module, pattern: str) -> tuple[list[nn.Module], list[tupl
         for module in frontier:
             for name, child in module._modules.items():
                 if fnmatch(name, atom):
-                    pruned |= child is None
-                    if child is not None:
+                    stand_in = child is None or isinstance(child, StandIn)
+                    pruned |= stand_in
+                    if not stand_in:
                         children.append(child)
             pruned |= module.__dict__.get(atom, False) is None  # a stage's `self.lm_head = None`
             pruned |= (isinstance(module, nn.ModuleDict) and atom.isdigit() and atom not in module._modules
@@ -353,6 +348,8 @@ def _placements(style: ParallelStyle, module: nn.Module) -> dict[str, Placement]
         return {style.name: style.placement}
     if isinstance(style, (SequenceParallel, ReplicatedGradSum)):
         return {name: Replicate() for name in params}
+    if isinstance(style, (Conv1DColwise, Conv1DRowwise)):
+        return dict(style.placements)
     linear, embedding = isinstance(module, nn.Linear), isinstance(module, nn.Embedding)
     if isinstance(style, ColwiseParallel):
         return {name: Shard(1 if embedding else 0) for name in params}
@@ -362,10 +359,24 @@ def _placements(style: ParallelStyle, module: nn.Module) -> dict[str, Placement]
     return {}
 
 
+def _split_stays_inside(style: ParallelStyle, module: nn.Module) -> bool:
+    """Whether the module's split is invisible outside it, so DTensor may shard it unevenly (its
+    first ``size % tp`` ranks one row more): a vocabulary-split embedding (the masked lookup sums
+    whole rows), a column-split layer whose output is gathered, a row-split layer that splits its
+    whole input itself. A split that leaves the module (a local column-split output, a row-split
+    layer fed pieces) must cut heads and features where its neighbours do: evenly."""
+    if isinstance(style, RowwiseParallel):
+        return isinstance(style.input_layouts[0], Replicate)
+    if isinstance(style, ColwiseParallel):
+        return isinstance(style.output_layouts[0], Replicate)
+    return False
+
+
 def _check_shardable(model: nn.Module, plan: dict[str, ParallelStyle], tp: int) -> None:
     """Refuse, before anything is sharded, what `parallelize_module` would break on halfway or get
     wrong silently: one module under two patterns, Colwise/Rowwise on something other than
-    Linear/Embedding, dimensions that do not divide by tp, tied weights planned two ways."""
+    Linear/Embedding, uneven splits whose pieces leave the module (`_split_stays_inside`), tied
+    weights planned two ways."""
     owner: dict[int, str] = {}
     planned: dict[str, Placement] = {}  # parameter FQN -> where the plan puts it
     names = {id(m): name for name, m in model.named_modules()}
@@ -382,11 +393,13 @@ def _check_shardable(model: nn.Module, plan: dict[str, ParallelStyle], tp: int) 
                                  "nn.Linear or nn.Embedding; plan its Linear submodules instead")
             for pname, placement in _placements(style, module).items():
                 size = module._parameters[pname].shape[placement.dim] if isinstance(placement, Shard) else 0
-                if size % tp:
+                if size % tp and not _split_stays_inside(style, module):
                     raise ValueError(
                         f"{type(style).__name__} on {name!r} splits {pname} dim {placement.dim} of size "
-                        f"{size} over tp={tp}, which does not divide it; choose a tp that divides it or "
-                        "leave the module out of the plan")
+                        f"{size} over tp={tp}, which does not divide it, and its pieces leave the module "
+                        "split (the layers after it would cut heads or features unevenly); choose a tp "
+                        "that divides it, gather the output ('colwise_gather_output') or leave the "
+                        "module out of the plan")
                 planned[f"{name}.{pname}".lstrip(".")] = placement
     for fqns, _ in _tied_parameters(model):
         ways = {fqn: planned.get(fqn) for fqn in fqns}

@@ -1,6 +1,6 @@
 """Cutting a trial's model into shards that fit one engine's memory budget (Hydra's partitioner).
 
-A model is a chain of units: the layers of colab_par's GPT or a Hugging Face ``*ForCausalLM``
+A model is a chain of units: the layers of colab_par's GPT or of a Hugging Face decoder
 (the first unit also holds the embedding, the last the final norm and head), or the children of an
 ``nn.Sequential``. A short probe runs the model once on the meta device with the trial's first
 batch: it costs no memory or time, yet gives each unit's parameter bytes and the activation bytes
@@ -20,7 +20,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.flop_counter import FlopCounterMode
 
-from colab_par.parallel.pipeline import balanced_cuts, layer_count, layer_stage
+from colab_par.parallel.pipeline import balanced_cuts, layer_count, layer_stage, layer_units
 from colab_par.selection.costs import OpCounter, optimizer_key
 from colab_par.selection.trial import Trial
 
@@ -87,21 +87,15 @@ def meta_model(trial: Trial) -> nn.Module:
 
 def unit_modules(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     """The model's units in forward order: (name, the modules whose parameters it holds)."""
-    n_layers = layer_count(model)
-    if n_layers is not None:
-        hf = hasattr(model, "lm_head")
-        base = model.model if hf else model
-        layers = list(base.layers.values() if isinstance(base.layers, nn.ModuleDict) else base.layers)
-        first = [base.embed_tokens if hf else model.tok_embeddings]
-        last = [base.norm, model.lm_head] if hf else [model.norm, model.output]
-        prefix = "model.layers" if hf else "layers"
-        units = [(f"{prefix}.{i}", [layer]) for i, layer in enumerate(layers)]
+    if layer_count(model) is not None:
+        first, layers, last = layer_units(model)
+        units = [(name, [layer]) for name, layer in layers]
         units[0] = (units[0][0], first + units[0][1])
         units[-1] = (units[-1][0], units[-1][1] + last)
         return units
     if isinstance(model, nn.Sequential):
         return [(name, [child]) for name, child in model.named_children()]
-    raise TypeError(f"model selection cuts colab_par's GPT, Hugging Face *ForCausalLM and "
+    raise TypeError(f"model selection cuts colab_par's GPT, Hugging Face decoders and "
                     f"nn.Sequential models into shards; {type(model).__name__} is none of them: "
                     "write it as an nn.Sequential of its blocks")
 

@@ -1,0 +1,275 @@
+"""Running pipeline stages: torch's `PipelineStage`s and schedules behind one call.
+
+`PipelineRunner` wraps a rank's stage modules (from `split_model`) in `PipelineStage`s and one of
+torch's schedules (GPipe, 1F1B, interleaved 1F1B, zero-bubble V): `step(inputs, targets)` for token
+batches, `step_batch(batch)` for any batch of the kit's convention, so the training loop is the
+same for every layout.
+"""
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
+from torch.nn.parallel import DistributedDataParallel
+
+from colab_par import compat
+from colab_par.compat import tree_flatten, tree_map
+from colab_par.layout import Layout
+from colab_par.parallel.batch import Batch, batch_size, batch_to, check_batch
+from colab_par.parallel.pipeline.stages import TiedTensor, stage_ids, stage_owner
+from colab_par.parallel.pipeline.traced import TracedInterface
+
+__all__ = ["PipelineRunner"]
+
+_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+              "interleaved": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble}
+_MULTI_STAGE = ("interleaved", "zbv")
+
+
+class _BusyClock:
+    """Adds up compute time inside stage chunks and the wall time of a step.
+
+    CUDA work is asynchronous, so on GPUs spans are CUDA events on the compute stream read once
+    after the step; on CPU they are perf_counter intervals.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.reset()
+
+    def reset(self) -> None:
+        self._seconds = {"busy": 0.0, "wall": 0.0}
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def span(self, kind: str) -> Iterator[None]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((kind, start, end))
+        else:
+            started = time.perf_counter()
+            yield
+            self._seconds[kind] += time.perf_counter() - started
+
+    def idle_share(self) -> float:
+        if self._events:
+            torch.cuda.synchronize(self.device)
+            for kind, start, end in self._events:
+                self._seconds[kind] += start.elapsed_time(end) / 1000.0
+            self._events.clear()
+        wall = self._seconds["wall"]
+        return max(0.0, 1.0 - self._seconds["busy"] / wall) if wall > 0 else 0.0
+
+
+class _TimedStage(PipelineStage):
+    """A PipelineStage that clocks its compute; the schedule waits for p2p outside these calls,
+    so wall time minus this is the time the rank sat idle (the bubble plus communication)."""
+
+    def __init__(self, *args, clock: _BusyClock, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._clock = clock
+
+    def forward_one_chunk(self, *args, **kwargs):
+        with self._clock.span("busy"):
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        with self._clock.span("busy"):
+            return super().backward_one_chunk(*args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args, **kwargs):
+        with self._clock.span("busy"):
+            return super().backward_weight_one_chunk(*args, **kwargs)
+
+
+class PipelineRunner:
+    """Forward+backward of one batch through this rank's stages with the layout's schedule.
+
+    Stages and schedule are built on the first step (and again if the batch shape changes):
+    torch infers the activation shapes from that first microbatch. Gradients accumulate in the
+    parts' parameters; the optimizer step is the caller's. The last stage scores its outputs with
+    ``loss_fn(logits, targets)`` in `step` and ``batch_loss_fn(outputs, microbatch)`` in
+    `step_batch` (`loss_fn` when no `batch_loss_fn` is given).
+
+    `last_bubble` is the share of the last step's wall time this rank spent outside stage compute
+    (waiting on p2p or idle in the pipeline bubble). The first step after a (re)build also
+    includes torch's one-off shape inference.
+    """
+
+    def __init__(self, parts: list[nn.Module], layout: Layout | str, pp_group: dist.ProcessGroup,
+                 loss_fn: Callable[[Any, Any], torch.Tensor], device: torch.device | str, *,
+                 batch_loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None):
+        self.layout = Layout.parse(layout).validate()
+        if dist.get_world_size(pp_group) != self.layout.pp:
+            raise ValueError(f"the pp process group has {dist.get_world_size(pp_group)} ranks but "
+                             f"layout.pp={self.layout.pp}; pass mesh['pp'].get_group()")
+        self.pp_group = pp_group
+        self.pp_rank = dist.get_rank(pp_group)
+        self.stage_ids = stage_ids(self.layout, self.pp_rank)
+        if len(parts) != len(self.stage_ids):
+            raise ValueError(f"pp rank {self.pp_rank} holds stages {self.stage_ids} but got "
+                             f"{len(parts)} parts; build them with split_model(model, layout, "
+                             f"{self.pp_rank})")
+        self.parts = list(parts)
+        self.n_stages = self.layout.pp * self.layout.virtual_stages
+        self.has_first = 0 in self.stage_ids
+        self.has_last = self.n_stages - 1 in self.stage_ids
+        self.device = torch.device(device)
+        self.last_bubble = 0.0
+        self._loss_fn = loss_fn
+        self._batch_loss_fn = batch_loss_fn or loss_fn
+        self._score: Callable[[Any, torch.Tensor], torch.Tensor] = loss_fn
+        self._loss_weight = 1.0
+        first = self.parts[0]
+        inner = first.module if isinstance(first, DistributedDataParallel) else first
+        self._traced: TracedInterface | None = getattr(inner, "pipeline_io", None)
+        self._ties: list[TiedTensor] = list(getattr(inner, "pipeline_ties", ()))
+        self._clock = _BusyClock(self.device)
+        self._schedule = None
+        self._built_for: tuple | None = None
+
+    def tied_copies(self) -> list[list[tuple[int, nn.Parameter]]]:
+        """Per tensor several stages use, this rank's copies of it with their stage ids."""
+        copies: list[list[tuple[int, nn.Parameter]]] = []
+        for tie in self._ties:
+            mine: dict[int, tuple[int, nn.Parameter]] = {}
+            for stage, part in zip(self.stage_ids, self.parts):
+                for name, param in part.named_parameters(remove_duplicate=False):
+                    if name in tie.names:
+                        mine.setdefault(id(param), (stage, param))
+            copies.append(list(mine.values()))
+        return copies
+
+    def duplicate_copies(self) -> set[int]:
+        """ids of the copies a norm must skip: all but the first one on the first stage (a stage
+        may hold a tensor twice, under two names), so each tensor counts once."""
+        skip: set[int] = set()
+        for tie, copies in zip(self._ties, self.tied_copies()):
+            counted = [param for stage, param in copies if stage == tie.first_stage][:1]
+            skip |= {id(param) for _, param in copies if all(param is not kept for kept in counted)}
+        return skip
+
+    @torch.no_grad()
+    def sync_tied_gradients(self) -> None:
+        """Sum each tied tensor's gradient over its copies on all stages and give every copy the
+        sum, so the optimizer moves them alike (they start equal)."""
+        for tie, copies in zip(self._ties, self.tied_copies()):
+            total = torch.zeros(tie.shape, dtype=tie.dtype, device=self.device)
+            for _, param in copies:
+                if param.grad is not None:
+                    total += param.grad
+            dist.all_reduce(total, group=self.pp_group)
+            for _, param in copies:
+                param.grad = total.clone()
+
+    def _stage_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        # Each microbatch loss carries loss_scale / n_microbatches, so the summed gradients are the
+        # scaled batch-mean gradient. (torch's own scale_grads would also divide gradients that
+        # earlier accumulation steps left in .grad, so it stays off.)
+        return self._score(output, target) * self._loss_weight
+
+    def _build(self) -> None:
+        compat.check_stage_compute_hooks()  # _TimedStage's clock wraps them
+        stages = [_TimedStage(part, sid, self.n_stages, self.device, group=self.pp_group,
+                              clock=self._clock)
+                  for part, sid in zip(self.parts, self.stage_ids)]
+        schedule_cls = _SCHEDULES[self.layout.pp_schedule]
+        target = stages if self.layout.pp_schedule in _MULTI_STAGE else stages[0]
+        self._schedule = schedule_cls(target, n_microbatches=self.layout.microbatches,
+                                      loss_fn=self._stage_loss, scale_grads=False)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float = 1.0) -> float:
+        """Forward + backward of this rank's dp slice; returns the batch mean loss on every pp rank."""
+        if self._traced is not None:  # a traced model takes its tokens as a (tokens, targets) batch
+            return self.step_batch((inputs, targets), loss_scale=loss_scale,
+                                   score=lambda outputs, rows: self._loss_fn(outputs, rows[-1]))
+        self._check_step(inputs.shape[0], loss_scale)
+        args = (inputs.to(self.device),) if self.has_first else ()
+        target = targets.to(self.device) if self.has_last else None
+        self._score = self._loss_fn
+        return self._run((tuple(inputs.shape), inputs.dtype, tuple(targets.shape)), args, {},
+                         target, loss_scale)
+
+    def step_batch(self, batch: Batch, *, loss_scale: float = 1.0,
+                   score: Callable[[Any, Batch], torch.Tensor] | None = None) -> float:
+        """`step` for this rank's dp share of any batch in the kit's convention: a tuple
+        ``(*inputs, target)`` or a dict (see `colab_par.parallel.batch`).
+
+        The last stage scores each microbatch with ``batch_loss_fn(outputs, microbatch)``. torch's
+        schedules split only a tensor target, so the target they carry is the batch's row index
+        (arange), and the loss looks its microbatch up by those rows. Returns the batch mean loss
+        on every pp rank.
+        """
+        check_batch(batch)
+        size = batch_size(batch)
+        self._check_step(size, loss_scale)
+        batch = batch_to(batch, self.device)
+        if self._traced is not None:
+            args, kwargs = (), self._traced.inputs(batch, self.layout.microbatches)
+        elif isinstance(batch, dict):  # stages cut by layers take token ids
+            if set(batch) != {"input_ids", "labels"}:
+                raise ValueError(f"a batch with {sorted(set(batch) - {'input_ids', 'labels'}) or 'no labels'} "
+                                 "cannot cross pipeline stages cut by layers, which take token ids only; "
+                                 "give {'input_ids': ..., 'labels': ...} (padding labelled -100), "
+                                 "(tokens, targets), or split the model with split_points= and an example batch")
+            args, kwargs = ((batch["input_ids"],) if self.has_first else ()), {}
+        else:
+            args, kwargs = (tuple(batch[:-1]) if self.has_first else ()), {}
+        shapes = tuple((tuple(t.shape), t.dtype) for t in tree_flatten(batch)[0]
+                       if isinstance(t, torch.Tensor))
+        outputs = self._traced.outputs if self._traced is not None else (lambda out: out)
+        score = score or self._batch_loss_fn
+        self._score = lambda output, rows: score(outputs(output), _rows(batch, rows))
+        target = torch.arange(size) if self.has_last else None
+        return self._run(("batch", shapes), args, kwargs, target, loss_scale)
+
+    def _check_step(self, size: int, loss_scale: float) -> None:
+        n_mb = self.layout.microbatches
+        if size % n_mb:
+            raise ValueError(f"batch of {size} does not split into microbatches={n_mb}; "
+                             f"use a per-dp-rank batch that is a multiple of {n_mb}")
+        if not (math.isfinite(loss_scale) and loss_scale > 0):
+            raise ValueError(f"loss_scale={loss_scale} must be a positive finite number "
+                             "(e.g. 1/accumulation_steps)")
+
+    def _run(self, key: tuple, args: tuple, kwargs: dict[str, Any], target: torch.Tensor | None,
+             loss_scale: float) -> float:
+        if key != self._built_for:
+            self._build()
+            self._built_for = key
+        self._loss_weight = loss_scale / self.layout.microbatches
+        losses: list[torch.Tensor] = []
+        self._clock.reset()
+        with self._clock.span("wall"):
+            self._schedule.step(*args, target=target, losses=losses if self.has_last else None,
+                                return_outputs=False, **kwargs)
+        self.last_bubble = self._clock.idle_share()
+        return self._broadcast_mean_loss(losses, loss_scale)
+
+    def _broadcast_mean_loss(self, losses: list[torch.Tensor], loss_scale: float) -> float:
+        if self.has_last:
+            loss = (torch.stack([l.detach().float() for l in losses]).sum() / loss_scale).reshape(1)
+        else:
+            loss = torch.zeros(1, device=self.device)
+        owner = stage_owner(self.layout, self.n_stages - 1)
+        dist.broadcast(loss, group=self.pp_group, group_src=owner)
+        return loss.item()
+
+
+def _rows(batch: Batch, rows: torch.Tensor) -> Batch:
+    """The microbatch of `batch` whose row indices are `rows`: torch's schedules split the target
+    into contiguous chunks, so that is a slice of every tensor."""
+    start, count = int(rows[0]), rows.numel()
+    return tree_map(lambda t: t[start:start + count]
+                    if isinstance(t, torch.Tensor) and t.dim() else t, batch)
