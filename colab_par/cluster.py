@@ -19,7 +19,7 @@ import cloudpickle
 import ipyparallel as ipp
 from traitlets.config import Config
 
-from colab_par import compat, engine
+from colab_par import compat, engine, recovery
 from colab_par.launchers import SSH, Launcher, launcher_from
 from colab_par.output import (DeadEngineError, EngineError, RecoveryError, TaskOutput, busy_ranks,
                               is_transport_error, per_rank_data, rank_errors, rank_failure, ranks_text,
@@ -27,8 +27,6 @@ from colab_par.output import (DeadEngineError, EngineError, RecoveryError, TaskO
 from colab_par.ship import ship_by_value
 
 __all__ = ["Cluster", "EngineError", "DeadEngineError", "RecoveryError"]
-
-RECOVERY_KEY = "colab_par.recovery"  # how a cell's restartable Trainer asks to be recovered
 
 BACKENDS = ("nccl", "gloo")
 _POLL_MAX_S = 0.25
@@ -277,7 +275,7 @@ class Cluster:
                       f"{policy['ckpt_dir']} (restart {len(attempts)} of {policy['max_restarts']})",
                       file=sys.stderr)
                 self.restart()
-                self.run(engine.request_resume, policy["ckpt_dir"])
+                self.run(recovery.request_resume, policy["ckpt_dir"])
                 namespace = fresh_namespace() if fresh_namespace is not None else namespace
 
     def _execute_once(self, code: str, targets: Sequence[int] | None, all_output: bool,
@@ -622,7 +620,8 @@ def _recovery_policy(result: Any) -> dict[str, Any] | None:
         published = per_rank_data(result.data)
     except Exception:  # noqa: BLE001 - a task lost with its engine may hold no data at all
         return None
-    return next((data[RECOVERY_KEY] for data in published if data and RECOVERY_KEY in data), None)
+    key = recovery.RECOVERY_KEY
+    return next((data[key] for data in published if data and key in data), None)
 
 
 def _ranked_by_host(ids: list[int], hosts: list[dict[str, Any]]) -> tuple[list[int], list[dict[str, Any]]]:

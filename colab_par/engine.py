@@ -84,13 +84,6 @@ def bind_device(local_rank: int, local_world: int, backend: str) -> str:
     return "cpu"
 
 
-def request_resume(ckpt_dir: str) -> None:
-    """On fresh engines after one died: the cell's restartable Trainer resumes from `ckpt_dir`."""
-    from colab_par.train import request_resume as resume_next_fit
-
-    resume_next_fit(ckpt_dir)
-
-
 def seed_generators(seed: int) -> None:
     """Start torch's and Python's generators from `seed`, so a notebook run repeats (a process
     otherwise draws a fresh seed) and a script exported from it computes the same."""
