@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Sequence
 
-__all__ = ["BACKENDS", "choose_backend", "device_for", "expected_devices", "local_ranks"]
+__all__ = ["BACKENDS", "choose_backend", "device_for", "expected_devices", "local_ranks", "device_problems"]
 
 BACKENDS = ("nccl", "gloo")
 
@@ -33,7 +33,7 @@ def choose_backend(requested: str | None, hosts: Sequence[dict[str, Any]]) -> tu
     for info in hosts:  # engines of one host normally agree; the fewest visible GPUs is what binds
         gpus[info["host"]] = min(gpus.get(info["host"], info["gpus"]), info["gpus"])
     short = {host: (gpus[host], count) for host, count in engines.items() if gpus[host] < count}
-    if requested == "gloo" or (requested is None and not short):
+    if requested == "gloo" or not short:
         return requested or "nccl", None
     shortage = "; ".join(f"{host} has {have} GPU{'s' * (have != 1)} for {count} "
                          f"engine{'s' * (count != 1)}" for host, (have, count) in short.items())
@@ -55,3 +55,25 @@ def device_for(backend: str, local_rank: int) -> str:
 def expected_devices(backend: str, hosts: Sequence[dict[str, Any]]) -> list[str]:
     """`device_for` of every rank of engines reporting `hosts` (rank order)."""
     return [device_for(backend, local) for local in local_ranks(hosts)]
+
+
+def device_problems(backend: str, hosts: Sequence[dict[str, Any]], devices: Sequence[str],
+                    reports: Sequence[dict[str, Any]]) -> list[str]:
+    """What is wrong with where the engines of a `backend` world compute, from what each bound
+    (`devices`) and reports (`engine.device_report`); empty when all is as this module says. The
+    GPU check of a real GPU host runs it (`Cluster.check_devices`); the CPU tests run it too."""
+    problems = []
+    for rank, (want, bound, report) in enumerate(zip(expected_devices(backend, hosts), devices, reports)):
+        on = f"rank {rank} on {hosts[rank]['host']}"
+        if report["backend"] != backend:
+            problems.append(f"{on} is in a {report['backend']} world, not {backend}")
+        if bound != want or report["default_device"] != want:
+            problems.append(f"{on} computes on {bound} (default_device() {report['default_device']}), "
+                            f"not {want}")
+        if want.startswith("cuda") and report["current_device"] != int(want.split(":")[1]):
+            problems.append(f"{on}: its current CUDA device is {report['current_device']}, not {want}")
+        if want == "cpu" and report["cuda_initialized"]:
+            problems.append(f"{on} started CUDA although a {backend} world computes on the CPU")
+        if backend == "nccl" and not report["nccl_socket_ifname"]:
+            problems.append(f"{on} has no NCCL_SOCKET_IFNAME: NCCL picks its own interface")
+    return problems

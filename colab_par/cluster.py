@@ -21,7 +21,7 @@ import ipyparallel as ipp
 from traitlets.config import Config
 
 from colab_par import compat, engine, probe, recovery
-from colab_par.backend import BACKENDS, choose_backend, local_ranks
+from colab_par.backend import BACKENDS, choose_backend, device_problems, local_ranks
 from colab_par.launchers import SSH, Launcher, Slurm, launcher_from
 from colab_par.output import (CollectiveDeadlockError, DeadEngineError, EngineError, RecoveryError,
                               TaskOutput, busy_ranks, is_transport_error, per_rank_data, rank_errors,
@@ -317,6 +317,11 @@ class Cluster:
                     row["busy"] = True
             rows.append(row)
         return rows
+
+    def check_devices(self) -> list[str]:
+        """What is wrong with where the engines compute (`backend.device_problems`): empty when each
+        computes on its own GPU under nccl, or on the CPU (CUDA untouched) under gloo."""
+        return device_problems(self.backend, self._hosts, self.devices, self.run(engine.device_report))
 
     def interrupt(self, ranks: Iterable[int] | None = None) -> None:
         """Send SIGINT to every engine (the notebook's stop button), or to `ranks`: directly on this

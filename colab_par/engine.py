@@ -16,7 +16,7 @@ from colab_par.backend import device_for
 
 __all__ = ["host_info", "visible_gpus", "bind_device", "socket_interfaces", "enable_stack_dumps",
            "open_rendezvous", "init_process_group", "leave_process_group", "break_connections",
-           "names_built_on_the_group", "rank_status", "update_namespace"]
+           "names_built_on_the_group", "rank_status", "device_report", "update_namespace"]
 
 _LISTENER: socket.socket | None = None  # rank 0: the bound rendezvous socket until the store takes it
 _STACKS: Any = None  # the open file faulthandler dumps stacks into on SIGUSR1
@@ -315,6 +315,20 @@ def rank_status() -> dict[str, Any]:
         info["device"] = "cpu"
         info["memory_bytes"] = _rss_bytes() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return info
+
+
+def device_report() -> dict[str, Any]:
+    """Where this engine computes, as torch sees it (checked by `backend.device_problems`)."""
+    import torch
+    import torch.distributed as dist
+
+    from colab_par.parallel.mesh import default_device
+
+    cuda = torch.cuda.is_initialized()
+    return {"backend": dist.get_backend() if dist.is_initialized() else None,
+            "cuda_initialized": cuda, "current_device": torch.cuda.current_device() if cuda else None,
+            "default_device": str(default_device()),
+            "nccl_socket_ifname": os.environ.get("NCCL_SOCKET_IFNAME")}
 
 
 def _rss_bytes() -> int | None:

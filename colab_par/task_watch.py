@@ -18,7 +18,7 @@ from colab_par.output import where_waiting
 __all__ = ["TaskWatch", "GRACE_S"]
 
 START_AFTER_S = 0.5
-EVERY_S = 0.5
+EVERY_S = 1.0
 ANSWER_WITHIN_S = 1.0
 # How long a rank must sit in one call, and a peer must have returned, before it counts: long
 # enough for data in flight (a broadcast root that returned first) to arrive.
