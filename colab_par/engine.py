@@ -267,10 +267,12 @@ def names_built_on_the_group() -> list[str]:
     import torch
     import torch.distributed as dist
     from IPython import get_ipython
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
 
-    kinds = (dist.ProcessGroup, DeviceMesh, DTensor)
+    # nothing can hold an object of a module never imported, and importing DTensor's here would
+    # cost the first repair of a session a second
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    mesh = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", None)
+    kinds = tuple(kind for kind in (dist.ProcessGroup, mesh, dtensor) if kind is not None)
     skip = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType)
     seen: set[int] = set()
 
@@ -281,7 +283,7 @@ def names_built_on_the_group() -> list[str]:
             return False
         seen.add(id(value))
         if isinstance(value, torch.nn.Module):
-            return (any(isinstance(p, DTensor) for p in value.parameters())
+            return (dtensor is not None and any(isinstance(p, dtensor) for p in value.parameters())
                     or any(holds(v, depth - 1) for v in vars(value).values()))
         if isinstance(value, dict):
             children = list(value.values())[:50]

@@ -144,7 +144,7 @@ def test_long_legitimate_collective_work_is_not_failed(world, cell):
     world.execute(cell.format(s=LONGER_THAN_THE_GRACE_S))
     assert time.monotonic() - started > LONGER_THAN_THE_GRACE_S
     # the watch looked all along (rank 0 works or waits to the end), and found nothing stuck
-    assert world.run(where_answers)[0] - answered[0] >= 4
+    assert world.run(where_answers)[0] - answered[0] >= 3
 
 
 def where_answers() -> int:
