@@ -85,10 +85,10 @@ class Cluster:
     slot, or gpus_per_node × nodes of a Slurm job. ``backend=None`` picks nccl when every engine
     reports a GPU of its own on its host, else gloo, which computes on the CPU (`colab_par.backend`);
     an explicit "nccl" that some engine's host cannot serve is refused before the world forms.
-    ``timeout`` bounds every collective
-    (the process group's timeout) and engine start-up, so nothing waits forever. Every engine's
-    torch and Python generators start from ``seed`` at each start and restart, so a notebook run
-    repeats (``seed=None`` leaves each process's own draw). ``launcher`` says where engines run:
+    ``timeout`` bounds every collective (the process group's timeout) and engine start-up, so
+    nothing waits forever. Every engine's torch and Python generators start from ``seed`` at each
+    start and restart, so a notebook run repeats (``seed=None`` leaves each process's own draw).
+    ``launcher`` says where engines run:
     "local" (this host), "mpi", "slurm" or ``Slurm(partition=..., account=..., time=...)``, or
     ``SSH({"node1": 2, "node2": 2})``; ranks are grouped by host.
     """
@@ -511,7 +511,7 @@ class Cluster:
         (`TaskWatch`); stream rank 0 meanwhile."""
         output = TaskOutput(result, stream=stream, dashboard=self.dashboard)
         watch = TaskWatch(result, ranks, list(range(self.n)),
-                          lambda asked: self._request(asked, probe.WHERE_REQUEST),
+                          lambda asked: self._request(asked, probe.WHERE_REQUEST), self._idle_ranks,
                           what="the cell" if cell is not None else "the function")
         poll, failed_at = 0.002, None
         try:
@@ -553,23 +553,26 @@ class Cluster:
             self.restart()
 
     def _recover_from_rank_failure(self, result: Any, ranks: list[int], cell: str | None,
-                                   source: str | None = None) -> Exception:
-        """Some ranks failed, others still run (most likely waiting for them in a collective):
-        record where the others are, free them and re-form the world (`_free_and_rejoin`)."""
-        started = time.monotonic()
-        errors = rank_errors(result, ranks)
-        waiting = self._where(busy_ranks(result, ranks), cell, source)
-        repaired = self._free_and_rejoin(result, ranks, started)
-        return rank_failure(errors or rank_errors(result, ranks), waiting, repaired)
+                                   source: str | None) -> Exception:
+        """Some ranks failed while others still run, most likely waiting for them in a collective."""
+        errors = rank_errors(result, ranks)  # the causes (the others' errors come from freeing them)
+        return self._stop_and_repair(result, ranks, cell, source, lambda waiting, repaired: rank_failure(
+            errors or rank_errors(result, ranks), waiting, repaired))
 
     def _recover_from_deadlock(self, result: Any, ranks: list[int], stuck: dict[int, str],
                                gone: dict[int, str], cell: str | None, source: str | None) -> Exception:
-        """Ranks wait in collectives that can never complete: record where every busy rank is,
-        free them and re-form the world, as for a rank's error."""
+        """Ranks wait in collectives that can never complete (`TaskWatch`)."""
+        return self._stop_and_repair(result, ranks, cell, source, lambda waiting, repaired:
+                                     CollectiveDeadlockError(stuck, waiting, gone, repaired))
+
+    def _stop_and_repair(self, result: Any, ranks: list[int], cell: str | None, source: str | None,
+                         failure: Callable[[dict[int, str], str], Exception]) -> Exception:
+        """Busy ranks that can never finish (they wait on a rank that failed, or in collectives that
+        can never complete): record where each is, free them and re-form the world
+        (`_free_and_rejoin`); `failure(waiting, repaired)` is the error that says so."""
         started = time.monotonic()
         waiting = self._where(busy_ranks(result, ranks), cell, source)
-        repaired = self._free_and_rejoin(result, ranks, started)
-        return CollectiveDeadlockError(stuck, waiting, gone, repaired)
+        return failure(waiting, self._free_and_rejoin(result, ranks, started))
 
     def _free_and_rejoin(self, result: Any, ranks: list[int], started: float) -> str:
         """Make every pending collective fail now (each rank breaks its own connections, from its
@@ -627,6 +630,12 @@ class Cluster:
         replies = {rank: future.result()["content"] for rank, future in futures.items()
                    if future.done() and not future.exception()}
         return {rank: reply for rank, reply in replies.items() if reply.get("status") == "ok"}
+
+    def _idle_ranks(self, ranks: list[int]) -> set[int]:
+        """The live ones of `ranks` that have no task queued or running, as the hub knows."""
+        live = set(self._live_ranks())
+        queues = self._client.queue_status(targets=[self._ids[r] for r in ranks if r in live])
+        return {rank for rank in ranks if rank in live and queues[self._ids[rank]]["queue"] == 0}
 
     def _live_ranks(self) -> list[int]:
         dead = set(self._dead_ranks())

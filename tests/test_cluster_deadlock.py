@@ -26,10 +26,10 @@ def world(cluster4):
     return cluster4
 
 
-def fails_fast(world, cell: str) -> CollectiveDeadlockError:
+def fails_fast(world, cell: str, **options) -> CollectiveDeadlockError:
     started = time.monotonic()
     with pytest.raises(CollectiveDeadlockError) as info:
-        world.execute(cell)
+        world.execute(cell, **options)
     assert time.monotonic() - started < FAIL_WITHIN_S
     return info.value
 
@@ -88,6 +88,13 @@ def test_two_ranks_that_only_receive_fail_fast(world, capsys):
     assert error.stuck.keys() == {0, 1}
     assert "its recv from rank 1 on the group of ranks 0,1,2,3 cannot complete: rank 1 waits in recv" \
         in error.stuck[0]
+    assert_world_restored(world, capsys)
+
+
+def test_a_cell_on_some_ranks_that_needs_the_others_fails_fast(world, capsys):
+    error = fails_fast(world, "dist.all_reduce(torch.ones(1))\n", targets=[0, 1])
+    assert error.stuck.keys() == {0, 1}
+    assert error.gone == {2: "is not running the cell", 3: "is not running the cell"}
     assert_world_restored(world, capsys)
 
 
