@@ -73,7 +73,8 @@ def cpu_seconds() -> float:
 def request_cost(cluster: Cluster, requests: int = 400) -> float:
     """Engine CPU µs per where request, everything included (median of the engines)."""
     ids = cluster._client.ids[:cluster.n]
-    base = [b - a for a, b in zip(cluster.run(cpu_seconds), cluster.run(cpu_seconds))]  # the reading's own cost
+    # what reading the clock through ipyparallel costs the engine by itself
+    base = [b - a for a, b in zip(cluster.run(cpu_seconds), cluster.run(cpu_seconds))]
     before = cluster.run(cpu_seconds)
     for _ in range(requests):
         concurrent.futures.wait(compat.send_control_requests(cluster._client, ids, probe.WHERE_REQUEST, {}))
@@ -123,8 +124,8 @@ def main() -> None:
         task_watch.START_AFTER_S = default_start
     for watched, name in ((True, "watched"), (False, "unwatched")):
         values = rates[watched]
-        print(f"{name:>9}: {statistics.median(values):8.1f} steps/s (min {min(values):.1f}, max {max(values):.1f}, "
-              f"{len(values)} rounds of {args.seconds:.0f} s)")
+        print(f"{name:>9}: {statistics.median(values):8.1f} steps/s (min {min(values):.1f}, "
+              f"max {max(values):.1f}, {len(values)} rounds of {args.seconds:.0f} s)")
     paired = [w / u for w, u in zip(rates[True], rates[False])]
     print(f"ratio watched/unwatched: {statistics.median(rates[True]) / statistics.median(rates[False]):.3f} "
           f"of medians; per round pair: median {statistics.median(paired):.3f} "

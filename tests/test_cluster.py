@@ -130,7 +130,8 @@ def test_nccl_without_a_gpu_per_engine_is_refused_naming_the_engines_hosts():
 
 # ---- the decisions on their own, for hosts this machine cannot be --------------------------------
 def reports(*hosts_gpus_engines):
-    return [{"host": host, "gpus": gpus} for host, gpus, engines in hosts_gpus_engines for _ in range(engines)]
+    return [{"host": host, "gpus": gpus} for host, gpus, engines in hosts_gpus_engines
+            for _ in range(engines)]
 
 
 def test_the_backend_follows_the_engines_hosts_not_the_notebooks():
@@ -144,6 +145,12 @@ def test_the_backend_follows_the_engines_hosts_not_the_notebooks():
     assert choose_backend(None, reports(("login", 0, 2))) == ("gloo", None)
     with pytest.raises(ValueError, match=r"node2 has 1 GPU for 2 engines; node3 has 0 GPUs for 1 engine\."):
         choose_backend("nccl", reports(("node1", 2, 2), ("node2", 1, 2), ("node3", 0, 1)))
+
+
+def test_engine_counts_come_from_the_launcher_where_this_host_cannot_tell():
+    assert Cluster(launcher=Slurm(gpus_per_node=4, nodes=2))._resolve_n() == 8  # one engine per GPU
+    assert Cluster(launcher=SSH({"node1": 3, "node2": 1}))._resolve_n() == 4
+    assert Cluster()._resolve_n() == 2  # this host has no GPU
 
 
 def gpu_engine(backend, current, default, cuda=True, ifname="=eth0"):

@@ -37,7 +37,8 @@ def fails_fast(world, cell: str, **options) -> CollectiveDeadlockError:
 def assert_world_restored(world, capsys):
     generation = world.generation
     capsys.readouterr()
-    world.execute("t = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item(), 'kept', kept)", all_output=True)
+    world.execute("t = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item(), 'kept', kept)",
+                  all_output=True)
     out = capsys.readouterr().out
     assert "sum 4.0 kept 10" in out and "[rank 3] sum 4.0 kept 13" in out
     assert world.generation == generation  # the same engines: nothing was restarted
@@ -49,9 +50,10 @@ def test_a_rank_alone_in_a_collective_fails_fast_naming_where_and_who_returned(w
                               "    dist.all_reduce(t)\n")
     assert error.stuck.keys() == {0}
     assert "its all_reduce on the group of ranks 0,1,2,3 cannot complete: rank 1 returned" in error.stuck[0]
-    assert error.gone == {1: "returned from the cell", 2: "returned from the cell", 3: "returned from the cell"}
+    assert error.gone == dict.fromkeys((1, 2, 3), "returned from the cell")
     shown = "\n".join(error._render_traceback_())
-    assert "rank 0: in all_reduce (distributed_c10d.py:" in shown and "at cell line 3: dist.all_reduce(t)" in shown
+    assert "rank 0: in all_reduce (distributed_c10d.py:" in shown
+    assert "at cell line 3: dist.all_reduce(t)" in shown
     assert "rank 2: returned from the cell" in shown
     assert "re-initialised" in shown and "mesh holds the old group and must be rebuilt" in shown
     assert "Connection closed" not in shown and "gloo" not in shown
@@ -111,7 +113,8 @@ def test_run_names_the_function_line_of_a_rank_left_alone(world, capsys):
         world.run(reduce_on_rank_0)
     assert time.monotonic() - started < FAIL_WITHIN_S
     line = reduce_on_rank_0.__code__.co_firstlineno + 5
-    assert info.value.waiting[0].endswith(f"{__file__}:{line} in reduce_on_rank_0: dist.all_reduce(torch.ones(1))")
+    assert info.value.waiting[0].endswith(
+        f"{__file__}:{line} in reduce_on_rank_0: dist.all_reduce(torch.ones(1))")
     assert info.value.gone[3] == "returned from the function"
     assert_world_restored(world, capsys)
 
@@ -178,7 +181,8 @@ def watch_of(states: dict, gone=(), grace: float = 1.0) -> Watch:
 
 def test_a_broadcast_whose_root_returned_waits_while_a_relay_may_still_come():
     # ranks 1 and 3 in the broadcast, root 0 returned (it may have sent), rank 2 still computing
-    assert watch_of({1: wait("broadcast", root=0), 3: wait("broadcast", root=0), 2: None}, gone=[0]).stuck() == {}
+    receivers = {1: wait("broadcast", root=0), 3: wait("broadcast", root=0)}
+    assert watch_of({**receivers, 2: None}, gone=[0]).stuck() == {}
     stuck = watch_of({1: wait("broadcast", root=0), 2: wait("broadcast", root=0),
                       3: wait("broadcast", root=0)}, gone=[0]).stuck()
     assert stuck.keys() == {1, 2, 3}  # all there, root gone past the grace: its data never came
