@@ -16,7 +16,8 @@ import ipyparallel as ipp
 
 from colab_par import compat
 
-__all__ = ["EngineError", "DeadEngineError", "RecoveryError", "RankFailureError", "TaskOutput", "ranks_text", "values",
+__all__ = ["EngineError", "DeadEngineError", "RecoveryError", "RankFailureError", "CollectiveDeadlockError",
+           "TaskOutput", "ranks_text", "values",
            "grouped", "per_rank_data", "rank_errors", "busy_ranks", "rank_failure", "is_transport_error", "transport_reason",
            "where_waiting"]
 
@@ -90,6 +91,36 @@ class RankFailureError(EngineError):
             verb = "was" if len(self.waiting) == 1 else "were"
             lines.append(f"colab_par: {_who(self.waiting)} {verb} still running when {_who(failed)} failed:")
             lines.extend(f"  rank {rank}: {where}" for rank, where in self.waiting.items())
+        lines.append(f"colab_par: {self.recovery}")
+        return lines
+
+
+class CollectiveDeadlockError(RankFailureError):
+    """Ranks waited in collectives that could never complete (a peer they need had returned from
+    the cell, or waits in a different collective); the cell was stopped and the world repaired.
+
+    `stuck`: rank -> why its call cannot complete; `waiting`: where each rank still busy was
+    (stuck or running, which was interrupted); `gone`: the ranks that had returned, and how.
+    """
+
+    def __init__(self, stuck: dict[int, str], waiting: dict[int, str], gone: dict[int, str],
+                 recovery: str):
+        self.stuck, self.gone = dict(sorted(stuck.items())), dict(sorted(gone.items()))
+        waits = "waits in a collective" if len(stuck) == 1 else "wait in collectives"
+        headline = f"the cell can never finish: {_who(stuck)} {waits} that cannot complete"
+        super().__init__([(sorted(stuck), "CollectiveDeadlock", headline, "")], waiting, recovery)
+
+    def _render_traceback_(self) -> list[str]:
+        ranks, name, value, _ = self.groups[0]
+        lines = [f"[ranks {ranks_text(ranks)}] {name}: {value}"]
+        for rank in sorted(set(self.waiting) | set(self.stuck) | set(self.gone)):
+            if rank in self.gone:
+                lines.append(f"  rank {rank}: {self.gone[rank]}")
+                continue
+            lines.append(f"  rank {rank}: {self.waiting.get(rank, 'position unknown')}"
+                         + ("" if rank in self.stuck else " (still running: interrupted)"))
+            if rank in self.stuck:
+                lines.append(f"          {self.stuck[rank]}")
         lines.append(f"colab_par: {self.recovery}")
         return lines
 

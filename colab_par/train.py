@@ -19,11 +19,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from colab_par import recovery
 from colab_par import telemetry as telem
 from colab_par.data import BatchList, TokenDataset
 from colab_par.parallel.batch import batch_size, check_batch
 
-__all__ = ["Trainer", "WarmupCosine", "request_resume"]
+__all__ = ["Trainer", "WarmupCosine"]
 
 
 @dataclass(frozen=True)
@@ -48,15 +49,6 @@ class WarmupCosine:
 
 
 ON_FAILURE = ("raise", "restart")
-_RESUME_REQUESTS: set[str] = set()  # checkpoint folders whose next fit resumes (`request_resume`)
-
-
-def request_resume(ckpt_dir: str) -> None:
-    """Called by the notebook on fresh engines after one died: the next `fit` of a restartable
-    Trainer with this `ckpt_dir` continues from its last committed checkpoint."""
-    _RESUME_REQUESTS.add(str(ckpt_dir))
-
-
 class Trainer:
     """Train `pm` on `data` for `steps` optimizer steps.
 
@@ -123,7 +115,7 @@ class Trainer:
     def fit(self, stop_at: int | None = None) -> list[dict]:
         """Train until step `stop_at` (default: `steps`); returns the rows recorded in this call."""
         stop_at = self.steps if stop_at is None else min(stop_at, self.steps)
-        if self.on_failure == "restart" and str(self.ckpt_dir) in _RESUME_REQUESTS:
+        if self.on_failure == "restart" and recovery.resume_requested(self.ckpt_dir):
             self._resume()
         publisher = self._publisher()
         first = len(self.history)
@@ -257,15 +249,14 @@ class Trainer:
         """Tell the notebook how to recover this cell if an engine dies (`Cluster.execute`)."""
         send = telem.engine_publisher()
         if send is not None:
-            from colab_par.cluster import RECOVERY_KEY
-            send({RECOVERY_KEY: {"ckpt_dir": str(self.ckpt_dir), "max_restarts": self.max_restarts}})
+            send({recovery.RECOVERY_KEY: {"ckpt_dir": str(self.ckpt_dir), "max_restarts": self.max_restarts}})
 
     def _resume(self) -> None:
         """The engines were restarted after one died: go on from the last committed checkpoint,
         or from the start when none was committed before the loss."""
         from colab_par.checkpoint import LATEST, load, saved_history
 
-        _RESUME_REQUESTS.discard(str(self.ckpt_dir))
+        recovery.take_resume_request(self.ckpt_dir)
         if not (Path(self.ckpt_dir) / LATEST).is_file():
             print("colab_par: no checkpoint was committed before the engine was lost; training "
                   "again from step 0")
