@@ -230,7 +230,7 @@ def main() -> None:
     from colab_par import Cluster, magics
 
     shell = InteractiveShell.instance()  # a notebook-like shell: the dashboard draws frames
-    shell.display_pub = CapturingDisplayPublisher()  # the dashboard draws PNG frames as in a notebook
+    shell.display_pub = CapturingDisplayPublisher()  # the dashboard draws its frames as in a notebook
     shell.run_line_magic("load_ext", "colab_par")
     arms = args.arms.split(",")
     results: dict[str, list[list[dict]]] = {arm: [] for arm in arms}
@@ -244,7 +244,8 @@ def main() -> None:
                                     else run_kit(shell, args.steps, args.warmup, out))
                 load.append(os.getloadavg()[0])
     outputs = shell.display_pub.outputs
-    frames = f"{len(outputs)} display updates, {len({o['data']['image/png'] for o in outputs})} pictures"
+    pictures = sum("image/png" in o["data"] for o in outputs)
+    frames = f"{len(outputs) - pictures} live SVG frames and {pictures} final pictures"
     report(results, args, frames, load)
 
 
