@@ -4,9 +4,9 @@
 MFU) and publish through ipyparallel's datapub, while the client polls and renders the dashboard
 (SVG frames, a final matplotlib picture) into a display handle (an IPython shell in this process
 records the frames). "Off" is `Trainer(..., telemetry=False)` with the client dashboard disabled.
-Rounds alternate the order (off, on), (on, off), ... so load drift hits both. Two measures per step of `fit()` (publishing
-included): wall time, and CPU time of all engines plus the client (its polling and drawing), which
-other processes on a shared machine disturb far less. Goal (issue 4): on ≤ 1.03 × off.
+Rounds alternate the order (off, on), (on, off), ... so load drift hits both. Two measures per
+step of `fit()` (publishing included): wall time, and CPU time of all engines plus the client (its
+polling and drawing), which other processes on a shared machine disturb far less. Goal (issue 4): on ≤ 1.03 × off.
 
 `--in-process` isolates the engine-side part: one process (world of 1, one thread), alternating
 Trainers with telemetry on and off, CPU time of `train_step` alone (no publishing, no client).
