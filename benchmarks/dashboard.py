@@ -17,7 +17,6 @@ for histories of 2 ranks x N steps, and of the final matplotlib picture for comp
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import statistics
 import time

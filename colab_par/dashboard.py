@@ -103,21 +103,25 @@ class LiveDashboard:
         self.min_interval = 1.0 / max_fps
         self.cpu_budget = max_duty * (os.cpu_count() or 1)  # CPU seconds per wall second
         self.stream = stream
-        self.rows: dict[int, dict[int, dict]] = {}  # rank -> step -> row
-        self.header: dict[int, dict] = {}
         self.handle: Any = None
         self.frames = 0  # live (SVG) frames shown
         self.cpu_seconds = 0.0
-        self._run: Any = None
+        self._changed = False  # rows arrived since the last frame
+        self._last_frame = 0.0
+        self._frame_cost = 0.0
+        self._figure: Any = None
+        self._start_run(None)
+
+    def _start_run(self, run: Any) -> None:
+        """Forget the rows merged so far: a new fit draws fresh curves."""
+        self._run = run
+        self.rows: dict[int, dict[int, dict]] = {}  # rank -> step -> row
+        self.header: dict[int, dict] = {}
         self._columns: dict[int, dict[str, _Column]] = {}  # rank -> metric -> its column
         self._newest: dict[int, int] = {}  # rank -> newest step merged
         self._merged: dict[tuple[int, int], int] = {}  # (rank, chunk) -> rows merged
         self._complete: dict[int, int] = {}  # rank -> leading chunks full and merged
-        self._changed = False  # rows arrived since the last frame
-        self._last_frame = 0.0
-        self._frame_cost = 0.0
         self._printed_step = -1
-        self._figure: Any = None
 
     # ---- feeding ----------------------------------------------------------------------------
     def update(self, per_rank: list[dict | None]) -> None:
@@ -152,10 +156,7 @@ class LiveDashboard:
                 continue
             rank = int(header.get("rank", rank))
             if header.get("run") != self._run and rank == 0:
-                self._run = header.get("run")
-                self.rows, self.header, self._columns, self._merged = {}, {}, {}, {}
-                self._newest, self._complete = {}, {}
-                self._printed_step = -1
+                self._start_run(header.get("run"))
             self.header[rank] = header
             index = self._complete.get(rank, 0)  # chunks before it are full and merged: final
             while (rows := data.get(f"{ROWS_KEY}{index}")) is not None:

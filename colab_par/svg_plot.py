@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["Line", "Stack", "Plot", "svg_grid", "nice_ticks", "MAX_POINTS"]
+__all__ = ["Line", "Stack", "Plot", "svg_grid", "MAX_POINTS"]
 
 MAX_POINTS = 400  # per line: two per pixel column of a plot; longer runs keep min and max
 TITLE_PX, BOTTOM_PX, LEFT_PX, RIGHT_PX, GAP_PX = 20, 18, 46, 10, 8  # a plot's margins in its cell
@@ -75,7 +75,7 @@ def svg_grid(plots: Sequence[Plot], *, columns: int, width: int, height: int) ->
     return "".join(parts)
 
 
-def nice_ticks(low: float, high: float, count: int = 4) -> list[float]:
+def _nice_ticks(low: float, high: float, count: int = 4) -> list[float]:
     """About `count` round tick values (steps of 1, 2, 2.5 or 5 times a power of ten) covering
     [low, high]; a degenerate range is widened around its value."""
     if not (math.isfinite(low) and math.isfinite(high)):
@@ -90,7 +90,7 @@ def nice_ticks(low: float, high: float, count: int = 4) -> list[float]:
     return [round(i * step, 12) for i in range(first, last + 1)]
 
 
-def tick_label(value: float) -> str:
+def _tick_label(value: float) -> str:
     """Short tick text: 1.5k, 20M, 0.003, 3e-05."""
     size = abs(value)
     if size == 0:
@@ -113,16 +113,16 @@ def _lines(plot: Plot, box: tuple[float, float, float, float]) -> list[str]:
     if x_high <= x_low:
         x_low, x_high = x_low - 0.5, x_high + 0.5
     parts = []
-    for tick in nice_ticks(x_low, x_high, 5):
+    for tick in _nice_ticks(x_low, x_high, 5):
         if x_low <= tick <= x_high:
             px = left + (tick - x_low) / (x_high - x_low) * (right - left)
             parts.append(f'<text x="{px:.1f}" y="{bottom + 12:.0f}" text-anchor="middle">'
-                         f'{tick_label(tick)}</text>')
+                         f'{_tick_label(tick)}</text>')
     for side in (False, True):
         on_side = [(line, x, y) for line, x, y in curves if line.right == side]
         if not on_side:
             continue
-        ticks = nice_ticks(min(float(y.min()) for _, _, y in on_side),
+        ticks = _nice_ticks(min(float(y.min()) for _, _, y in on_side),
                            max(float(y.max()) for _, _, y in on_side))
         y_low, y_high = ticks[0], ticks[-1]
         colour = on_side[0][0].colour if side else "black"
@@ -133,7 +133,7 @@ def _lines(plot: Plot, box: tuple[float, float, float, float]) -> list[str]:
                              f'stroke="#e4e4e4"/>')
             anchor, tx = ("start", right + 4) if side else ("end", left - 4)
             parts.append(f'<text x="{tx:.0f}" y="{py + 3:.1f}" text-anchor="{anchor}" '
-                         f'fill="{colour}">{tick_label(tick)}</text>')
+                         f'fill="{colour}">{_tick_label(tick)}</text>')
         for line, x, y in on_side:
             x, y = _thin(x, y)
             px = left + (x - x_low) / (x_high - x_low) * (right - left)
@@ -175,7 +175,7 @@ def _bars(plot: Plot, box: tuple[float, float, float, float]) -> list[str]:
     if not count or not stacks:
         return _waiting(box)
     totals = [sum(s.heights[i] for s in stacks) for i in range(count)]
-    ticks = nice_ticks(0.0, 1.35 * max(totals))  # headroom for the legend and the notes
+    ticks = _nice_ticks(0.0, 1.35 * max(totals))  # headroom for the legend and the notes
     scale = (bottom - top) / ticks[-1]
     slot = (right - left) / count
     parts = []
@@ -183,7 +183,7 @@ def _bars(plot: Plot, box: tuple[float, float, float, float]) -> list[str]:
         py = bottom - tick * scale
         parts.append(f'<line x1="{left:.0f}" x2="{right:.0f}" y1="{py:.1f}" y2="{py:.1f}" '
                      f'stroke="#e4e4e4"/><text x="{left - 4:.0f}" y="{py + 3:.1f}" '
-                     f'text-anchor="end">{tick_label(tick)}</text>')
+                     f'text-anchor="end">{_tick_label(tick)}</text>')
     for i, category in enumerate(plot.categories):
         x, base = left + (i + 0.2) * slot, bottom
         for stack in stacks:

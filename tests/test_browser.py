@@ -1,7 +1,8 @@
 """The tutorials in a real browser: JupyterLab on 127.0.0.1, driven in headless Chromium.
 
 Checks what nbclient cannot: that the LayoutPicker renders as a widget and reacts to a click, and that
-the dashboard image is replaced in place while training runs. Screenshots land in artifacts/.
+the dashboard shows new frames in one output, in place, while training runs (the quickstart trains
+long enough that at one frame per 2 s several must appear). Screenshots land in artifacts/.
 Needs Debian's `chromium` (CI installs it); Playwright drives that binary, no browser download.
 """
 from __future__ import annotations
@@ -164,7 +165,6 @@ def test_quickstart_dashboard_updates_in_place(browser, jupyterlab):
         output_of(page, "trainer.fit()").scroll_into_view_if_needed()
         shot(page, "01-done")
         frames = page.evaluate("window.__frames")
-        print("dashboard frames seen by the browser:", frames)
         assert {frame["output"] for frame in frames} == {"1"}, \
             f"every frame must replace the one dashboard output in place: {frames}"
         live = [frame for frame in frames if frame["kind"] == "svg+xml"]
@@ -172,8 +172,8 @@ def test_quickstart_dashboard_updates_in_place(browser, jupyterlab):
         assert len(final) == 1 and frames[-1]["kind"] == "png", f"one final picture, last: {frames}"
         assert final[0]["step"][0] == final[0]["step"][1], f"the final picture is not the last step: {final}"
         steps = [frame["step"][0] for frame in live]
-        assert len(live) >= MIN_LIVE_FRAMES and steps == sorted(set(steps)), \
-            f"{len(live)} live frames while training (steps {steps}); expected at least {MIN_LIVE_FRAMES}, each newer"
+        assert steps == sorted(set(steps)), f"live frames must show newer and newer steps: {steps}"
+        assert len(live) >= MIN_LIVE_FRAMES, f"{len(live)} live frames while training: {frames}"
         mean_interval = (final[0]["t"] - live[0]["t"]) / len(live)
         assert mean_interval <= MAX_FRAME_INTERVAL_S, f"a new frame every {mean_interval:.1f} s on average"
         assert page.locator(".jp-OutputArea-output img").count() == 1, "updates must replace one image"
