@@ -307,9 +307,9 @@ class LiveDashboard:
         self._lines: list[list[Any]] = []
         for spec, ax in zip(PANELS, self._axes):
             twin = ax.twinx() if any(curve.right for curve in spec.curves) else None
-            self._lines.append([(twin if curve.right else ax).plot([], [], color=curve.colour,
-                                                                   linewidth=2)[0]
-                                for curve in spec.curves])
+            self._lines.append([(twin if curve.right else ax).plot(
+                [], [], color=curve.colour, linewidth=2, linestyle="--" if curve.right else "-")[0]
+                for curve in spec.curves])
             ax.set_title(_default_title(spec), fontsize=10)
             for axes in (ax, twin) if twin is not None else (ax,):
                 axes.tick_params(labelsize=8)
@@ -348,9 +348,9 @@ class LiveDashboard:
                                               fontsize=7))
         ax.set_xticks(positions, list(plot.categories))
         ax.set_xlim(-0.6, len(positions) - 0.4)
-        ax.set_ylim(0, 1.6 * max(bottoms, default=0.0) or 1.0)  # headroom for legend and notes
+        ax.set_ylim(0, 1.8 * max(bottoms, default=0.0) or 1.0)  # headroom for legend and notes
         if positions:
-            self._bars.append(ax.legend(fontsize=7, loc="upper center", ncol=len(plot.stacks)))
+            self._bars.append(ax.legend(fontsize=7, loc="upper center", ncol=3))
 
 
 class _Column:

@@ -17,6 +17,7 @@ import numpy as np
 __all__ = ["Line", "Stack", "Plot", "svg_grid", "MAX_POINTS"]
 
 MAX_POINTS = 400  # per line: two per pixel column of a plot; longer runs keep min and max
+RIGHT_DASH = ' stroke-dasharray="5 3"'  # a right-axis curve may lie on a left one (MFU on tokens/s)
 TITLE_PX, BOTTOM_PX, LEFT_PX, RIGHT_PX, GAP_PX = 20, 18, 46, 10, 8  # a plot's margins in its cell
 
 
@@ -91,14 +92,11 @@ def _nice_ticks(low: float, high: float, count: int = 4) -> list[float]:
 
 
 def _tick_label(value: float) -> str:
-    """Short tick text: 1.5k, 20M, 0.003, 3e-05."""
-    size = abs(value)
-    if size == 0:
-        return "0"
+    """Short tick text: 1.5k, 20M, 0.003, 2.5e-05."""
     for factor, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if size >= factor:
+        if abs(value) >= factor:
             return f"{value / factor:.3g}{suffix}"
-    return f"{value:.3g}" if size >= 1e-3 else f"{value:.0e}"
+    return f"{value:.3g}"
 
 
 # ---- line plots ----------------------------------------------------------------------------------
@@ -140,7 +138,8 @@ def _lines(plot: Plot, box: tuple[float, float, float, float]) -> list[str]:
             py = bottom - (y - y_low) / (y_high - y_low) * (bottom - top)
             points = " ".join(map("%.1f,%.1f".__mod__, zip(px.tolist(), py.tolist())))
             parts.append(f'<polyline class="data" data-label="{escape(line.label)}" fill="none" '
-                         f'stroke="{line.colour}" stroke-width="1.5" points="{points}"/>')
+                         f'stroke="{line.colour}" stroke-width="1.5"{RIGHT_DASH if side else ""} '
+                         f'points="{points}"/>')
     return parts
 
 
@@ -198,9 +197,12 @@ def _bars(plot: Plot, box: tuple[float, float, float, float]) -> list[str]:
         if i < len(plot.notes) and plot.notes[i]:
             parts.append(f'<text x="{x + 0.3 * slot:.1f}" y="{base - 3:.1f}" text-anchor="middle" '
                          f'font-size="8">{escape(plot.notes[i])}</text>')
-    x = left + 4
-    for stack in stacks:  # legend: one row along the top
-        parts.append(f'<rect x="{x:.0f}" y="{top + 4:.0f}" width="8" height="8" fill="{stack.colour}"/>'
-                     f'<text x="{x + 10:.0f}" y="{top + 11:.0f}" font-size="8">{escape(stack.label)}</text>')
-        x += 16 + 5 * len(stack.label)
+    x, y = left + 4, top + 4
+    for stack in stacks:  # legend along the top, wrapped at the plot's right edge
+        width = 14 + 5 * len(stack.label)  # 8-pixel text is about 5 pixels a character
+        if x + width > right and x > left + 4:
+            x, y = left + 4, y + 11
+        parts.append(f'<rect x="{x:.0f}" y="{y:.0f}" width="8" height="8" fill="{stack.colour}"/>'
+                     f'<text x="{x + 10:.0f}" y="{y + 7:.0f}" font-size="8">{escape(stack.label)}</text>')
+        x += width + 2
     return parts
