@@ -82,8 +82,9 @@ def live_rounds(rounds: int, steps: int) -> None:
     print(f"live runs: GPT {MODEL}, dp2 on 2 gloo engines, {steps} steps, {rounds} rounds per arm "
           f"(alternated), {cores} CPUs, load average {os.getloadavg()[0]:.1f}")
     print(f"  training {_spread(train_s, 's')}; live frames per run {_spread(frames, '')}")
-    print(f"  interval between live frames: median {_spread(median_gap, 's')}, "
-          f"max {_spread(max_gap, 's')} (requirement <= 2 s)")
+    print(f"  interval between live frames, each run's median: {_spread(median_gap, 's')}")
+    print(f"  interval between live frames, each run's longest: {_spread(max_gap, 's')} "
+          f"(requirement <= 2 s)")
     print(f"  notebook main thread, dashboard on (between first and last live frame): "
           f"{_share(on_share, cores)} of the machine (requirement <= 1 %)")
     print(f"  notebook main thread, dashboard off (whole run, polling only): {_share(off_share, cores)}")
