@@ -22,11 +22,13 @@ does not drown in this machine's wall-clock noise: on each engine of a `Cluster(
 on), CPU time of `Trainer.fit()` over the timed steps, minus the CPU time spent inside the model's
 work (`ParallelModel.forward_backward` and `optimizer_step`, timed by wrapping them on the engine,
 process CPU clock: gloo's threads work for them), plus the activation meter's hooks, which run
-inside forward but are telemetry. What is left is the Trainer's: data, LR, grad norm, memory and
-throughput rows, step clock, publishing. Its parts are timed the same way (thread CPU clock). Each round builds a fresh model; the share is reported per rank and round
+inside forward and backward but are telemetry. What is left is the Trainer's: data, LR, grad
+norm, memory and throughput rows, step clock, publishing. Its parts are timed the same way
+(thread CPU clock). Each round builds a fresh model; the share is reported per rank and round
 (median, min-max). Goal (issue 23): own work <= 3 % of the step's CPU.
 
     python benchmarks/trainer_step.py --own-work [--rounds 6] [--steps 30] [--warmup 3] [--d-model 384]
+                                      [--layout dp2]
 """
 from __future__ import annotations
 
@@ -109,7 +111,8 @@ def ddp_worker(steps: int, warmup: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def own_work_on_engine(model: dict, batch: int, steps: int, warmup: int) -> dict[str, float]:
+def own_work_on_engine(model: dict, batch: int, steps: int, warmup: int,
+                       layout: str = "dp2") -> dict[str, float]:
     """On an engine: CPU seconds per timed step of `Trainer.fit()` ("step"), of the model's work
     in it ("model") and of the Trainer's own work ("own", and its parts)."""
     import torch
@@ -119,7 +122,7 @@ def own_work_on_engine(model: dict, batch: int, steps: int, warmup: int) -> dict
     from colab_par.models import GPT, GPTConfig
 
     torch.manual_seed(0)
-    pm = parallelize(GPT(GPTConfig(**model)), "dp2",
+    pm = parallelize(GPT(GPTConfig(**model)), layout,
                      optimizer_fn=lambda params: torch.optim.AdamW(params, lr=LR))
     trainer = Trainer(pm, SyntheticDataset(model["vocab_size"], model["seq_len"], batch),
                       steps=warmup + steps)
@@ -140,7 +143,9 @@ def own_work_on_engine(model: dict, batch: int, steps: int, warmup: int) -> dict
     pm.forward_backward = timed(pm.forward_backward, "model", time.process_time)
     pm.optimizer_step = timed(pm.optimizer_step, "model", time.process_time)
     pm.clip_grad_norm_ = timed(pm.clip_grad_norm_, "grad norm")  # no grad_clip: telemetry's norm
-    trainer._activations._pack = timed(trainer._activations._pack, "hooks")
+    trainer._activations._pack = timed(trainer._activations._pack, "hooks")  # forward
+    unpack = telemetry._identity  # backward: the meter's other hook
+    telemetry._identity = timed(unpack, "hooks")
     trainer._next_batch = timed(trainer._next_batch, "data")
     trainer._add_telemetry = timed(trainer._add_telemetry, "row")
     grad_bytes, publish = telemetry.grad_bytes, telemetry.Publisher.publish
@@ -152,6 +157,7 @@ def own_work_on_engine(model: dict, batch: int, steps: int, warmup: int) -> dict
         total = time.process_time() - started
     finally:
         telemetry.grad_bytes, telemetry.Publisher.publish = grad_bytes, publish
+        telemetry._identity = unpack
     model_work = spent.pop("model") - spent["hooks"]
     figures = {"step": total, "model": model_work, "own": total - model_work, **spent}
     figures["other"] = figures["own"] - sum(spent.values())
@@ -168,10 +174,11 @@ def own_work(args: argparse.Namespace) -> None:
     samples: list[dict[str, float]] = []
     with Cluster(n=2, backend="gloo") as cluster:
         for _ in range(args.rounds):
-            samples += cluster.run(own_work_on_engine, MODEL, BATCH, args.steps, args.warmup)
+            samples += cluster.run(own_work_on_engine, MODEL, BATCH, args.steps, args.warmup,
+                                   args.layout)
     shares = [s["own"] / s["step"] for s in samples]
-    print(f"GPT {MODEL}, global batch {BATCH}, AdamW, dp2 on 2 gloo engines, telemetry on, dashboard "
-          f"on, {args.steps} timed steps after {args.warmup}, {args.rounds} rounds x 2 ranks, "
+    print(f"GPT {MODEL}, global batch {BATCH}, AdamW, {args.layout} on 2 gloo engines, telemetry "
+          f"on, dashboard on, {args.steps} timed steps after {args.warmup}, {args.rounds} rounds x 2 ranks, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     print(f"Trainer's own work: median {100 * statistics.median(shares):.2f} % of the step's CPU "
           f"(min-max {100 * min(shares):.2f}-{100 * max(shares):.2f} %; goal <= 3 %)")
@@ -211,6 +218,7 @@ def main() -> None:
     parser.add_argument("--arms", default="kit,ddp",
                         help="comma-separated arms; 'kit-nodash' is the kit with the client's "
                              "dashboard off (engines still measure and publish): a diagnosis")
+    parser.add_argument("--layout", default="dp2", help="the --own-work run's layout")
     parser.add_argument("--own-work", action="store_true",
                         help="measure the Trainer's own CPU work per step on the engines instead")
     parser.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
