@@ -144,10 +144,11 @@ def trainer_step_benchmark():
 def test_trainer_own_work_stays_within_its_share(cluster2):
     """The Trainer's own CPU work per step (data, LR, grad norm, telemetry rows, activation hooks,
     publishing), outside the model's forward/backward/optimizer, on real engines with telemetry
-    on: `trainer_step.py --own-work` measured 2.3 % of the step (2.27-2.37 % over 6 rank-rounds)
-    on the 2-core VM. CPU time, so the engines' load moves it little; every rank within 3 %."""
+    on: `trainer_step.py --own-work` measured 2.47 % of the step (2.35-2.58 % over 12 rank-rounds)
+    on the 2-core VM, and this test 2.37-2.47 % in three runs. CPU time, so the engines' load moves
+    it little; every rank within the 3 % goal."""
     bench = trainer_step_benchmark()
-    ranks = cluster2.run(bench.own_work_on_engine, bench.MODEL, bench.BATCH, 8, 2)
+    ranks = cluster2.run(bench.own_work_on_engine, bench.MODEL, bench.BATCH, 12, 2)
     measured = ("data", "grad norm", "hooks", "row", "publish")  # telemetry and publishing ran
     assert all(rank[part] > 0 for rank in ranks for part in measured), ranks
     shares = [rank["own"] / rank["step"] for rank in ranks]
