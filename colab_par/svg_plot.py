@@ -88,7 +88,7 @@ def _nice_ticks(low: float, high: float, count: int = 4) -> list[float]:
     magnitude = 10.0 ** math.floor(math.log10(raw))
     step = next(f * magnitude for f in (1, 2, 2.5, 5, 10) if f * magnitude >= raw * (1 - 1e-9))
     first, last = math.floor(low / step + 1e-9), math.ceil(high / step - 1e-9)
-    return [round(i * step, 12) for i in range(first, last + 1)]
+    return [float(f"{i * step:.12g}") for i in range(first, last + 1)]  # 0.30000000000000004 -> 0.3
 
 
 def _tick_label(value: float) -> str:
