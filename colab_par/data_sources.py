@@ -412,7 +412,8 @@ def check_model_takes(batch: Batch, pm: Any) -> None:
         for key in sorted(called):
             if not isinstance(batch[key], torch.Tensor):
                 raise TypeError(f"the batch's {key!r} is a {type(batch[key]).__name__}, not a tensor; "
-                                "give rows of numbers or tensors, or a collate_fn that returns tensors")
+                                "give rows of numbers or tensors (a Hugging Face dataset in a DataLoader: "
+                                ".with_format('torch')), or a collate_fn that returns tensors")
         custom_loss = pm.parallelize_options.get("loss_fn") is not None
         if "labels" in params and "labels" not in batch and not custom_loss:
             raise ValueError(f"the model scores `labels` but the rows (keys {sorted(batch)}) have none: "

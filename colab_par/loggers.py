@@ -16,6 +16,7 @@ values that are not numbers (None, text) are left out.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any, Protocol, Sequence
@@ -63,6 +64,9 @@ class TensorBoardLogger:
     """
 
     def __init__(self, log_dir: str | os.PathLike):
+        if importlib.util.find_spec("tensorboard") is None:  # on every rank, before any work
+            raise ImportError("TensorBoard logs need the tensorboard package: pip install tensorboard "
+                              "(or colab-par[finetune]), or leave log_dir out")
         self.log_dir = Path(log_dir)
         self._writer: Any = None
         self._last_step = -1
@@ -114,11 +118,22 @@ class RunLogs:
         chosen += list(loggers or [])
         return cls(chosen, rank) if chosen else None
 
-    def begin(self, history: list[dict], step: int) -> None:
-        """A fit starts after `step`; rows already in `history` were logged by whoever made them."""
+    def begin(self, history: list[dict], step: int, device: torch.device) -> None:
+        """A fit starts after `step`; rows already in `history` were logged by whoever made them.
+        Rank 0 opens the logs; if that fails, every rank raises (one tiny all-reduce per fit)
+        rather than wait in the first step's collectives."""
         self._written = len(history)
+        failure = None
         if self.rank == 0:
-            self._each("begin", step)
+            try:
+                self._each("begin", step)
+            except Exception as error:  # a folder it may not write, a logger's own error
+                failure = error
+        if _any_rank(failure is not None, device):
+            if failure is not None:
+                raise failure
+            raise RuntimeError("rank 0 could not open the logs (its error says why); fix log_dir or "
+                               "the logger, or leave them out")
 
     def after_step(self, history: list[dict], row: dict | None, device: torch.device) -> None:
         """Call on every rank after each step (`row`: its log row or None)."""
@@ -147,6 +162,14 @@ class RunLogs:
             call = getattr(logger, method, None)
             if callable(call):
                 call(*args)
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _gather_memory(row: dict, device: torch.device) -> list[dict] | None:

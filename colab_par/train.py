@@ -144,7 +144,7 @@ class Trainer:
         publisher = self._publisher()
         first = len(self.history)
         if self._logs is not None:
-            self._logs.begin(self.history, self.step)
+            self._logs.begin(self.history, self.step, torch.device(self.pm.device))
         try:
             while self.step < stop_at:
                 row = self.train_step()

@@ -97,3 +97,32 @@ def test_tensorboard_reads_back_the_history_of_every_rank(cluster2, tmp_path):
     # Each rank's memory tags hold its own figures (which differ: the process sizes do).
     memory = [key for key in ranks[0][-1] if key.startswith("mem_")]
     assert any(ranks[0][-1][key] != ranks[1][-1][key] for key in memory)
+
+
+def fit_into(log_dir: str) -> str:
+    import torch
+
+    from colab_par import Trainer, parallelize
+    from colab_par.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(5)
+    trainer = Trainer(parallelize(GPT(GPTConfig(**GPT_SIZES)), "dp2"), Windows(), batch_size=BATCH,
+                      steps=2, log_dir=log_dir)
+    try:
+        trainer.fit()
+    except (OSError, RuntimeError) as error:
+        return f"{type(error).__name__} at step {trainer.step}"
+    return "trained"
+
+
+def test_logs_rank_0_cannot_open_fail_every_rank_before_any_step(cluster2, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    assert cluster2.run(fit_into, str(tmp_path / "a-file" / "logs")) == [
+        "NotADirectoryError at step 0", "RuntimeError at step 0"]
+
+
+def test_a_logger_without_log_is_refused():
+    from colab_par.loggers import RunLogs
+
+    with pytest.raises(TypeError, match="str is not a logger: a logger has log"):
+        RunLogs.build(None, ["runs/"], rank=0)
