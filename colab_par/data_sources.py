@@ -175,14 +175,11 @@ class MapSource(DataSource):
         return list(many(rows)) if many is not None else [self.dataset[row] for row in rows]
 
     def describe(self) -> dict:
-        if self._description is None:
-            fingerprint = getattr(self.dataset, "_fingerprint", None)  # Hugging Face: its transforms' hash
-            if not isinstance(fingerprint, str):
-                fingerprint = row_digest(self._read([0, self.length - 1]))
+        if self._description is None:  # (not Hugging Face's own fingerprint: it can be random)
             self._description = {"kind": "map", "dataset": _qualname(self.dataset), "rows": self.length,
                                  "batch_size": self.batch_size, "shuffle": self.shuffle, "seed": self.seed,
                                  "drop_last": self.drop_last, "collate": _qualname(self.collate),
-                                 "fingerprint": fingerprint}
+                                 "fingerprint": row_digest(self._read([0, self.length - 1]))}
         return self._description
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from colab_par import telemetry as telem
 from colab_par.data import BatchList, TokenDataset
 from colab_par.data_sources import DataPlace, DataSource, data_source, dp_total
-from colab_par.loggers import RunLogs
+from colab_par.loggers import Logger, RunLogs
 from colab_par.parallel.batch import batch_size, batch_to, check_batch
 
 __all__ = ["Trainer", "WarmupCosine", "request_resume"]
@@ -88,7 +88,7 @@ class Trainer:
                  grad_accum: int = 1, log_every: int = 1, ckpt_dir: str | os.PathLike | None = None,
                  ckpt_every: int | None = None, seed: int = 0, telemetry: bool = True,
                  on_failure: str = "raise", max_restarts: int = 3,
-                 log_dir: str | os.PathLike | None = None, loggers: list | None = None):
+                 log_dir: str | os.PathLike | None = None, loggers: list[Logger] | None = None):
         _check_positive(steps=steps, grad_accum=grad_accum, log_every=log_every)
         if on_failure not in ON_FAILURE:
             raise ValueError(f"on_failure={on_failure!r} is not one of {', '.join(ON_FAILURE)}")

@@ -246,6 +246,26 @@ def test_a_resumed_run_trains_on_exactly_the_rows_of_an_uninterrupted_one(cluste
     assert resumed[0]["losses"] == pytest.approx(losses[SAVE_AT:], rel=1e-5)
 
 
+def resume_with_other_data(ckpt: str) -> str:
+    from colab_par import Trainer, load, parallelize
+    from colab_par.checkpoint import CheckpointError
+    from colab_par.models.gpt import GPT, GPTConfig
+
+    pm = parallelize(GPT(GPTConfig(**GPT_SIZES)), "dp2")
+    trainer = Trainer(pm, Windows(), steps=STEPS, batch_size=BATCH, seed=4, telemetry=False)  # saved: 3
+    try:
+        load(pm, ckpt, trainer=trainer)
+    except CheckpointError as error:
+        return f"{error} step={trainer.step}"
+    return "loaded"
+
+
+def test_a_checkpoint_of_other_data_order_is_refused(cluster2, uninterrupted):
+    for message in cluster2.run(resume_with_other_data, uninterrupted["map"][2]):
+        assert "'seed': 3" in message and "'seed': 4" in message and message.endswith(
+            "build the same dataset to resume step=0")
+
+
 def test_a_live_relayout_keeps_the_row_stream(cluster2, uninterrupted):
     stream, losses, _ = uninterrupted["map"]
     moved = cluster2.run(resume_run, "map", "dp2", relayout_to="pp2 gpipe mb2")
@@ -402,8 +422,9 @@ def test_the_fingerprint_tells_datasets_apart_without_reading_them():
     assert described["fingerprint"] == MapSource(Rows(), BATCH).describe()["fingerprint"]
     assert described["fingerprint"] != MapSource(Shifted(), BATCH).describe()["fingerprint"]
     hf = hf_rows()
-    assert MapSource(hf, BATCH).describe()["fingerprint"] == hf._fingerprint
-    assert MapSource(hf.map(lambda r: {"labels": 0}), BATCH).describe() != MapSource(hf, BATCH).describe()
+    assert MapSource(hf, BATCH).describe() == MapSource(hf_rows(), BATCH).describe()
+    shifted = hf.map(lambda r: {"x": [v + 1 for v in r["x"]]})
+    assert MapSource(shifted, BATCH).describe() != MapSource(hf, BATCH).describe()
 
 
 def test_pack_text_takes_any_callable_tokenizer():
