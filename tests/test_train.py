@@ -184,7 +184,7 @@ def test_warmup_cosine_shape():
 def test_bad_arguments_fail_before_any_work(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Trainer(None, SyntheticDataset(), **kwargs)
-    with pytest.raises(TypeError, match="colab_par.data dataset"):
+    with pytest.raises(TypeError, match="int is not data to train on"):
         Trainer(None, 42, steps=1)
     with pytest.raises(TypeError, match=r"a batch is a tuple \(\*inputs, target\) or a dict"):
         Trainer(None, [torch.zeros(3)], steps=1)  # a list of tensors, not of batches
