@@ -40,9 +40,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
+from colab_par.compat import tree_flatten
 from colab_par.parallel.batch import Batch, check_batch
 
 __all__ = ["DataSource", "MapSource", "IterableSource", "DataPlace", "data_source", "stack_rows",

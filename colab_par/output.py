@@ -147,22 +147,30 @@ class TaskOutput:
         if self.stream:
             self._stream_rank0()
         if self.use_dashboard:
-            data = per_rank_data(self.result.data)
-            if self._dashboard is None and any(data):
-                from colab_par.dashboard import LiveDashboard
-
-                self._dashboard = LiveDashboard()
-            if self._dashboard is not None:
-                self._dashboard.update(data)
+            self._feed_dashboard(final=False)
 
     def finish(self) -> None:
-        """Show what trails the reply (iopub output can arrive after it) and the final frame."""
-        if self.stream and self.result.ready():
+        """Show what trails the reply (iopub output and published rows can arrive after it) and
+        the final frame, also when every row arrived after the last poll (a short or loaded run)."""
+        if (self.stream or self.use_dashboard) and self.result.ready():
             self.result.wait_for_output(timeout=5.0)
         if self.stream:
             self._stream_rank0()
-        if self._dashboard is not None:
-            self._dashboard.finish(per_rank_data(self.result.data))
+        if self.use_dashboard:
+            self._feed_dashboard(final=True)
+
+    def _feed_dashboard(self, *, final: bool) -> None:
+        data = per_rank_data(self.result.data)
+        if self._dashboard is None and any(data):
+            from colab_par.dashboard import LiveDashboard
+
+            self._dashboard = LiveDashboard()
+        if self._dashboard is None:
+            return
+        if final:
+            self._dashboard.finish(data)
+        else:
+            self._dashboard.update(data)
 
     def show_other_ranks(self, ranks: list[int], all_output: bool) -> None:
         """Other ranks' output when it differs from rank 0's (or always), prefixed with the rank."""
