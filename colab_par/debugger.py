@@ -7,6 +7,7 @@ rank takes part, so nothing else waits on the person typing.
 """
 from __future__ import annotations
 
+import builtins
 from typing import Any, Callable, Iterator, Sequence
 
 from colab_par import postmortem
@@ -23,9 +24,10 @@ def split_commands(text: str) -> list[str]:
 
 
 def session(call: Callable[..., Any], rank: int, commands: Sequence[str] | None = None,
-            read: Callable[[str], str] = input) -> None:
+            read: Callable[[str], str] | None = None) -> None:
     """Debug `rank`'s last error through `call(fn, *args)` (runs ``fn(*args)`` on that rank):
-    each of `commands`, or lines from `read` until q or the end of input."""
+    each of `commands`, or lines from `read` until q or the end of input. `read` defaults to the
+    ``input`` of the moment: a kernel swaps in its own (the notebook's input box) per cell."""
     opened = call(postmortem.begin)
     error = opened["error"]
     if error is None:
@@ -39,7 +41,7 @@ def session(call: Callable[..., Any], rank: int, commands: Sequence[str] | None 
         return
     print(f"{headline}\n{HELP}\n{opened['text']}", end="")
     try:
-        for line in _lines(commands, read, f"(Pdb rank {rank}) "):
+        for line in _lines(commands, read or builtins.input, f"(Pdb rank {rank}) "):
             reply = call(postmortem.command, line)
             print(reply["text"], end="")
             if reply["done"]:
