@@ -1,6 +1,7 @@
 """Training that survives a lost engine: a `Trainer(on_failure="restart")` cell whose rank 1 is
 SIGKILLed mid-step, mid-save or before any save has that engine alone replaced (rank 0 keeps its
-process) and ends with every step's loss equal to an uninterrupted run; a cell that keeps losing engines stops after `max_restarts` with what happened."""
+process) and ends with every step's loss equal to an uninterrupted run; a cell that keeps losing
+engines stops after `max_restarts` with what happened."""
 from __future__ import annotations
 
 import json
