@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Cluster": "colab_par.cluster",
     "EngineError": "colab_par.cluster",
+    "running_clusters": "colab_par.persist",
     "Slurm": "colab_par.launchers",
     "SSH": "colab_par.launchers",
     "LauncherError": "colab_par.launchers",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import json
 import logging
 import os
 import signal
@@ -16,17 +17,18 @@ import sys
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-import cloudpickle
 import ipyparallel as ipp
+import psutil
 from traitlets.config import Config
 
-from colab_par import compat, engine, probe, recovery
+from colab_par import compat, debugger, engine, persist, postmortem, probe, recovery
+from colab_par import pull as pulled
 from colab_par.backend import BACKENDS, choose_backend, device_problems, local_ranks
-from colab_par.launchers import SSH, Launcher, Slurm, launcher_from
+from colab_par.launchers import SSH, Launcher, Slurm, launcher_from, launcher_from_state, launcher_state
 from colab_par.output import (CollectiveDeadlockError, DeadEngineError, EngineError, RecoveryError,
                               TaskOutput, busy_ranks, is_transport_error, per_rank_data, rank_errors,
-                              rank_failure, ranks_text, values, where_waiting)
-from colab_par.ship import ship_by_value
+                              rank_failure, ranks_text, size_text, values, where_waiting)
+from colab_par.ship import payload, ship_by_value
 from colab_par.task_watch import TaskWatch
 
 __all__ = ["Cluster", "EngineError", "DeadEngineError", "RecoveryError"]
@@ -91,12 +93,14 @@ class Cluster:
     ``launcher`` says where engines run:
     "local" (this host), "mpi", "slurm" or ``Slurm(partition=..., account=..., time=...)``, or
     ``SSH({"node1": 2, "node2": 2})``; ranks are grouped by host.
+    ``persist=True`` leaves controller and engines running when this kernel exits; a later kernel
+    joins them, variables and all, with `Cluster.attach` (`colab_par.persist`), and `stop` ends them.
     """
 
     def __init__(self, n: int | None = None, *, backend: str | None = None,
                  launcher: str | Launcher = "local",
                  timeout: float = 300.0, interrupt_grace: float = 10.0, dashboard: bool = True,
-                 seed: int | None = 0, **ipp_options: Any):
+                 seed: int | None = 0, persist: bool = False, **ipp_options: Any):
         launcher = launcher_from(launcher)
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is unknown; use 'nccl' (CUDA) or 'gloo' (CPU)")
@@ -106,7 +110,7 @@ class Cluster:
             raise ValueError(f"timeout={timeout!r} must be a positive number of seconds, e.g. 300")
         self._requested_n, self._requested_backend = n, backend
         self.launcher, self.timeout, self.interrupt_grace = launcher, float(timeout), interrupt_grace
-        self.dashboard, self.seed = dashboard, seed
+        self.dashboard, self.seed, self.persist = dashboard, seed, persist
         self._ipp_options = ipp_options
         self._ipp: ipp.Cluster | None = None
         self._client: ipp.Client | None = None
@@ -117,6 +121,7 @@ class Cluster:
         self.devices: list[str] = []
         self.backend: str | None = None
         self.generation = 0  # bumped at every start: engine namespaces do not survive it
+        self.created: float | None = None  # when the engines started (time.time())
         self._recovery: dict[str, Any] | None = None  # the running cell's Trainer recovery policy
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -152,6 +157,7 @@ class Cluster:
             # they can start with the controller instead of waiting for its connection info.
             options["send_engines_connection_env"] = False
         options.update({key: value for key, value in self._ipp_options.items() if key != "config"})
+        options["shutdown_atexit"] = not self.persist
         self._ipp = ipp.Cluster(**options)
         try:
             self._ipp.start_cluster_sync(n=n)
@@ -164,7 +170,11 @@ class Cluster:
             self.stop()
             raise
         self.generation += 1
-        _LIVE.add(self)
+        self.created = time.time()
+        if self.persist:
+            self._save_record()
+        else:
+            _LIVE.add(self)
         return self
 
     def stop(self) -> None:
@@ -184,6 +194,8 @@ class Cluster:
         for path, info in zip(self._stack_files, self._hosts):
             if self._is_local(info) and os.path.exists(path):
                 os.remove(path)
+        if self._ipp is not None and self.persist:
+            persist.remove_record(self._record_path())
         self._ipp, self._client, self._ids, self._hosts, self._pids = None, None, [], [], set()
         self._stack_files = []
         self.devices = []
@@ -257,11 +269,12 @@ class Cluster:
         Other ranks' output is shown when it differs from rank 0's, or always with ``all_output``.
         ``namespace`` is pushed to the engines first (shipped notebook definitions).
 
-        When an engine dies while the cell fits a ``Trainer(on_failure="restart")``, the engines
-        are restarted and the cell runs again (with ``fresh_namespace()``, default ``namespace``:
-        fresh engines hold nothing earlier cells defined), its fit resuming from the last
-        committed checkpoint; after the Trainer's ``max_restarts`` the cell fails with what
-        happened (RecoveryError).
+        When an engine dies while the cell fits a ``Trainer(on_failure="restart")``, the dead
+        engines are replaced (`replace_dead`; every engine restarted where engines cannot be
+        replaced one by one) and the cell runs again (with ``fresh_namespace()``, default
+        ``namespace``: a fresh engine holds nothing earlier cells defined), its fit resuming from
+        the last committed checkpoint; after the Trainer's ``max_restarts`` the cell fails with
+        what happened (RecoveryError).
         """
         attempts: list[str] = []
         while True:
@@ -275,11 +288,16 @@ class Cluster:
                 attempts.append(f"rank(s) {ranks_text(dead)} died: {str(error).splitlines()[0]}")
                 if len(attempts) > policy["max_restarts"]:
                     raise RecoveryError(attempts, policy["max_restarts"]) from error
-                print(f"colab_par: rank(s) {ranks_text(dead)} died during the cell; restarting the "
-                      f"engines and running the cell again, resuming from the last checkpoint in "
-                      f"{policy['ckpt_dir']} (restart {len(attempts)} of {policy['max_restarts']})",
-                      file=sys.stderr)
-                self.restart()
+                generation = self.generation
+                if self.launcher.name == "local":
+                    self.replace_dead()  # falls back to a restart when the others stay stuck
+                else:
+                    self.restart()
+                how = ("restarted every engine" if self.generation != generation else
+                       "replaced its engine (the other ranks kept theirs)")
+                print(f"colab_par: rank(s) {ranks_text(dead)} died during the cell; {how}; running "
+                      f"the cell again, resuming from the last checkpoint in {policy['ckpt_dir']} "
+                      f"(restart {len(attempts)} of {policy['max_restarts']})", file=sys.stderr)
                 self.run(recovery.request_resume, policy["ckpt_dir"])
                 namespace = fresh_namespace() if fresh_namespace is not None else namespace
 
@@ -288,7 +306,7 @@ class Cluster:
         view = self._view(targets)
         ranks = self._ranks_of(view.targets)
         if namespace:
-            shipped = view.apply_async(engine.update_namespace, cloudpickle.dumps(namespace))
+            shipped = view.apply_async(engine.update_namespace, payload(namespace))
             self._wait(shipped, ranks, stream=False)
             values(shipped, self._ids)
         result = view.execute(code, silent=False, block=False)
@@ -317,6 +335,215 @@ class Cluster:
                     row["busy"] = True
             rows.append(row)
         return rows
+
+    # ---- engines that outlive the kernel --------------------------------------------------------
+    @classmethod
+    def attach(cls, id: str | None = None, *, profile_dir: str | None = None) -> "Cluster":
+        """Join a cluster started with ``persist=True`` on this host by an earlier (or another)
+        kernel: the newest one, or the one with this `id` (`colab_par.running_clusters()`). Its
+        engines keep every variable, their process group, device and rank."""
+        _, record = persist.find_record(id, profile_dir)
+        cluster = cls(record["requested_n"], backend=record["requested_backend"],
+                      launcher=launcher_from_state(record["launcher"]), timeout=record["timeout"],
+                      interrupt_grace=record["interrupt_grace"], dashboard=record["dashboard"],
+                      seed=record["seed"], persist=True, **record["ipp_options"])
+        cluster._ipp = ipp.Cluster.from_file(record["ipp_cluster_file"], log_level=logging.ERROR)
+        cluster._client = cluster._ipp.connect_client_sync()
+        cluster._ids, cluster.backend, cluster.devices = record["ids"], record["backend"], record["devices"]
+        cluster._hosts = [{k: v for k, v in info.items() if k != "local"} for info in record["hosts"]]
+        cluster._stack_files, cluster._pids = record["stack_files"], persist.live_pids(record["pids"])
+        cluster.generation, cluster.created = record["generation"], record["created"]
+        return cluster
+
+    @property
+    def cluster_id(self) -> str | None:
+        """ipyparallel's id of the running cluster (what `attach` and `running_clusters` name)."""
+        return self._ipp.cluster_id if self._ipp is not None else None
+
+    def _record_path(self) -> Any:
+        return persist.record_path(self._ipp.profile_dir, self._ipp.cluster_id)
+
+    def _save_record(self) -> None:
+        """What a later kernel needs to join these engines (`colab_par.persist`)."""
+        controller = self._ipp.controller.pid
+        options = {key: value for key, value in self._ipp_options.items() if _json_able(value)}
+        persist.write_record(self._record_path(), {
+            "cluster_id": self._ipp.cluster_id, "host": socket.gethostname(), "created": self.created,
+            "kernel_pid": os.getpid(), "ipp_cluster_file": self._ipp.cluster_file,
+            "controller": {"pid": controller, "started": persist.process_times([controller])[str(controller)]},
+            "ids": self._ids, "hosts": [{**info, "local": self._is_local(info)} for info in self._hosts],
+            "devices": self.devices, "backend": self.backend, "stack_files": self._stack_files,
+            "pids": persist.process_times(self.pids), "generation": self.generation,
+            "launcher": launcher_state(self.launcher), "requested_n": self._requested_n,
+            "requested_backend": self._requested_backend, "timeout": self.timeout,
+            "interrupt_grace": self.interrupt_grace, "dashboard": self.dashboard, "seed": self.seed,
+            "ipp_options": options})
+
+    # ---- losing one engine, not the session -----------------------------------------------------
+    def replace_dead(self) -> str:
+        """Fresh engines for the dead ranks only, each in its rank's place (same host, local rank
+        and device), then the world re-formed with a fresh store; every other rank keeps its
+        variables. Every rank's generators are re-seeded from `seed`, as at a start, so the ranks
+        agree again. Returns what was done and what was lost (the dead ranks' variables, and
+        everywhere the objects built on the old process group)."""
+        self._require_running()
+        dead = self._dead_ranks()
+        if not dead:
+            return "no engine is dead; nothing to replace (restart() gives every rank a fresh engine)"
+        if self.launcher.name != "local":
+            raise RuntimeError(f"replacing one engine needs engines on this host (launcher='local'); a "
+                               f"{self.launcher.name} launcher starts its engines together (one job), and "
+                               "a new one could land on another node. Use restart(): fresh engines for "
+                               "every rank, engine variables gone")
+        started = time.monotonic()
+        survivors = [rank for rank in range(self.n) if rank not in dead]
+        if not self._settle(survivors):
+            self.restart()
+            return (f"rank(s) {ranks_text(dead)} died and the others stayed busy after an abort and an "
+                    "interrupt, so every engine was restarted: all engine variables are gone")
+        fresh = self._start_engines(len(dead))
+        view = self._client[fresh]
+        view.use_cloudpickle().get(timeout=self.timeout)
+        hosts = view.apply_async(engine.host_info, self._controller_address()).get(timeout=self.timeout)
+        for rank, engine_id, info in zip(dead, fresh, hosts):
+            self._ids[rank], self._hosts[rank] = engine_id, info
+        self._set_up(dead)
+        self._seed(range(self.n))
+        held = sorted(set().union(*self._client[[self._ids[r] for r in survivors]].apply_sync(
+            engine.user_names)) - {"rank", "world_size", "local_rank", "device"}) if survivors else []
+        stale = self._stale_names(survivors)
+        self._join_world()
+        self._tell_identity(dead)
+        if self.persist:
+            self._save_record()
+        places = ", ".join(f"rank {r} on {self._hosts[r]['host']} ({self.devices[r]})" for r in dead)
+        lost = (f"; it lacks {_listed(held)}, which the other ranks hold: re-run the cells that "
+                "define them" if held else "")
+        return (f"replaced the dead engine of {places}; the process group was re-formed with a fresh "
+                f"store in {time.monotonic() - started:.1f}s. The variables of rank(s) "
+                f"{ranks_text(dead)} are gone{lost}. On the other ranks, "
+                f"{_kept_text(stale, 'engine variables')}.")
+
+    def _settle(self, ranks: list[int]) -> bool:
+        """Free `ranks` still running a task (waiting on a dead peer): abort their collectives,
+        then interrupt them; False when one stays busy."""
+        busy = [rank for rank in ranks if rank not in self._idle_ranks(ranks)]
+        if busy:
+            self._answers(self._request(busy, probe.ABORT_REQUEST, {"addresses": self._world_addresses()}),
+                          _ABORT_WAIT_S)
+        for last in (False, True):
+            deadline = time.monotonic() + _ABORT_WAIT_S
+            while busy and time.monotonic() < deadline:
+                time.sleep(0.05)
+                busy = [rank for rank in busy if rank not in self._idle_ranks(busy)]
+            if not busy or last:
+                return not busy
+            self.interrupt(busy)
+        return False
+
+    def _start_engines(self, count: int) -> list[int]:
+        """`count` new engines on this host; their ids once registered."""
+        known = set(self._client.ids) | set(self._ids)
+        self._ipp.start_engines_sync(n=count)
+        deadline = time.monotonic() + self.timeout
+        while len(fresh := sorted(set(self._client.ids) - known)) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(fresh)} of {count} new engine(s) registered within the start "
+                                   f"timeout ({self.timeout:.0f}s)")
+            time.sleep(0.05)
+        return fresh[:count]
+
+    def _stale_names(self, ranks: list[int]) -> list[str]:
+        """Engine variables on `ranks` built on the current process group (`engine.names_built_on_the_group`)."""
+        if not ranks:
+            return []
+        view = self._client[[self._ids[r] for r in ranks]]
+        return sorted(set().union(*view.apply_sync(engine.names_built_on_the_group)))
+
+    # ---- post-mortem debugging and pulling variables -------------------------------------------
+    def debug(self, rank: int | None = None, commands: Sequence[str] | None = None) -> None:
+        """A post-mortem debugger (pdb) on the frame where `rank`'s last error was raised, driven
+        from here: `commands` in order (scripts, tests), or each command read with ``input()`` (a
+        notebook's input box) until q. ``rank=None``: the first rank whose error is its own (not
+        a broken connection or the kit's interrupt after another rank failed). Only that rank is
+        asked, one short task per command (`colab_par.debugger`). A rank keeps its last error's
+        frames, and their locals, until its next successful cell or `clear_errors`."""
+        self._require_idle(range(self.n) if rank is None else [rank])
+        if rank is None:
+            rank = self._rank_to_debug()
+            if rank is None:
+                print("colab_par: no rank keeps an error to debug (a rank releases its last error at "
+                      "its next successful cell)")
+                return
+        debugger.session(lambda fn, *args: self._call(rank, fn, *args), rank, commands)
+
+    def clear_errors(self, ranks: Iterable[int] | None = None) -> list[int]:
+        """Release the frames (and the local variables they keep alive) of each rank's last error,
+        and any debugger on them; returns the ranks that had one."""
+        ranks = list(range(self.n)) if ranks is None else list(ranks)
+        return [rank for rank in ranks if self._call(rank, postmortem.clear)]
+
+    def _rank_to_debug(self) -> int | None:
+        errors = {rank: self._call(rank, postmortem.last_error) for rank in self._live_ranks()}
+        errors = {rank: error for rank, error in errors.items() if error is not None}
+        own = [rank for rank, error in errors.items()
+               if not is_transport_error(error["name"], error["value"]) and error["name"] != "KeyboardInterrupt"]
+        candidates = own or list(errors)
+        return candidates[0] if candidates else None
+
+    def pull(self, name: str, rank: int = 0, *, max_bytes: int | None = None) -> Any:
+        """Engine variable `name` (or a dotted path, "pm.model.lm_head.weight") of `rank`, here on
+        the CPU: a DTensor gathered whole, a sharded model (ParallelModel, FSDP/DTensor module) as
+        its full state dict, a module as its state dict, anything else as it is. Refused, before
+        anything moves, when it is larger than `max_bytes` (default: a third of this host's
+        available memory: the gathered copy, the message and the result coexist while it moves)."""
+        self._require_idle([rank])
+        described = self.run(pulled.describe, name)
+        mine = described[rank]
+        if mine["kind"] == "missing":
+            raise NameError(f"rank {rank}: {mine['why']}; nothing pulled")
+        sharded = mine["kind"] in pulled.SHARDED
+        if sharded and (odd := [r for r, d in enumerate(described) if d["kind"] != mine["kind"]]):
+            raise ValueError(f"{name} is a {mine['kind']} on rank {rank} but not on rank(s) "
+                             f"{ranks_text(odd)}: gathering it needs every rank's part; nothing pulled")
+        size = sum({d["share"]: d["bytes"] for d in described}.values()) if sharded else mine["bytes"]
+        available = psutil.virtual_memory().available
+        limit = available // 3 if max_bytes is None else max_bytes
+        if size > limit:
+            raise MemoryError(
+                f"{name} ({mine['what']}) is {size_text(size)} whole; the limit is {size_text(limit)} "
+                f"({'max_bytes' if max_bytes is not None else 'a third of'} this host's "
+                f"{size_text(available)} available, as the gathered copy, the message and the result "
+                "coexist while it moves). Pull a part (a dotted name, e.g. one tensor of the model) or "
+                "save it instead (colab_par.save, save_pretrained); nothing pulled")
+        if sharded:
+            found = self.run(pulled.gather, name, rank)
+        else:
+            found = [self._call(rank, pulled.gather, name, rank)]
+        return next(piece for piece in found if piece is not None)["value"]
+
+    def _require_idle(self, ranks: Iterable[int], grace_s: float = 1.0) -> None:
+        """Refuse ranks running a task (a `submit` still working): what is asked would queue
+        behind it. The hub learns of a finished task a moment after its result, hence the grace."""
+        ranks = list(ranks)
+        self._view(ranks)  # checks that they exist and live
+        deadline = time.monotonic() + grace_s
+        while busy := [rank for rank in ranks if rank not in self._idle_ranks(ranks)]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank(s) {ranks_text(busy)} are running a task; wait for it to "
+                                   "finish (or interrupt it) and ask again")
+            time.sleep(0.05)
+
+    def names(self, rank: int = 0) -> list[str]:
+        """The variables `rank`'s engine holds (its interactive namespace, hidden names left out)."""
+        return self._call(rank, engine.user_names)
+
+    def _call(self, rank: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on one rank (the kit's own quick engine functions)."""
+        result = self._view([rank]).apply_async(fn, *args)
+        if not result.wait(self.timeout):
+            raise TimeoutError(f"rank {rank} did not answer within {self.timeout:.0f}s")
+        return values(result, self._ids)[0]
 
     def check_devices(self) -> list[str]:
         """What is wrong with where the engines compute (`backend.device_problems`): empty when each
@@ -397,21 +624,40 @@ class Cluster:
         self.backend, note = choose_backend(self._requested_backend, self._hosts)
         if note:
             print(f"colab_par: {note}", file=sys.stderr)
-        view = self._client[self._ids]
-        self._stack_files = view.apply_async(engine.enable_stack_dumps).get(timeout=self.timeout)
+        self._stack_files, self.devices = [""] * self.n, [""] * self.n
+        self._set_up(range(self.n))
+        self._seed(range(self.n))
+        self._join_world()
+        self._tell_identity(range(self.n))
+
+    def _set_up(self, ranks: Iterable[int]) -> None:
+        """What an engine needs before its rank joins the world: stack dumps, the requests its
+        control thread answers, the release of post-mortem frames, its device."""
+        ranks = list(ranks)
+        view = self._client[[self._ids[r] for r in ranks]]
+        for rank, path in zip(ranks, view.apply_async(engine.enable_stack_dumps).get(timeout=self.timeout)):
+            self._stack_files[rank] = path
         view.apply_async(probe.install).get(timeout=self.timeout)
+        view.apply_async(postmortem.install).get(timeout=self.timeout)
         hosts = [info["host"] for info in self._hosts]
         local_rank = local_ranks(self._hosts)
-        bind = [self._client[[eid]].apply_async(engine.bind_device, local_rank[r], hosts.count(hosts[r]),
-                                              self.backend) for r, eid in enumerate(self._ids)]
-        self.devices = [self._get(result, rank) for rank, result in enumerate(bind)]
+        bind = {r: self._client[[self._ids[r]]].apply_async(engine.bind_device, local_rank[r],
+                                                            hosts.count(hosts[r]), self.backend)
+                for r in ranks}
+        for rank, result in bind.items():
+            self.devices[rank] = self._get(result, rank)
+
+    def _seed(self, ranks: Iterable[int]) -> None:
         if self.seed is not None:
+            view = self._client[[self._ids[r] for r in ranks]]
             view.apply_async(engine.seed_generators, self.seed).get(timeout=self.timeout)
-        self._join_world()
-        for rank, eid in enumerate(self._ids):
-            self._client[[eid]].push({"rank": rank, "world_size": len(self._ids),
-                                    "local_rank": local_rank[rank], "device": self.devices[rank]},
-                                   block=True)
+
+    def _tell_identity(self, ranks: Iterable[int]) -> None:
+        local_rank = local_ranks(self._hosts)
+        for rank in ranks:
+            self._client[[self._ids[rank]]].push({"rank": rank, "world_size": self.n,
+                                                  "local_rank": local_rank[rank],
+                                                  "device": self.devices[rank]}, block=True)
 
     def _controller_address(self) -> str:
         """The address engines reach the controller at (this host's primary one if it listens on all)."""
@@ -603,11 +849,7 @@ class Cluster:
 
     def _rejoin_and_report(self, started: float) -> str:
         self._join_world()
-        stale = sorted(set().union(*self._client[self._ids].apply_sync(engine.names_built_on_the_group)))
-        kept = ("engine variables are kept (none of them held the old group)" if not stale else
-                f"engine variables are kept, but {', '.join(stale)} {'holds' if len(stale) == 1 else 'hold'} "
-                "the old group and must be rebuilt (a ParallelModel, its optimizer and Trainer, "
-                "DTensors, DeviceMesh and DDP/FSDP modules all live on one process group)")
+        kept = _kept_text(self._stale_names(list(range(self.n))), "engine variables")
         return (f"the process group was torn down and re-initialised with a fresh store in "
                 f"{time.monotonic() - started:.1f}s; {kept}.")
 
@@ -667,6 +909,28 @@ class Cluster:
         remote = {r: f"on {self._hosts[r]['host']}: it did not answer, and SIGUSR1 asked it to dump its "
                      f"stacks to {self._stack_files[r]} there" for r in ranks if r not in local}
         return {**{r: where_waiting(dumps.get(r, ""), cell, source) for r in local}, **remote}
+
+
+def _kept_text(stale: list[str], what: str) -> str:
+    """`what` are kept, naming those of them that hold the old process group."""
+    if not stale:
+        return f"{what} are kept (none of them held the old group)"
+    return (f"{what} are kept, but {', '.join(stale)} {'holds' if len(stale) == 1 else 'hold'} the old "
+            "group and must be rebuilt (a ParallelModel, its optimizer and Trainer, DTensors, "
+            "DeviceMesh and DDP/FSDP modules all live on one process group)")
+
+
+def _listed(names: list[str], most: int = 12) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _json_able(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _source_file(fn: Callable[..., Any]) -> str | None:

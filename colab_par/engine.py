@@ -16,7 +16,7 @@ from colab_par.backend import device_for
 
 __all__ = ["host_info", "visible_gpus", "bind_device", "socket_interfaces", "enable_stack_dumps",
            "open_rendezvous", "init_process_group", "leave_process_group", "break_connections",
-           "names_built_on_the_group", "rank_status", "device_report", "update_namespace"]
+           "names_built_on_the_group", "user_names", "rank_status", "device_report", "update_namespace"]
 
 _LISTENER: socket.socket | None = None  # rank 0: the bound rendezvous socket until the store takes it
 _STACKS: Any = None  # the open file faulthandler dumps stacks into on SIGUSR1
@@ -300,6 +300,15 @@ def names_built_on_the_group() -> list[str]:
                   and not isinstance(value, skip) and holds(value, 4))
 
 
+def user_names() -> list[str]:
+    """The variables of this engine's interactive namespace (IPython's own names left out)."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return sorted(name for name in shell.user_ns
+                  if not name.startswith("_") and name not in shell.user_ns_hidden)
+
+
 def rank_status() -> dict[str, Any]:
     """Health of this engine: identity, device and the memory it holds right now."""
     import resource
@@ -342,12 +351,14 @@ def _rss_bytes() -> int | None:
 
 
 def update_namespace(blob: bytes) -> None:
-    """Unpickle shipped notebook names into the engine's interactive namespace, in one piece.
+    """Unpickle shipped notebook names (a `ship.payload`) into the engine's interactive namespace,
+    in one piece.
 
     One cloudpickle payload keeps the objects' identities consistent (a class and the ``__class__``
     cell its methods' ``super()`` uses are the same object), which per-name pushes do not.
     """
-    import cloudpickle
     from IPython import get_ipython
 
-    get_ipython().user_ns.update(cloudpickle.loads(blob))
+    from colab_par.ship import unpack
+
+    get_ipython().user_ns.update(unpack(blob))

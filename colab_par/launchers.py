@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Union
 
@@ -220,6 +220,18 @@ def launcher_from(value: str | Launcher) -> Launcher:
         raise ValueError(f"launcher={value!r} is unknown; use one of {', '.join(NAMES)} "
                          "(or colab_par.Slurm(...) / colab_par.SSH(...) with options)")
     return named[value]()
+
+
+def launcher_state(launcher: Launcher) -> dict[str, Any]:
+    """A launcher as JSON-able fields (a persisted cluster's record), read by `launcher_from_state`."""
+    return {"name": launcher.name, **asdict(launcher)}
+
+
+def launcher_from_state(state: dict[str, Any]) -> Launcher:
+    kinds = {"local": Local, "mpi": MPI, "ssh": SSH, "slurm": Slurm}
+    fields = {key: tuple(value) if isinstance(value, list) else value
+              for key, value in state.items() if key != "name"}
+    return kinds[state["name"]](**fields)
 
 
 _ENGINE_JOB = """#!/bin/sh

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import time
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -14,6 +15,9 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from colab_par import ranks
 from colab_par.cluster import Cluster
+from colab_par.debugger import split_commands
+from colab_par.output import size_text
+from colab_par.persist import running_clusters
 from colab_par.launchers import SSH, Launcher, Slurm
 from colab_par.ship import names_assigned, values_to_ship
 
@@ -91,8 +95,26 @@ def line_parser() -> _Parser:
                            type=int if option in ("nodes", "gpus_per_node") else str,
                            help="with --launcher slurm: the job's " + option.replace("_", " "))
     start.add_argument("--hosts", default=None, help="with --launcher ssh: node1:2,node2:2")
-    for name in ("status", "stop", "restart"):
-        sub.add_parser(name, add_help=False)
+    start.add_argument("--persist", action="store_true",
+                       help="leave the engines running when the kernel exits (join them with attach)")
+    sub.add_parser("status", add_help=False)
+    stop = sub.add_parser("stop", add_help=False)
+    stop.add_argument("id", nargs="?", default=None, help="a persisted cluster (see list); default: this kernel's")
+    restart = sub.add_parser("restart", add_help=False)
+    restart.add_argument("--dead", action="store_true",
+                         help="replace only the dead engines; the other ranks keep their variables")
+    attach = sub.add_parser("attach", add_help=False)
+    attach.add_argument("id", nargs="?", default=None, help="a persisted cluster's id (default: the newest)")
+    sub.add_parser("list", add_help=False)
+    debug = sub.add_parser("debug", add_help=False)
+    debug.add_argument("--rank", type=int, default=None,
+                       help="the rank to debug (default: the first whose error is its own)")
+    debug.add_argument("--commands", default=None, help='pdb commands, e.g. "p x; up; p y" (default: asked)')
+    debug.add_argument("--clear", action="store_true", help="release the kept errors' frames instead")
+    pull = sub.add_parser("pull", add_help=False)
+    pull.add_argument("name", help="engine variable, or a dotted path (pm.model.lm_head.weight)")
+    pull.add_argument("--rank", type=int, default=0)
+    pull.add_argument("--as", dest="target", default=None, help="notebook variable to set (default: the name)")
     relayout = sub.add_parser("relayout", add_help=False)
     relayout.add_argument("layout", help='new layout, e.g. "tp2"')
     relayout.add_argument("--model", default="pm", help="engine variable holding the ParallelModel")
@@ -141,7 +163,7 @@ def _launcher(args: argparse.Namespace) -> str | Launcher:
 
 @magics_class
 class ColossalMagics(Magics):
-    """`%colossal start|status|stop|restart|relayout` and the `%%colossal` cell magic."""
+    """`%colossal start|status|stop|restart|attach|list|debug|pull|relayout` and `%%colossal`."""
 
     def __init__(self, shell: Any):
         super().__init__(shell)
@@ -159,23 +181,51 @@ class ColossalMagics(Magics):
         global _default
         args = line_parser().parse_args(shlex.split(line))
         if args.command is None:
-            raise UsageError("usage: %colossal start [-n N] [--backend B] [--launcher L] | status | "
-                             "stop | restart | relayout LAYOUT")
+            raise UsageError("usage: %colossal start [-n N] [--backend B] [--launcher L] [--persist] | "
+                             "status | stop [ID] | restart [--dead] | attach [ID] | list | "
+                             "debug [--rank R] [--commands C] [--clear] | pull NAME [--rank R] | "
+                             "relayout LAYOUT")
         if args.command == "start":
             if _default is None or not _default.running:
                 _default = Cluster(args.n, backend=args.backend, launcher=_launcher(args),
-                                   timeout=args.timeout, seed=args.seed)
+                                   timeout=args.timeout, seed=args.seed, persist=args.persist)
             _default.start()
             print(f"colab_par: {_default.n} engines ready ({_default.backend}, "
-                  f"devices {', '.join(_default.devices)})")
+                  f"devices {', '.join(_default.devices)})"
+                  + (f"; they outlive this kernel: join them from another with `%colossal attach "
+                     f"{_default.cluster_id}`, end them with `%colossal stop`" if _default.persist else ""))
             return
-        cluster = self._cluster()
+        if args.command == "list":
+            return _print_clusters(running_clusters())
+        if args.command == "attach":
+            return self._attach(args.id)
         if args.command == "stop":
+            if args.id is not None and (_default is None or _default.cluster_id != args.id):
+                Cluster.attach(args.id).stop()
+                print(f"colab_par: cluster {args.id} stopped")
+                return
+            self._cluster()
             shutdown_default_cluster()
             print("colab_par: engines stopped")
+            return
+        cluster = self._cluster()
+        if args.command == "restart" and args.dead:
+            print(f"colab_par: {cluster.replace_dead()}")
         elif args.command == "restart":
             cluster.restart()
             print(f"colab_par: {cluster.n} fresh engines ready; engine variables were cleared")
+        elif args.command == "debug" and args.clear:
+            released = cluster.clear_errors(None if args.rank is None else [args.rank])
+            print(f"colab_par: released the kept error of rank(s) {', '.join(map(str, released))}"
+                  if released else "colab_par: no rank kept an error")
+        elif args.command == "debug":
+            cluster.debug(args.rank, None if args.commands is None else split_commands(args.commands))
+        elif args.command == "pull":
+            target = args.target or args.name.rsplit(".", 1)[-1]
+            if not target.isidentifier():
+                raise UsageError(f"--as {target!r} is not a Python name; e.g. --as weights")
+            self.shell.user_ns[target] = cluster.pull(args.name, args.rank)
+            print(f"colab_par: {target} = {args.name} of rank {args.rank} ({_summary(self.shell.user_ns[target])})")
         elif args.command == "status":
             _print_status(cluster.status())
         elif args.command == "relayout":
@@ -206,6 +256,20 @@ class ColossalMagics(Magics):
                 self._engine_names, self._generation = set(), cluster.generation
             self._engine_names |= names_assigned(cell)
 
+    def _attach(self, cluster_id: str | None) -> None:
+        global _default
+        if _default is not None and _default.running:
+            if _default.cluster_id == cluster_id or cluster_id is None and _default.persist:
+                print(f"colab_par: already attached to cluster {_default.cluster_id}")
+                return
+            raise UsageError(f"this kernel already runs cluster {_default.cluster_id}; `%colossal stop` "
+                             "it first (or attach from another notebook)")
+        _default = Cluster.attach(cluster_id)
+        self._engine_names, self._generation = set(_default.names(0)), _default.generation
+        print(f"colab_par: attached to cluster {_default.cluster_id}: {_default.n} engines "
+              f"({_default.backend}, devices {', '.join(_default.devices)}), started "
+              f"{_age(time.time() - _default.created)} ago; engine variables are where they were")
+
     def _cluster(self) -> Cluster:
         if _default is None or not _default.running:
             raise UsageError(_NOT_STARTED)
@@ -226,6 +290,34 @@ def _resolve_layout(name: str, user_ns: dict[str, Any], world: int) -> Any:
 
 def _warn_skipped(name: str, reason: str) -> None:
     print(f"colab_par: not shipping {name!r} to the engines (cannot be pickled: {reason})")
+
+
+def _print_clusters(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        print("colab_par: no persisted cluster is running on this host")
+        return
+    print(f"{'id':<18} {'age':>9} {'engines':>8} {'backend':<8} {'launcher':<8} {'memory':>11}  started by")
+    for row in rows:
+        print(f"{row['id']:<18} {_age(row['age_s']):>9} {row['engines_alive']:>4}/{row['engines']:<3} "
+              f"{row['backend']:<8} {row['launcher']:<8} {size_text(row['memory_bytes']):>11}  "
+              f"pid {row['started_by_pid']}")
+
+
+def _age(seconds: float) -> str:
+    minutes, hours = int(seconds // 60), int(seconds // 3600)
+    return f"{hours}h {minutes % 60:02d}m" if hours else f"{minutes}m {int(seconds) % 60:02d}s"
+
+
+def _summary(value: Any) -> str:
+    """A few words on a pulled value: a tensor's dtype and shape, a state dict's size."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"tensor {str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+    if isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
+        size = sum(v.numel() * v.element_size() for v in value.values())
+        return f"state dict of {len(value)} tensors, {size_text(size)}"
+    return type(value).__name__
 
 
 def _print_status(rows: list[dict[str, Any]]) -> None:

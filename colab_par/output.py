@@ -17,7 +17,7 @@ import ipyparallel as ipp
 from colab_par import compat
 
 __all__ = ["EngineError", "DeadEngineError", "RecoveryError", "RankFailureError", "CollectiveDeadlockError",
-           "TaskOutput", "ranks_text", "values",
+           "TaskOutput", "ranks_text", "size_text", "values",
            "grouped", "per_rank_data", "rank_errors", "busy_ranks", "rank_failure", "is_transport_error", "transport_reason",
            "where_waiting"]
 
@@ -123,6 +123,15 @@ class CollectiveDeadlockError(RankFailureError):
                 lines.append(f"          {self.stuck[rank]}")
         lines.append(f"colab_par: {self.recovery}")
         return lines
+
+
+def size_text(num_bytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1: "1.50 GiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(num_bytes) < 1024:
+            return f"{num_bytes:,.0f} {unit}" if unit == "B" else f"{num_bytes:,.2f} {unit}"
+        num_bytes /= 1024
+    return f"{num_bytes:,.2f} TiB"
 
 
 def ranks_text(ranks: Iterable[int]) -> str:

@@ -54,6 +54,22 @@ _WATCH_FRAMES = """() => {
 }"""
 
 
+# A cell failing on rank 1 inside a notebook function, then the post-mortem typed in the input box.
+DEBUG_CELLS = ["%load_ext colab_par\n%colossal start -n 2 --backend gloo",
+               "def scale(x, r):\n    y = x * 10\n    if r == 1:\n        raise ValueError(f'bad {y}')\n    return y",
+               "%%colossal\nb = scale(rank + 100, rank)",
+               "%colossal debug",
+               "%colossal stop"]
+
+
+def _write_notebook(path: Path, cells: list[str]) -> None:
+    import nbformat
+
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, path)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -70,6 +86,7 @@ def jupyterlab(tmp_path_factory):
     served.mkdir()
     for name in ("01_quickstart", "02_layouts"):
         shutil.copy(REPO / "notebooks" / f"{name}.ipynb", served)
+    _write_notebook(served / "debug.ipynb", DEBUG_CELLS)
     settings = root / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text(
@@ -147,6 +164,18 @@ def choose(page, label: str, value: str, *, expect: "str | re.Pattern") -> None:
     page.locator(".widget-html-content", has_text=expect).first.wait_for(timeout=30_000)
 
 
+def wait_for(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f}s"
+        time.sleep(0.2)
+
+
+def wait_for_text(locator, pattern: str) -> None:
+    """Until `locator`'s text matches `pattern` (a regex: one stream output holds many lines)."""
+    wait_for(lambda: re.search(pattern, locator.inner_text()), f"{pattern!r} in {locator}")
+
+
 def shot(page, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / f"browser-{name}.png"), full_page=False)
 
@@ -213,6 +242,37 @@ def test_layout_picker_renders_and_reacts(browser, jupyterlab):
         assert page.locator(".jp-OutputArea-output img").count() >= 2  # dashboard + comparison plot
     except Exception:
         shot(page, "02-failure")
+        raise
+    finally:
+        page.close()
+
+
+def test_debug_a_failed_rank_from_the_input_box(browser, jupyterlab):
+    page = open_notebook(browser, jupyterlab, "debug")
+    try:
+        run_all_cells(page)  # stops at the cell failing on rank 1, as Run All does
+        output_of(page, "b = scale").get_by_text("ValueError").first.wait_for(timeout=RUN_ALL_TIMEOUT_MS)
+        page.locator(".jp-InputArea", has_text="%colossal debug").locator(".cm-content").click()
+        page.keyboard.press("Shift+Enter")
+        debug = output_of(page, "%colossal debug")
+        for command, answer in (("p y", r"p y\s+1010\s"), ("up", r"Cell In\[\d+\]\(1\)<module>\(\)\s+-> b = scale"),
+                                ("p b", r"p b\s+\*\*\* NameError: name 'b' is not defined"), ("q", None)):
+            box = debug.locator(".jp-Stdin-input")
+            wait_for(lambda: box.count() == 1, "one open input box")  # the answered one goes away
+            box.fill(command)
+            box.press("Enter")
+            if answer:
+                wait_for_text(debug, answer)
+        debug.locator(".jp-Stdin-input").wait_for(state="detached")
+        shot(page, "debug")
+        text = debug.inner_text()
+        assert "post-mortem of rank 1: ValueError: bad 1010" in text, text
+        assert re.search(r"<notebook In\[\d+\]>\(4\)scale\(\)", text), text
+        page.locator(".jp-InputArea", has_text="%colossal stop").locator(".cm-content").click()
+        page.keyboard.press("Shift+Enter")
+        page.get_by_text("colab_par: engines stopped").wait_for(timeout=60_000)
+    except Exception:
+        shot(page, "debug-failure")
         raise
     finally:
         page.close()
