@@ -114,7 +114,7 @@ class Cluster:
         self._ipp_options = ipp_options
         self._ipp: ipp.Cluster | None = None
         self._client: ipp.Client | None = None
-        self._ids: list[int] = []
+        self._engine_ids: list[int] = []
         self._hosts: list[dict[str, Any]] = []
         self._pids: set[int] = set()
         self._stack_files: list[str] = []  # per rank: where SIGUSR1 makes the engine dump its stacks
@@ -131,7 +131,7 @@ class Cluster:
 
     @property
     def n(self) -> int:
-        return len(self._ids)
+        return len(self._engine_ids)
 
     @property
     def pids(self) -> set[int]:
@@ -163,7 +163,7 @@ class Cluster:
             self._ipp.start_cluster_sync(n=n)
             self._client = self._ipp.connect_client_sync()
             self._wait_for_engines(n)
-            self._ids = sorted(self._client.ids)[:n]
+            self._engine_ids = sorted(self._client.ids)[:n]
             self._pids = descendant_pids() - before
             self._bootstrap()
         except BaseException:
@@ -196,7 +196,7 @@ class Cluster:
                 os.remove(path)
         if self._ipp is not None and self.persist:
             persist.remove_record(self._record_path())
-        self._ipp, self._client, self._ids, self._hosts, self._pids = None, None, [], [], set()
+        self._ipp, self._client, self._engine_ids, self._hosts, self._pids = None, None, [], [], set()
         self._stack_files = []
         self.devices = []
         _LIVE.discard(self)
@@ -207,7 +207,7 @@ class Cluster:
         Engines holding a process group can take seconds to die from SIGTERM, and ipyparallel
         then waits 5 s per engine set before escalating; a shutdown request ends them at once.
         """
-        live = [self._ids[rank] for rank in self._live_ranks()]
+        live = [self._engine_ids[rank] for rank in self._live_ranks()]
         if not live:
             return
         try:
@@ -216,7 +216,7 @@ class Cluster:
             return
         # Engines on other hosts are gone once the hub has their nanny's unregistration: stopping
         # the controller before that leaves the nanny waiting forever to deliver it.
-        remote = {eid for eid, info in zip(self._ids, self._hosts) if not self._is_local(info)}
+        remote = {eid for eid, info in zip(self._engine_ids, self._hosts) if not self._is_local(info)}
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline and (any(_pid_alive(p) for p in engine_pids)
                                                or remote & set(self._client.ids)):
@@ -244,14 +244,14 @@ class Cluster:
         ship_by_value(fn, *args, *kwargs.values())
         result = view.apply_async(fn, *args, **kwargs)
         self._wait(result, self._ranks_of(view.targets), stream=False, source=_source_file(fn))
-        return values(result, self._ids)
+        return values(result, self._engine_ids)
 
     def submit(self, rank: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Start ``fn(*args, **kwargs)`` on one rank and return at once (an ipyparallel
         AsyncResult): for independent work such as a sweep's tasks, outside the world's collectives."""
         self._require_running()
         ship_by_value(fn, *args, *kwargs.values())
-        return self._client[self._ids[rank]].apply_async(fn, *args, **kwargs)
+        return self._client[self._engine_ids[rank]].apply_async(fn, *args, **kwargs)
 
     def dead_ranks(self) -> list[int]:
         """Ranks whose engine is gone."""
@@ -308,14 +308,14 @@ class Cluster:
         if namespace:
             shipped = view.apply_async(engine.update_namespace, payload(namespace))
             self._wait(shipped, ranks, stream=False)
-            values(shipped, self._ids)
+            values(shipped, self._engine_ids)
         result = view.execute(code, silent=False, block=False)
         try:
             output = self._wait(result, ranks, stream=True, cell=code)
         finally:  # a restartable Trainer in the cell said how to recover it
             self._recovery = _recovery_policy(result)
         output.show_other_ranks(ranks, all_output)
-        values(result, self._ids)
+        values(result, self._engine_ids)
         output.show_result()
 
     def status(self) -> list[dict[str, Any]]:
@@ -324,7 +324,7 @@ class Cluster:
             return []
         rows = []
         dead = set(self._dead_ranks())
-        for rank, engine_id in enumerate(self._ids):
+        for rank, engine_id in enumerate(self._engine_ids):
             row = {"rank": rank, "engine_id": engine_id, **self._hosts[rank],
                    "device": self.devices[rank], "alive": rank not in dead, "memory_bytes": None}
             if row["alive"]:
@@ -349,7 +349,7 @@ class Cluster:
                       seed=record["seed"], persist=True, **record["ipp_options"])
         cluster._ipp = ipp.Cluster.from_file(record["ipp_cluster_file"], log_level=logging.ERROR)
         cluster._client = cluster._ipp.connect_client_sync()
-        cluster._ids, cluster.backend, cluster.devices = record["ids"], record["backend"], record["devices"]
+        cluster._engine_ids, cluster.backend, cluster.devices = record["ids"], record["backend"], record["devices"]
         cluster._hosts = [{k: v for k, v in info.items() if k != "local"} for info in record["hosts"]]
         cluster._stack_files, cluster._pids = record["stack_files"], persist.live_pids(record["pids"])
         cluster.generation, cluster.created = record["generation"], record["created"]
@@ -371,7 +371,7 @@ class Cluster:
             "cluster_id": self._ipp.cluster_id, "host": socket.gethostname(), "created": self.created,
             "kernel_pid": os.getpid(), "ipp_cluster_file": self._ipp.cluster_file,
             "controller": {"pid": controller, "started": persist.process_times([controller])[str(controller)]},
-            "ids": self._ids, "hosts": [{**info, "local": self._is_local(info)} for info in self._hosts],
+            "ids": self._engine_ids, "hosts": [{**info, "local": self._is_local(info)} for info in self._hosts],
             "devices": self.devices, "backend": self.backend, "stack_files": self._stack_files,
             "pids": persist.process_times(self.pids), "generation": self.generation,
             "launcher": launcher_state(self.launcher), "requested_n": self._requested_n,
@@ -406,10 +406,10 @@ class Cluster:
         view.use_cloudpickle().get(timeout=self.timeout)
         hosts = view.apply_async(engine.host_info, self._controller_address()).get(timeout=self.timeout)
         for rank, engine_id, info in zip(dead, fresh, hosts):
-            self._ids[rank], self._hosts[rank] = engine_id, info
+            self._engine_ids[rank], self._hosts[rank] = engine_id, info
         self._set_up(dead)
         self._seed(range(self.n))
-        held = sorted(set().union(*self._client[[self._ids[r] for r in survivors]].apply_sync(
+        held = sorted(set().union(*self._client[[self._engine_ids[r] for r in survivors]].apply_sync(
             engine.user_names)) - {"rank", "world_size", "local_rank", "device"}) if survivors else []
         stale = self._stale_names(survivors)
         self._join_world()
@@ -443,7 +443,7 @@ class Cluster:
 
     def _start_engines(self, count: int) -> list[int]:
         """`count` new engines on this host; their ids once registered."""
-        known = set(self._client.ids) | set(self._ids)
+        known = set(self._client.ids) | set(self._engine_ids)
         self._ipp.start_engines_sync(n=count)
         deadline = time.monotonic() + self.timeout
         while len(fresh := sorted(set(self._client.ids) - known)) < count:
@@ -457,7 +457,7 @@ class Cluster:
         """Engine variables on `ranks` built on the current process group (`engine.names_built_on_the_group`)."""
         if not ranks:
             return []
-        view = self._client[[self._ids[r] for r in ranks]]
+        view = self._client[[self._engine_ids[r] for r in ranks]]
         return sorted(set().union(*view.apply_sync(engine.names_built_on_the_group)))
 
     # ---- post-mortem debugging and pulling variables -------------------------------------------
@@ -543,7 +543,7 @@ class Cluster:
         result = self._view([rank]).apply_async(fn, *args)
         if not result.wait(self.timeout):
             raise TimeoutError(f"rank {rank} did not answer within {self.timeout:.0f}s")
-        return values(result, self._ids)[0]
+        return values(result, self._engine_ids)[0]
 
     def check_devices(self) -> list[str]:
         """What is wrong with where the engines compute (`backend.device_problems`): empty when each
@@ -567,7 +567,7 @@ class Cluster:
                 except ProcessLookupError:
                     pass
             else:
-                remote.append(self._ids[rank])
+                remote.append(self._engine_ids[rank])
         if remote:
             self._client.send_signal(signum.name, targets=remote, block=False)
 
@@ -617,10 +617,10 @@ class Cluster:
     def _bootstrap(self) -> None:
         """Choose the backend from the engines' own hosts, bind devices (before CUDA starts on the
         engines), then rendezvous on rank 0's host."""
-        view = self._client[self._ids]
+        view = self._client[self._engine_ids]
         view.use_cloudpickle().get(timeout=self.timeout)
         hosts = view.apply_async(engine.host_info, self._controller_address()).get(timeout=self.timeout)
-        self._ids, self._hosts = _ranked_by_host(self._ids, hosts)
+        self._engine_ids, self._hosts = _ranked_by_host(self._engine_ids, hosts)
         self.backend, note = choose_backend(self._requested_backend, self._hosts)
         if note:
             print(f"colab_par: {note}", file=sys.stderr)
@@ -634,14 +634,14 @@ class Cluster:
         """What an engine needs before its rank joins the world: stack dumps, the requests its
         control thread answers, the release of post-mortem frames, its device."""
         ranks = list(ranks)
-        view = self._client[[self._ids[r] for r in ranks]]
+        view = self._client[[self._engine_ids[r] for r in ranks]]
         for rank, path in zip(ranks, view.apply_async(engine.enable_stack_dumps).get(timeout=self.timeout)):
             self._stack_files[rank] = path
         view.apply_async(probe.install).get(timeout=self.timeout)
         view.apply_async(postmortem.install).get(timeout=self.timeout)
         hosts = [info["host"] for info in self._hosts]
         local_rank = local_ranks(self._hosts)
-        bind = {r: self._client[[self._ids[r]]].apply_async(engine.bind_device, local_rank[r],
+        bind = {r: self._client[[self._engine_ids[r]]].apply_async(engine.bind_device, local_rank[r],
                                                             hosts.count(hosts[r]), self.backend)
                 for r in ranks}
         for rank, result in bind.items():
@@ -649,13 +649,13 @@ class Cluster:
 
     def _seed(self, ranks: Iterable[int]) -> None:
         if self.seed is not None:
-            view = self._client[[self._ids[r] for r in ranks]]
+            view = self._client[[self._engine_ids[r] for r in ranks]]
             view.apply_async(engine.seed_generators, self.seed).get(timeout=self.timeout)
 
     def _tell_identity(self, ranks: Iterable[int]) -> None:
         local_rank = local_ranks(self._hosts)
         for rank in ranks:
-            self._client[[self._ids[rank]]].push({"rank": rank, "world_size": self.n,
+            self._client[[self._engine_ids[rank]]].push({"rank": rank, "world_size": self.n,
                                                   "local_rank": local_rank[rank],
                                                   "device": self.devices[rank]}, block=True)
 
@@ -675,11 +675,11 @@ class Cluster:
         on the address the world uses (see `_world_addresses`): rank 0's."""
         addr = self._world_addresses()[0]
         single_host = addr == "127.0.0.1"
-        port = self._get(self._client[[self._ids[0]]].apply_async(engine.open_rendezvous, addr), 0)
+        port = self._get(self._client[[self._engine_ids[0]]].apply_async(engine.open_rendezvous, addr), 0)
         joins = [self._client[[eid]].apply_async(engine.init_process_group, self.backend, addr, port, rank,
-                                               len(self._ids), self.timeout,
+                                               len(self._engine_ids), self.timeout,
                                                addr if single_host else self._hosts[rank]["ip"])
-                 for rank, eid in enumerate(self._ids)]
+                 for rank, eid in enumerate(self._engine_ids)]
         for rank, result in enumerate(joins):
             self._get(result, rank)
 
@@ -687,7 +687,7 @@ class Cluster:
         if not result.wait(self.timeout):
             raise TimeoutError(f"rank {rank} did not answer within {self.timeout:.0f}s while joining "
                                "the process group")
-        return values(result, self._ids)[0]
+        return values(result, self._engine_ids)[0]
 
     @staticmethod
     def _is_local(info: dict[str, Any]) -> bool:
@@ -706,18 +706,18 @@ class Cluster:
             raise ValueError(f"rank(s) {ranks_text(bad)} do not exist; this cluster has ranks "
                              f"0..{self.n - 1}")
         self._raise_if_dead(ranks)
-        view = self._client[[self._ids[r] for r in ranks]]
+        view = self._client[[self._engine_ids[r] for r in ranks]]
         view.block = False
         return view
 
     def _ranks_of(self, engine_ids: Any) -> list[int]:
         ids = engine_ids if isinstance(engine_ids, list) else [engine_ids]
-        return [self._ids.index(eid) for eid in ids]
+        return [self._engine_ids.index(eid) for eid in ids]
 
     def _dead_ranks(self) -> list[int]:
         registered = set(self._client.ids) if self._client is not None else set()
         dead = []
-        for rank, eid in enumerate(self._ids):
+        for rank, eid in enumerate(self._engine_ids):
             info = self._hosts[rank] if rank < len(self._hosts) else None
             if eid not in registered or (info and self._is_local(info) and not _pid_alive(info["pid"])):
                 dead.append(rank)
@@ -860,7 +860,7 @@ class Cluster:
         ranks = [rank for rank in ranks if rank in live]
         if not ranks:
             return {}
-        futures = compat.send_control_requests(self._client, [self._ids[r] for r in ranks], request,
+        futures = compat.send_control_requests(self._client, [self._engine_ids[r] for r in ranks], request,
                                                content or {})
         return dict(zip(ranks, futures))
 
@@ -876,8 +876,8 @@ class Cluster:
     def _idle_ranks(self, ranks: list[int]) -> set[int]:
         """The live ones of `ranks` that have no task queued or running, as the hub knows."""
         live = set(self._live_ranks())
-        queues = self._client.queue_status(targets=[self._ids[r] for r in ranks if r in live])
-        return {rank for rank in ranks if rank in live and queues[self._ids[rank]]["queue"] == 0}
+        queues = self._client.queue_status(targets=[self._engine_ids[r] for r in ranks if r in live])
+        return {rank for rank in ranks if rank in live and queues[self._engine_ids[rank]]["queue"] == 0}
 
     def _live_ranks(self) -> list[int]:
         dead = set(self._dead_ranks())
