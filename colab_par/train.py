@@ -23,6 +23,8 @@ from colab_par import recovery
 from colab_par import telemetry as telem
 from colab_par.data import BatchList, TokenDataset
 from colab_par.parallel.batch import batch_size, check_batch
+from colab_par.profiling import recorder
+from colab_par.profiling.steps import ProfileSteps, StepProfiler
 
 __all__ = ["Trainer", "WarmupCosine"]
 
@@ -64,13 +66,18 @@ class Trainer:
     that fits this trainer runs, the kit restarts the engines and runs the cell again; its `fit`
     then resumes from the last committed checkpoint (history included), at most `max_restarts`
     times (`Cluster.execute`). `"raise"` (the default) fails the cell.
+
+    `profile_steps` (a step number, ``(first, last)`` or a `ProfileSteps`) records those steps
+    with torch.profiler on every rank: trace files per rank, and on rank 0 `timeline`, the per-rank
+    picture, shown in the notebook when the last of them ends (`colab_par.profiling`).
     """
 
     def __init__(self, pm: Any, data: TokenDataset | BatchList | list, *, steps: int,
                  lr_schedule: Callable[[int], float] | None = None, grad_clip: float | None = None,
                  grad_accum: int = 1, log_every: int = 1, ckpt_dir: str | os.PathLike | None = None,
                  ckpt_every: int | None = None, seed: int = 0, telemetry: bool = True,
-                 on_failure: str = "raise", max_restarts: int = 3):
+                 on_failure: str = "raise", max_restarts: int = 3,
+                 profile_steps: int | tuple[int, int] | ProfileSteps | None = None):
         _check_positive(steps=steps, grad_accum=grad_accum, log_every=log_every)
         if on_failure not in ON_FAILURE:
             raise ValueError(f"on_failure={on_failure!r} is not one of {', '.join(ON_FAILURE)}")
@@ -97,6 +104,7 @@ class Trainer:
         self.log_every, self.ckpt_dir, self.ckpt_every = log_every, ckpt_dir, ckpt_every
         self.seed, self.telemetry = seed, telemetry
         self.on_failure, self.max_restarts = on_failure, max_restarts
+        self._profile = StepProfiler(ProfileSteps.of(profile_steps)) if profile_steps is not None else None
         self.step = 0
         self.data_position = 0
         self.history: list[dict] = []
@@ -137,7 +145,10 @@ class Trainer:
         """One optimizer step (with `grad_accum` micro-steps); returns its row on log steps."""
         pm, log = self.pm, (self.step + 1) % self.log_every == 0 or self.step + 1 == self.steps
         measure = self.telemetry and log
-        clock = telem.StepClock(torch.device(pm.device))
+        if self._profile is not None:
+            self._profile.before_step(self.step + 1)
+        mark = recorder.open_mark(self.step + 1)
+        clock = telem.StepClock(torch.device(pm.device), mark=mark is not None)
         start = time.perf_counter()
         losses, bubbles, samples, tokens = [], [], 0, 0
         for micro in range(self.grad_accum):
@@ -163,6 +174,9 @@ class Trainer:
             pm.optimizer_step()
         self.step += 1
         step_time = time.perf_counter() - start
+        recorder.close_mark(mark)
+        if self._profile is not None:
+            self._profile.after_step(self.step)
         if not log:
             return None
         row = {"step": self.step, "rank": self.rank, "loss": sum(losses) / len(losses), "lr": lr,
@@ -172,6 +186,11 @@ class Trainer:
             self._add_telemetry(row, grads, bubbles, samples, tokens)
         self.history.append(row)
         return row
+
+    @property
+    def timeline(self) -> Any:
+        """The `Timeline` of the steps `profile_steps` recorded (on rank 0, once they ran), else None."""
+        return self._profile.timeline if self._profile is not None else None
 
     def _next_batch(self) -> Any:
         """Token data: this rank's rows, on the device. Other data: the global batch (the model
