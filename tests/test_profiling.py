@@ -108,11 +108,14 @@ def shell_on(cluster2, captured):
 
 
 def test_profile_flag_draws_the_timeline_in_the_notebook(cluster2, shell_on, captured, tmp_path):
-    cluster2.run(build_trainer, "dp2", 2)
+    """The cell's recording wins over a Trainer's profile_steps inside it: one picture, the cell's,
+    with every step (the Trainer neither restarts nor stops the recording around its window)."""
+    cluster2.run(build_trainer, "dp2", 2, profile_steps=ProfileSteps(1, 1, trace_dir=str(tmp_path / "steps")))
     shell_on.run_cell_magic("colossal", f"--profile {tmp_path}", "trainer.fit()")
     pictures = [o["data"] for o in captured if "image/png" in o["data"]]
     assert len(pictures) == 1 and "colab_par profile: 2 rank(s), steps 1–2" in pictures[0]["text/plain"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
+    assert cluster2.run(engine_value, "trainer.timeline") == [None, None]
 
 
 def test_trainer_profile_steps_records_only_those_steps(cluster2, shell_on, captured, tmp_path):

@@ -45,17 +45,20 @@ def trace_file(folder: str, rank: int) -> str:
     return os.path.join(folder, f"rank{rank}.pt.trace.json")
 
 
-def start(folder: str, *, sync: bool = True) -> None:
-    """Start recording this rank (a recording left running is dropped first). With `sync`, every
-    rank of the world must call this together: they pass one barrier."""
+def start(folder: str, *, sync: bool = True) -> object:
+    """Start recording this rank (a recording left running is dropped first); returns a handle that
+    `is_recording` recognises. With `sync`, every rank of the world must call this together: they
+    pass one barrier."""
     global _recording
     abandon()
     os.makedirs(folder, exist_ok=True)
     _recording = _Recording(folder, sync)
+    return _recording
 
 
-def is_recording() -> bool:
-    return _recording is not None
+def is_recording(handle: object = None) -> bool:
+    """Whether a recording runs (with `handle`: whether it is still the one `start` returned)."""
+    return _recording is not None and (handle is None or _recording is handle)
 
 
 def stop() -> dict[str, Any]:

@@ -51,14 +51,18 @@ class StepProfiler:
     def __init__(self, steps: ProfileSteps):
         self.steps = steps
         self.timeline: Any = None  # the Timeline of the window, on rank 0 once it ended
+        self._recording: object = None  # the recording this window started (a profiled cell's is not)
 
     def before_step(self, step: int) -> None:
-        if step == self.steps.first:
-            recorder.start(_shared(trace_folder(self.steps.trace_dir)))
+        if step == self.steps.first and not recorder.is_recording():
+            self._recording = recorder.start(_shared(trace_folder(self.steps.trace_dir)))
 
     def after_step(self, step: int) -> None:
         """At the window's last step: stop, gather every rank's record on rank 0, show the picture."""
-        if step != self.steps.last or not recorder.is_recording():
+        if step != self.steps.last or self._recording is None:
+            return
+        mine, self._recording = self._recording, None
+        if not recorder.is_recording(mine):  # dropped meanwhile (a profiled cell started its own)
             return
         record = recorder.stop()
         folder = os.path.dirname(record["trace"])
