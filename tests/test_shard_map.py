@@ -26,7 +26,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 GPT_SIZES = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, kernels="torch")
 
 
-def build(layout: str, vocab_size: int = 64) -> None:
+def build(layout: str, vocab_size: int = 64, n_layer: int = 2) -> None:
     """On every engine: the test GPT as `layout` in the engine variable `pm`."""
     import torch
     from IPython import get_ipython
@@ -35,7 +35,7 @@ def build(layout: str, vocab_size: int = 64) -> None:
     from colab_par.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    pm = parallelize(GPT(GPTConfig(**{**GPT_SIZES, "vocab_size": vocab_size})), layout)
+    pm = parallelize(GPT(GPTConfig(**{**GPT_SIZES, "vocab_size": vocab_size, "n_layer": n_layer})), layout)
     get_ipython().user_ns["pm"] = pm
 
 
@@ -134,6 +134,22 @@ def test_map_of_a_tensor_grid_with_uneven_pieces(cluster4):
     grid_cut = [row for row in shard_map.parameters()
                 if len({row.slices[r] for r in shard_map.ranks}) == 4]
     assert grid_cut, "2d cuts weights into four different blocks"
+
+
+@pytest.mark.parametrize("layout", ["pp2 dp2 zero3 interleaved v2", "dp2 tp2 zero3 sp"])
+def test_map_of_composite_layouts(cluster4, layout):
+    """Stages x FSDP shards (two stages per rank, each layer on one dp pair, halved between them)
+    and tensor splits x FSDP shards (each weight in four different blocks)."""
+    cluster4.run(build, layout, n_layer=4)
+    shard_map = check_map(cluster4.run(map_and_measure))
+    for row in shard_map.parameters():
+        if layout.startswith("pp"):
+            assert len(row.held) == 2 and all(row.fraction(r) == 0.5 for r in row.held), row
+        elif row.name.endswith("attention.wq.weight"):
+            assert len({row.slices[r] for r in shard_map.ranks}) == 4, row
+    if layout.startswith("pp"):
+        holders = {tuple(sorted(row.held)) for row in shard_map.parameters() if row.name.startswith("layers.")}
+        assert len(holders) == 2, f"the layers live on two dp pairs, not {holders}"
 
 
 @pytest.fixture
