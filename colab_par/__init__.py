@@ -35,6 +35,10 @@ _EXPORTS = {
     "select": "colab_par.selection",
     "train_alone": "colab_par.selection",
     "Halving": "colab_par.selection",
+    "show": "colab_par.shard_map",
+    "ShardMap": "colab_par.shard_map",
+    "Timeline": "colab_par.profiling",
+    "ProfileSteps": "colab_par.profiling",
 }
 
 __all__ = sorted(_EXPORTS) + ["load_ipython_extension", "unload_ipython_extension"]

@@ -301,6 +301,15 @@ class Cluster:
                 self.run(recovery.request_resume, policy["ckpt_dir"])
                 namespace = fresh_namespace() if fresh_namespace is not None else namespace
 
+    def profile(self, code: str, *, trace_dir: str | os.PathLike | None = None, **execute: Any) -> Any:
+        """Run a cell like `execute` with torch.profiler recording on every rank; returns the
+        `colab_par.profiling.Timeline` (a lane block per rank; it draws itself in a notebook).
+        Each rank writes its raw trace to `trace_dir` (default: a new folder under
+        ./colab_par_traces) as ``rank<N>.pt.trace.json``, for Perfetto or TensorBoard."""
+        from colab_par.profiling.session import profile_cell
+
+        return profile_cell(self, code, trace_dir=trace_dir, **execute)
+
     def _execute_once(self, code: str, targets: Sequence[int] | None, all_output: bool,
                       namespace: dict[str, Any] | None) -> None:
         view = self._view(targets)

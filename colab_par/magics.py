@@ -12,6 +12,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.display import display
 
 from colab_par import ranks
 from colab_par.cluster import Cluster
@@ -133,6 +134,9 @@ def cell_parser() -> _Parser:
     parser.add_argument("--all-output", action="store_true", help="show every rank's output")
     parser.add_argument("--layout", default=None,
                         help="notebook variable holding a LayoutPicker, a Layout or a layout string")
+    parser.add_argument("--profile", nargs="?", const="", default=None, metavar="DIR",
+                        help="record the cell with torch.profiler on every rank and show the timeline; "
+                             "traces go to DIR (default: a new folder under ./colab_par_traces)")
     return parser
 
 
@@ -247,10 +251,14 @@ class ColossalMagics(Magics):
         namespace = values_to_ship(cell, user_ns, self._engine_names, on_skip=_warn_skipped)
         if args.layout is not None:
             namespace["layout"] = _resolve_layout(args.layout, user_ns, cluster.n)
+        options = dict(targets=targets, all_output=args.all_output, namespace=namespace,
+                       fresh_namespace=lambda: {**values_to_ship(cell, user_ns, (), on_skip=_warn_skipped),
+                                                **namespace})
         try:
-            cluster.execute(cell, targets=targets, all_output=args.all_output, namespace=namespace,
-                            fresh_namespace=lambda: {**values_to_ship(cell, user_ns, (), on_skip=_warn_skipped),
-                                                     **namespace})
+            if args.profile is None:
+                cluster.execute(cell, **options)
+            else:
+                display(cluster.profile(cell, trace_dir=args.profile or None, **options))
         finally:
             if cluster.generation != self._generation:  # restarted during the cell: its names alone live
                 self._engine_names, self._generation = set(), cluster.generation

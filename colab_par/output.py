@@ -15,6 +15,7 @@ from typing import Any, Iterable, Sequence
 import ipyparallel as ipp
 
 from colab_par import compat
+from colab_par.remote_view import local_view
 
 __all__ = ["EngineError", "DeadEngineError", "RecoveryError", "RankFailureError", "CollectiveDeadlockError",
            "TaskOutput", "ranks_text", "size_text", "values",
@@ -150,11 +151,12 @@ class TaskOutput:
 
     def __init__(self, result: Any, *, stream: bool, dashboard: bool):
         self.result, self.stream, self.use_dashboard = result, stream, dashboard
-        self._shown, self._dashboard = 0, None
+        self._shown, self._dashboard, self._views_shown = 0, None, 0
 
     def poll(self) -> None:
         if self.stream:
             self._stream_rank0()
+            self._show_rank0_views()
         if self.use_dashboard:
             self._feed_dashboard(final=False)
 
@@ -165,6 +167,7 @@ class TaskOutput:
             self.result.wait_for_output(timeout=5.0)
         if self.stream:
             self._stream_rank0()
+            self._show_rank0_views()
         if self.use_dashboard:
             self._feed_dashboard(final=True)
 
@@ -190,10 +193,26 @@ class TaskOutput:
                 sys.stdout.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
 
     def show_result(self) -> None:
-        """The value of the cell's last expression on the first rank, as a notebook shows it."""
+        """The value of the cell's last expression on the first rank, as a notebook shows it: a
+        colab_par view (`remote_view`) drawn here, anything else as its text."""
         first = self.result.execute_result[0]
-        if first is not None and "text/plain" in first.get("data", {}):
+        if first is None:
+            return
+        view = local_view(first.get("data", {}))
+        if view is not None:
+            _display(view)
+        elif "text/plain" in first.get("data", {}):
             print(first["data"]["text/plain"])
+
+    def _show_rank0_views(self) -> None:
+        """colab_par views rank 0 displayed during the task (a Trainer's profile), drawn here."""
+        outputs = self.result.outputs
+        first = outputs[0] if outputs and isinstance(outputs[0], list) else outputs
+        for content in first[self._views_shown:]:
+            view = local_view(content.get("data", {}))
+            if view is not None:
+                _display(view)
+        self._views_shown = len(first)
 
     def _stream_rank0(self) -> None:
         stdout = self.result.stdout
@@ -202,6 +221,20 @@ class TaskOutput:
             sys.stdout.write(text[self._shown:])
             sys.stdout.flush()
             self._shown = len(text)
+
+
+def _display(view: Any) -> None:
+    """In IPython: the view's picture; in plain Python: its text."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        print(view)
+        return
+    if get_ipython() is None:
+        print(view)
+    else:
+        display(view)
 
 
 def per_rank_data(data: Any) -> list[dict[str, Any] | None]:

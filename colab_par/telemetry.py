@@ -62,20 +62,26 @@ def _synchronize(device: torch.device) -> None:
 
 
 class StepClock:
-    """Wall time of named phases of one step; synchronises the device so GPU time is counted."""
+    """Wall time of named phases of one step; synchronises the device so GPU time is counted.
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    With `mark`, each phase is also named in the running torch.profiler trace
+    (``colab_par.<phase>``), so a timeline shows the phases this clock times without timing them
+    again (`colab_par.profiling`)."""
+
+    def __init__(self, device: torch.device, *, mark: bool = False):
+        self.device, self.mark = device, mark
         self.phases: dict[str, float] = {}
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            _synchronize(self.device)
-            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+        marked = torch.profiler.record_function(f"colab_par.{name}") if self.mark else contextlib.nullcontext()
+        with marked:
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                _synchronize(self.device)
+                self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
 
 
 class ActivationMeter:
@@ -223,18 +229,8 @@ def metrics_data(header: dict[str, Any], rows: list[dict], *, since: int = 0) ->
 
 def engine_publisher() -> Callable[[dict], None] | None:
     """`publish_data` when this process is an ipyparallel engine running a task, else None."""
-    from colab_par import compat
+    from colab_par.remote_view import engine_kernel
 
-    try:
-        from ipykernel.kernelbase import Kernel
-
-        engine_kernel = compat.ipp_engine_kernel_class()
-    except (ImportError, compat.CompatError):
-        return None
-    if not Kernel.initialized():  # plain Python: no kernel at all
-        return None
-    kernel = Kernel.instance()
-    if not isinstance(kernel, engine_kernel):  # a notebook's own kernel, not an engine
-        return None
-    data_pub = getattr(kernel.shell, "data_pub", None)
+    kernel = engine_kernel()
+    data_pub = getattr(kernel.shell, "data_pub", None) if kernel is not None else None
     return data_pub.publish_data if data_pub is not None else None

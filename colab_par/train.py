@@ -25,6 +25,8 @@ from colab_par.data import BatchList, TokenDataset
 from colab_par.data_sources import DataPlace, DataSource, data_source, dp_total
 from colab_par.loggers import Logger, RunLogs
 from colab_par.parallel.batch import batch_size, batch_to, check_batch
+from colab_par.profiling import recorder
+from colab_par.profiling.steps import ProfileSteps, StepProfiler
 
 __all__ = ["Trainer", "WarmupCosine"]
 
@@ -73,6 +75,10 @@ class Trainer:
 
     `log_dir`: rank 0 writes TensorBoard event files there from the rows in `history` (and every
     rank's memory figures); `loggers`: more loggers of the same rows (`colab_par.loggers`).
+
+    `profile_steps` (a step number, ``(first, last)`` or a `ProfileSteps`) records those steps
+    with torch.profiler on every rank: trace files per rank, and on rank 0 `timeline`, the per-rank
+    picture, shown in the notebook when the last of them ends (`colab_par.profiling`).
     """
 
     def __init__(self, pm: Any, data: Any, *, steps: int, batch_size: int | None = None,
@@ -80,7 +86,8 @@ class Trainer:
                  grad_accum: int = 1, log_every: int = 1, ckpt_dir: str | os.PathLike | None = None,
                  ckpt_every: int | None = None, seed: int = 0, telemetry: bool = True,
                  on_failure: str = "raise", max_restarts: int = 3,
-                 log_dir: str | os.PathLike | None = None, loggers: list[Logger] | None = None):
+                 log_dir: str | os.PathLike | None = None, loggers: list[Logger] | None = None,
+                 profile_steps: int | tuple[int, int] | ProfileSteps | None = None):
         _check_positive(steps=steps, grad_accum=grad_accum, log_every=log_every)
         if on_failure not in ON_FAILURE:
             raise ValueError(f"on_failure={on_failure!r} is not one of {', '.join(ON_FAILURE)}")
@@ -111,6 +118,7 @@ class Trainer:
         self.log_every, self.ckpt_dir, self.ckpt_every = log_every, ckpt_dir, ckpt_every
         self.seed, self.telemetry = seed, telemetry
         self.on_failure, self.max_restarts = on_failure, max_restarts
+        self._profile = StepProfiler(ProfileSteps.of(profile_steps)) if profile_steps is not None else None
         self.step = 0
         self.data_position = 0
         self.history: list[dict] = []
@@ -159,7 +167,10 @@ class Trainer:
         """One optimizer step (with `grad_accum` micro-steps); returns its row on log steps."""
         pm, log = self.pm, (self.step + 1) % self.log_every == 0 or self.step + 1 == self.steps
         measure = self.telemetry and log
-        clock = telem.StepClock(torch.device(pm.device))
+        if self._profile is not None:
+            self._profile.before_step(self.step + 1)
+        mark = recorder.open_mark(self.step + 1)
+        clock = telem.StepClock(torch.device(pm.device), mark=mark is not None)
         start = time.perf_counter()
         losses, bubbles, samples, tokens = [], [], 0, 0
         for micro in range(self.grad_accum):
@@ -186,6 +197,9 @@ class Trainer:
             pm.optimizer_step()
         self.step += 1
         step_time = time.perf_counter() - start
+        recorder.close_mark(mark)
+        if self._profile is not None:
+            self._profile.after_step(self.step)
         if not log:
             return None
         if measure and isinstance(self.data, DataSource):
@@ -197,6 +211,11 @@ class Trainer:
             self._add_telemetry(row, grads, bubbles, samples, tokens)
         self.history.append(row)
         return row
+
+    @property
+    def timeline(self) -> Any:
+        """The `Timeline` of the steps `profile_steps` recorded (on rank 0, once they ran), else None."""
+        return self._profile.timeline if self._profile is not None else None
 
     def _next_batch(self) -> Any:
         """Token data: this rank's rows, on the device. Other data: the global batch (the model

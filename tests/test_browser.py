@@ -273,6 +273,62 @@ def test_debug_a_failed_rank_from_the_input_box(browser, jupyterlab):
         page.get_by_text("colab_par: engines stopped").wait_for(timeout=60_000)
     except Exception:
         shot(page, "debug-failure")
+
+
+# ---- the shard map, drawn in a cell -------------------------------------------------------------------
+SHARD_MAP_CELLS = [
+    "%load_ext colab_par",
+    "%colossal start -n 2",
+    "%%colossal\nimport colab_par\nfrom colab_par import parallelize\nfrom colab_par.models.gpt import GPT, GPTConfig\n"
+    "pm = parallelize(GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, "
+    "kernels='torch')), 'tp2')",
+    "%%colossal\ncolab_par.show(pm)",
+    "%colossal stop",
+]
+
+
+def put_notebook(jupyterlab, name: str, cells: list[str]) -> None:
+    """A notebook of `cells` in the server's folder, through Jupyter's contents API."""
+    import nbformat
+
+    url, token = jupyterlab
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells],
+                                        metadata={"kernelspec": {"display_name": "Python 3 (ipykernel)",
+                                                                 "language": "python", "name": "python3"}})
+    body = json.dumps({"type": "notebook", "format": "json", "content": notebook}).encode()
+    request = urllib.request.Request(f"{url}/api/contents/{name}.ipynb?token={token}", data=body, method="PUT",
+                                     headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(request, timeout=30).close()
+
+
+def test_shard_map_draws_in_a_cell(browser, jupyterlab):
+    """`colab_par.show(pm)` as the value of a %%colossal cell, as a person would use it: the map is
+    one picture in the cell's output (drawn by the notebook from rank 0's data), showing held
+    slices, not a table of text."""
+    import base64
+
+    from test_shard_map import colour_pixels
+
+    from colab_par.shard_map.picture import SLICE
+
+    put_notebook(jupyterlab, "shard_map", SHARD_MAP_CELLS)
+    page = open_notebook(browser, jupyterlab, "shard_map")
+    try:
+        run_all_cells(page)
+        page.get_by_text("colab_par: engines stopped").wait_for(timeout=RUN_ALL_TIMEOUT_MS)
+        output = output_of(page, "colab_par.show(pm)")
+        output.scroll_into_view_if_needed()
+        shot(page, "shard-map")
+        images = output.locator("img")
+        assert images.count() == 1, f"expected one picture, the output reads: {output.inner_text()!r}"
+        src = images.first.get_attribute("src")
+        assert src.startswith("data:image/png;base64,")
+        assert colour_pixels(base64.b64decode(src.split(",", 1)[1]), SLICE) > 100, "the map shows no slices"
+        assert images.first.evaluate("img => img.naturalWidth") > 300
+        assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']",
+                            has_text="Traceback").count() == 0
+    except Exception:
+        shot(page, "shard-map-failure")
         raise
     finally:
         page.close()
