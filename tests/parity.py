@@ -67,7 +67,7 @@ def peft_config(adapter: str, base_kind: str, **changes: Any) -> Any:
     """peft's config for `adapter` ("lora", "dora", "ia3") on `base_kind`."""
     import peft
 
-    targets = PEFT_TARGETS[base_kind]
+    targets = changes.pop("target_modules", PEFT_TARGETS[base_kind])
     if adapter == "ia3":
         feedforward = {"gpt": ["w2"], "gpt2": ["c_proj"]}.get(base_kind, ["down_proj"])
         return peft.IA3Config(target_modules=targets, feedforward_modules=feedforward, **changes)

@@ -17,9 +17,9 @@ from colab_par.layout import Layout
 from colab_par.models.hf import is_hf_model
 from colab_par.parallel.adapters.files import PeftWeights
 from colab_par.parallel.adapters.model import Adapters, is_peft_model, is_tuner_layer
-from colab_par.parallel.adapters.tensor_split import adapter_tp_plan
+from colab_par.parallel.adapters.tensor_split import adapter_tp_plan, refuse_unsplittable
 from colab_par.parallel.init_record import InitRecord
-from colab_par.parallel.tensor_parallel import tp_plan_for
+from colab_par.parallel.tensor_parallel import hf_tp_plan, tp_plan_for
 
 __all__ = ["Adapters", "attach_adapters", "adapter_tp_plan", "is_peft_model", "wraps_output_layer"]
 
@@ -46,8 +46,10 @@ def attach_adapters(model: nn.Module, record: InitRecord | None, weights: Any, l
     adapters = Adapters.of(model)
     inner = model.get_base_model()
     if layout.tp > 1:
-        plan = tp_plan_for(inner, tp_plan, hf=is_hf_model(inner), sequence_parallel=layout.sequence_parallel)
-        adapter_tp_plan(inner, plan)  # raises for an adapter it cannot split
+        hf = is_hf_model(inner)
+        raw = tp_plan if tp_plan is not None else hf_tp_plan(inner) if hf else {}
+        refuse_unsplittable(inner, list(raw))  # with peft's layer named, before the plan's own checks
+        adapter_tp_plan(inner, tp_plan_for(inner, tp_plan, hf=hf, sequence_parallel=layout.sequence_parallel))
     if record is not None:
         record.keep_under(adapters.prefix)
     if weights is not None and not isinstance(weights, PeftWeights):

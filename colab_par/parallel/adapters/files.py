@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -24,8 +25,8 @@ from colab_par.compat import unwrapped_name
 from colab_par.parallel.adapters.model import Adapters, is_tuner_layer, peft_model_of
 from colab_par.parallel.init_record import drawing_random_values
 
-__all__ = ["PeftWeights", "adapter_state", "merged_state", "peft_factory", "check_adapter_directory",
-           "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
+__all__ = ["PeftWeights", "adapter_state", "merged_state", "peft_factory", "peft_source",
+           "check_adapter_directory", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft.utils.CONFIG_NAME
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft.utils.SAFETENSORS_WEIGHTS_NAME
@@ -70,13 +71,49 @@ def peft_factory(build: Callable[[], nn.Module], config: Any) -> Callable[[], nn
     return build_peft
 
 
+def peft_source(build: Callable[[], nn.Module], base_weights: Any, base_path: Path, *, lora: Any,
+                adapter: str | os.PathLike | None, is_trainable: bool) -> tuple[Callable[[], nn.Module], PeftWeights]:
+    """For `from_pretrained`: the factory of the PEFT model (new adapters from the peft config
+    `lora`, or those of the adapter directory `adapter`) and the weights filling it by its names.
+    Everything that can be wrong is refused here, from a meta build and the files' headers: targets
+    that match no module, an adapter directory that does not fit this base."""
+    from peft import PeftConfig
+
+    from colab_par.hf_io.weights import SafetensorsWeights
+
+    folder = None if adapter is None else Path(adapter)
+    if folder is not None:
+        if not (folder / ADAPTER_CONFIG).is_file():
+            raise ValueError(f"{folder} has no {ADAPTER_CONFIG}; give a PEFT adapter directory (what "
+                             "colab_par.save_pretrained of a PEFT model or peft's save_pretrained writes)")
+        config = PeftConfig.from_pretrained(str(folder))
+        config.inference_mode = not is_trainable
+    else:
+        if not callable(getattr(lora, "to_dict", None)) or not hasattr(lora, "peft_type"):
+            raise TypeError(f"lora={lora!r}; give a peft config, e.g. peft.LoraConfig(r=8, target_modules=[...])")
+        config = copy.deepcopy(lora)
+        config.base_model_name_or_path = config.base_model_name_or_path or str(base_path)
+    trained_for = getattr(config, "base_model_name_or_path", None) or "another model"
+    factory = peft_factory(build, config)
+    with torch.device("meta"):
+        model = factory()
+    adapters = Adapters.of(model)
+    (name,) = adapters.configs
+    files = None
+    if folder is not None:
+        shapes = {key[len(adapters.prefix):]: tuple(t.shape) for key, t in model.state_dict().items()}
+        files = SafetensorsWeights(folder, single_file=ADAPTER_WEIGHTS)
+        check_adapter_directory(files, adapters, shapes, folder, trained_for)
+    return factory, PeftWeights(base_weights, adapters.base_names, files, adapters.file_keys[name])
+
+
 def check_adapter_directory(files: Any, adapters: Adapters, shapes: dict[str, tuple[int, ...]],
-                            path: Path) -> None:
+                            path: Path, base: str) -> None:
     """Refuse an adapter file that does not fit the model (a key it lacks or has extra, a shape that
-    differs), from the headers alone; `shapes`: the meta model's inner state name -> shape."""
+    differs), from the headers alone; `shapes`: the meta model's inner state name -> shape; `base`:
+    the model the adapter's config says it was trained for."""
     (adapter,) = adapters.configs
     expected = {key: shapes[name] for name, key in adapters.file_keys[adapter].items()}
-    base = getattr(adapters.configs[adapter], "base_model_name_or_path", None) or "another model"
     missing = [key for key in expected if key not in files]
     extra = [key for key in files.names() if key not in expected]
     if missing or extra:

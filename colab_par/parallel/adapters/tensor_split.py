@@ -35,7 +35,7 @@ from colab_par.parallel.collectives import regroup_blocks, sum_grad_over
 from colab_par.parallel.hf_plans import Conv1DColwise, Conv1DRowwise
 from colab_par.parallel.tensor_parallel import ReplicatedGradSum, is_whole, modules_matching
 
-__all__ = ["adapter_tp_plan", "AdapterInput", "ColumnBlocks", "WHAT_SPLITS"]
+__all__ = ["adapter_tp_plan", "refuse_unsplittable", "AdapterInput", "ColumnBlocks", "WHAT_SPLITS"]
 
 WHAT_SPLITS = ("LoRA on linear layers (nn.Linear, transformers' Conv1D) splits with its base under tensor "
                "parallel; every adapter type trains under dp, zero1-3, offload and pp")
@@ -56,16 +56,30 @@ def adapter_tp_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[st
     return out
 
 
+def refuse_unsplittable(model: nn.Module, patterns: list[str]) -> None:
+    """Before a plan's styles are even resolved: refuse a peft layer the plan would split that no
+    rule splits (any tuner but plain LoRA on a linear layer)."""
+    names = {id(module): name for name, module in model.named_modules()}
+    for pattern in patterns:
+        for module in modules_matching(model, pattern):
+            if is_tuner_layer(module):
+                _refuse_unless_plain_lora(names[id(module)], module)
+
+
+def _refuse_unless_plain_lora(name: str, module: nn.Module) -> None:
+    if not _is_plain_lora(module):
+        raise ValueError(f"tensor parallel splits {name} ({_kind(module)}), and the kit has no rule to split "
+                         f"that adapter with its base; leave {name.rpartition('.')[2]!r} out of the "
+                         f"adapter's target_modules or use a layout without tp ({WHAT_SPLITS})")
+
+
 def _following(name: str, module: nn.Module, style: ParallelStyle) -> dict[str, ParallelStyle]:
     if isinstance(style, (PrepareModuleInput, PrepareModuleOutput)) or not (
             is_tuner_layer(module) or is_auxiliary_wrapper(module)):
         return {name: style}  # module boundaries and unwrapped modules keep their style
     if is_auxiliary_wrapper(module):
         return _trained_copies(name, module, style)
-    if not _is_plain_lora(module):
-        raise ValueError(f"tensor parallel splits {name} ({_kind(module)}), and the kit has no rule to split "
-                         f"that adapter with its base; leave {name.rpartition('.')[2]!r} out of the "
-                         f"adapter's target_modules or use a layout without tp ({WHAT_SPLITS})")
+    _refuse_unless_plain_lora(name, module)
     if not getattr(style, "use_local_output", True):
         raise ValueError(f"the tp style of {name} keeps its output a DTensor (use_local_output=False), and "
                          "LoRA adds its output to the base layer's as plain tensors; use local outputs")
