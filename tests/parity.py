@@ -64,14 +64,16 @@ PEFT_TARGETS = {"gpt": ["wq", "wv", "wo", "w1", "w2", "output"], "llama": "all-l
 
 
 def peft_config(adapter: str, base_kind: str, **changes: Any) -> Any:
-    """peft's config for `adapter` ("lora", "dora", "ia3") on `base_kind`."""
+    """peft's config for `adapter` ("lora", "dora", "ia3", "lora_head": LoRA and the output head
+    trained whole, peft's modules_to_save) on `base_kind`."""
     import peft
 
     targets = changes.pop("target_modules", PEFT_TARGETS[base_kind])
     if adapter == "ia3":
         feedforward = {"gpt": ["w2"], "gpt2": ["c_proj"]}.get(base_kind, ["down_proj"])
         return peft.IA3Config(target_modules=targets, feedforward_modules=feedforward, **changes)
-    options = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, use_dora=adapter == "dora")
+    options = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, use_dora=adapter == "dora",
+                   modules_to_save=["lm_head"] if adapter == "lora_head" else None)
     return peft.LoraConfig(**{**options, **changes})
 
 

@@ -26,12 +26,12 @@ peft = pytest.importorskip("peft")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from any_models import GPT2  # noqa: E402
 from parity import (HF_TOKENS, LLAMA_SIZES, PEFT_LAYERS, SEED, assert_close_to_fp32, assert_parity,  # noqa: E402
                     batches, bf16_engine_run, build_model, engine_run, engine_run_moved, peft_config,
                     reference_run, training_batches)
 from test_hf_io import TOKENS, engine_logits  # noqa: E402
 
-from colab_par.cluster import EngineError  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -61,8 +61,10 @@ def test_lora_trains_as_peft_does_in_one_process(cluster2, kind: str, layout: st
 @pytest.mark.parametrize("kind,layout,source", [
     ("gpt+lora", "tp2 sp", "module"),  # the kit's GPT: row-split bases leave their output split by sequence
     (LLAMA_LORA, "dp2 zero1", "module"),
+    ("gpt2+lora", "dp2 zero2", "module"),
     (LLAMA_LORA, "dp2 zero3 offload ac-full", "module"),
     (LLAMA_LORA, "tp2", "factory"),  # built on meta: peft's adapter init recorded and replayed
+    ("llama+lora_head", "tp2", "module"),  # modules_to_save: the head's trained copy split as the head
     ("llama+dora", "dp2 zero3", "module"),
     ("llama+ia3", "pp2", "module")])
 def test_adapters_compose_with_the_other_layout_steps(cluster2, kind: str, layout: str, source: str) -> None:
@@ -94,7 +96,7 @@ def test_lora_trains_under_data_and_tensor_parallel_together(cluster4, kind: str
 # ---- what trains ------------------------------------------------------------------------------------
 def _shapes_and_training(layout: str) -> dict:
     """Engine side: local/global shapes of layer 0's adapters, the state before and after 3 steps,
-    and the parameters holding optimizer state (this rank's)."""
+    and the parameters holding a gradient after the first backward and optimizer state (this rank's)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     from torch.distributed.tensor import DTensor
@@ -105,12 +107,18 @@ def _shapes_and_training(layout: str) -> dict:
     shapes = {name: (tuple(p.to_local().shape) if isinstance(p, DTensor) else None, tuple(p.shape))
               for name, p in pm.model.named_parameters() if ".layers.0." in name and "lora_" in name}
     before = pm.full_state_dict()
-    for x, y in training_batches(LLAMA_LORA, 3):
+    (x, y), *rest = training_batches(LLAMA_LORA, 3)
+    pm.forward_backward(x, y)
+    inner_model = getattr(pm.model, "module", pm.model)  # DDP (ZeRO-1) wraps it
+    with_grad = {name for name, p in inner_model.named_parameters() if p.grad is not None}
+    pm.optimizer_step()
+    for x, y in rest:
         pm.train_step(x, y)
     inner = getattr(pm.optimizer, "optim", pm.optimizer)  # ZeRO-1 keeps this rank's share inside
     state = get_optimizer_state_dict(pm.model, inner, options=StateDictOptions(flatten_optimizer_state_dict=True))
     with_state = {key[len("state."):].rpartition(".")[0] for key in state if key.startswith("state.")}
-    return {"shapes": shapes, "before": before, "after": pm.full_state_dict(), "with_state": with_state}
+    return {"shapes": shapes, "before": before, "after": pm.full_state_dict(), "with_state": with_state,
+            "with_grad": with_grad}
 
 
 def _peft_trainable() -> set[str]:
@@ -119,7 +127,7 @@ def _peft_trainable() -> set[str]:
 
 
 @pytest.mark.parametrize("layout", ["dp2 zero1", "dp2 zero3", "tp2"])
-def test_only_adapters_change_and_only_they_hold_optimizer_state(cluster2, layout: str) -> None:
+def test_only_adapters_change_and_only_they_hold_gradients_and_optimizer_state(cluster2, layout: str) -> None:
     results = cluster2.run(_shapes_and_training, layout)
     before, after = results[0]["before"], results[0]["after"]
     trainable = _peft_trainable()
@@ -130,6 +138,8 @@ def test_only_adapters_change_and_only_they_hold_optimizer_state(cluster2, layou
         else:
             assert torch.equal(value, after[name]), f"frozen {name} changed"
     assert set().union(*(r["with_state"] for r in results)) == trainable
+    for result in results:
+        assert result["with_grad"] == trainable, sorted(result["with_grad"] ^ trainable)[:4]
     if layout == "tp2":  # a column-split base (q_proj): B split by output; a row-split one (o_proj): A by input
         shapes = results[0]["shapes"]
         assert shapes["model.layers.0.self_attn.q_proj.lora_B.default.weight"] == ((16, 4), (32, 4))
@@ -195,18 +205,26 @@ def test_planner_counts_gradients_and_optimizer_state_for_trainable_parameters_o
 
 
 # ---- from_pretrained with adapters -------------------------------------------------------------------
-def _hf_dir(folder: Path, **changes) -> Path:
-    """A random 2-layer Llama saved by transformers."""
+def _hf_dir(folder: Path, family: str = "llama", **changes) -> Path:
+    """A random 2-layer model saved by transformers: Llama, or GPT-2 as released (head tied to wte)."""
     torch.manual_seed(SEED)
-    config = transformers.LlamaConfig(**{**LLAMA_SIZES, "num_hidden_layers": PEFT_LAYERS, **changes}, **HF_TOKENS,
-                                      tie_word_embeddings=False)
+    if family == "gpt2":
+        config = transformers.GPT2Config(**{**GPT2, "n_layer": PEFT_LAYERS, **changes}, **HF_TOKENS)
+    else:
+        config = transformers.LlamaConfig(**{**LLAMA_SIZES, "num_hidden_layers": PEFT_LAYERS, **changes},
+                                          **HF_TOKENS, tie_word_embeddings=False)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> Path:
-    return _hf_dir(tmp_path_factory.mktemp("llama"))
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    return {family: _hf_dir(tmp_path_factory.mktemp(family), family) for family in ("llama", "gpt2")}
+
+
+@pytest.fixture(scope="module")
+def llama_dir(hf_dirs) -> Path:
+    return hf_dirs["llama"]
 
 
 DATA = batches(VOCAB, SEQ, 1) * 3
@@ -262,11 +280,12 @@ def test_from_pretrained_with_lora_equals_get_peft_model_in_one_process(cluster2
 
 
 # ---- adapter files out and in ----------------------------------------------------------------------
-def _train_and_save(path: str, layout: str, adapter_out: str, merged_out: str) -> torch.Tensor | None:
+def _train_and_save(path: str, family: str, adapter: str, layout: str, adapter_out: str,
+                    merged_out: str) -> torch.Tensor | None:
     from colab_par import from_pretrained, save_pretrained
 
     torch.manual_seed(SEED)
-    pm = from_pretrained(path, layout, lora=peft_config("lora", "llama"), optimizer_fn=_adamw)
+    pm = from_pretrained(path, layout, lora=peft_config(adapter, family), optimizer_fn=_adamw)
     for x, y in DATA:
         pm.train_step(x, y)
     save_pretrained(pm, adapter_out)
@@ -288,16 +307,19 @@ def _load_adapter(path: str, layout: str, adapter: str, trainable: bool) -> dict
 LOGITS_ATOL = 1e-5
 
 
-@pytest.mark.parametrize("layout", ["dp2 zero3", "tp2", "pp2"])
+@pytest.mark.parametrize("family,adapter,layout", [
+    ("llama", "lora", "dp2 zero3"), ("llama", "lora_head", "tp2"), ("llama", "lora", "pp2"),
+    ("gpt2", "lora", "tp2")])  # GPT-2: Conv1D bases, q|k|v regrouped, the head tied to the embedding
 def test_saved_adapter_and_merged_model_give_the_trained_logits_through_peft_and_transformers(
-        cluster2, llama_dir, tmp_path, layout) -> None:
-    adapter_out, merged_out = tmp_path / "adapter", tmp_path / "merged"
-    trained = _last_stage(cluster2.run(_train_and_save, str(llama_dir), layout, str(adapter_out), str(merged_out)))
+        cluster2, hf_dirs, tmp_path, family, adapter, layout) -> None:
+    base_dir, adapter_out, merged_out = hf_dirs[family], tmp_path / "adapter", tmp_path / "merged"
+    trained = _last_stage(cluster2.run(_train_and_save, str(base_dir), family, adapter, layout,
+                                       str(adapter_out), str(merged_out)))
     assert sorted(p.name for p in adapter_out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
-    assert json.loads((adapter_out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(llama_dir)
+    assert json.loads((adapter_out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base_dir)
     with torch.no_grad():
-        untrained = _base(llama_dir)(input_ids=TOKENS, use_cache=False).logits
-        reloaded = peft.PeftModel.from_pretrained(_base(llama_dir), adapter_out)
+        untrained = _base(base_dir)(input_ids=TOKENS, use_cache=False).logits
+        reloaded = peft.PeftModel.from_pretrained(_base(base_dir), adapter_out)
         through_peft = reloaded(input_ids=TOKENS, use_cache=False).logits
         merged = _base(merged_out)(input_ids=TOKENS, use_cache=False).logits
     assert (through_peft - untrained).abs().max() > 1e-3  # the adapter is not a no-op
@@ -306,10 +328,12 @@ def test_saved_adapter_and_merged_model_give_the_trained_logits_through_peft_and
     from safetensors import safe_open
     with safe_open(str(adapter_out / "adapter_model.safetensors"), framework="pt") as handle:
         assert set(handle.keys()) == set(peft.get_peft_model_state_dict(reloaded))  # peft's names, nothing else
+    trainable = peft.PeftModel.from_pretrained(_base(base_dir), adapter_out, is_trainable=True).get_base_model()
+    adapters = {name for name, p in trainable.named_parameters() if p.requires_grad}
     for trainable in (False, True):  # the adapter onto a sharded base, frozen or trainable
-        loaded = cluster2.run(_load_adapter, str(llama_dir), layout, str(adapter_out), trainable)
+        loaded = cluster2.run(_load_adapter, str(base_dir), layout, str(adapter_out), trainable)
         torch.testing.assert_close(_last_stage([r["logits"] for r in loaded]), trained, rtol=0.0, atol=LOGITS_ATOL)
-        assert set().union(*(r["trainable"] for r in loaded)) == (_peft_trainable() if trainable else set())
+        assert set().union(*(r["trainable"] for r in loaded)) == (adapters if trainable else set())
 
 
 def _base(folder: Path):
@@ -370,7 +394,7 @@ def test_prompt_learning_is_refused_with_the_tuners_that_work(llama_dir) -> None
         from_pretrained(llama_dir, "dp2", lora=config)
 
 
-def test_an_adapter_for_another_base_is_refused_naming_the_tensor(llama_dir, tmp_path) -> None:
+def test_an_adapter_for_another_base_is_refused_naming_the_tensor(hf_dirs, llama_dir, tmp_path) -> None:
     from colab_par import from_pretrained
 
     wider = _hf_dir(tmp_path / "wider", hidden_size=64)
@@ -384,6 +408,11 @@ def test_an_adapter_for_another_base_is_refused_naming_the_tensor(llama_dir, tmp
     peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(deeper),
                         peft_config("lora", "llama")).save_pretrained(saved)
     with pytest.raises(ValueError, match=r"layers\.2\..*which this base has no place for"):
+        from_pretrained(llama_dir, "dp2", adapter=saved)
+    saved = tmp_path / "gpt2-adapter"
+    peft.get_peft_model(_base(hf_dirs["gpt2"]), peft_config("lora", "gpt2")).save_pretrained(saved)
+    with pytest.raises(ValueError, match=rf"trained for {hf_dirs['gpt2']}, .*transformer\.h\.0\.attn\.c_attn.* "
+                                         r"match none of this model's layers; load it onto the base"):
         from_pretrained(llama_dir, "dp2", adapter=saved)
     with pytest.raises(ValueError, match="no adapter_config.json"):
         from_pretrained(llama_dir, "dp2", adapter=llama_dir)

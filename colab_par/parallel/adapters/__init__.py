@@ -16,7 +16,7 @@ from torch import nn
 from colab_par.layout import Layout
 from colab_par.models.hf import is_hf_model
 from colab_par.parallel.adapters.files import PeftWeights
-from colab_par.parallel.adapters.model import Adapters, is_peft_model, is_tuner_layer
+from colab_par.parallel.adapters.model import Adapters, is_auxiliary_wrapper, is_peft_model, is_tuner_layer
 from colab_par.parallel.adapters.tensor_split import adapter_tp_plan, refuse_unsplittable
 from colab_par.parallel.init_record import InitRecord
 from colab_par.parallel.tensor_parallel import hf_tp_plan, tp_plan_for
@@ -59,6 +59,6 @@ def attach_adapters(model: nn.Module, record: InitRecord | None, weights: Any, l
 
 def wraps_output_layer(model: nn.Module) -> bool:
     """Whether peft wrapped the model's output head (a fused loss reading ``lm_head.weight`` directly
-    would then skip the adapter)."""
+    would then skip the adapter, or the trained copy of ``modules_to_save``)."""
     head = getattr(model, "get_output_embeddings", lambda: None)()
-    return head is not None and is_tuner_layer(head)
+    return head is not None and (is_tuner_layer(head) or is_auxiliary_wrapper(head))

@@ -96,7 +96,17 @@ def peft_source(build: Callable[[], nn.Module], base_weights: Any, base_path: Pa
     trained_for = getattr(config, "base_model_name_or_path", None) or "another model"
     factory = peft_factory(build, config)
     with torch.device("meta"):
-        model = factory()
+        try:
+            model = factory()
+        except ValueError as error:  # targets this base lacks: another family's adapter
+            if folder is None:
+                raise
+            targets = config.target_modules
+            shown = targets if isinstance(targets, str) else ", ".join(
+                sorted(targets)[:3] + (["..."] if len(targets) > 3 else []))
+            raise ValueError(f"adapter {folder} does not fit this base: it was trained for {trained_for}, and its "
+                             f"target modules ({shown}) match none of this model's layers; load it onto the "
+                             "base it was trained on") from error
     adapters = Adapters.of(model)
     (name,) = adapters.configs
     files = None
