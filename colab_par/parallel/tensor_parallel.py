@@ -38,7 +38,8 @@ from colab_par.parallel.hf_plans import (KIT_PLANS, Conv1DColwise, Conv1DRowwise
 from colab_par.parallel.pipeline.layers import StandIn
 
 __all__ = ["apply_tensor_parallel", "bert_tp_plan", "gpt2_tp_plan", "gpt_tp_plan", "has_tp_plan", "hf_tp_plan",
-           "is_whole", "modules_matching", "resolve_tp_plan", "tp_plan_for", "HF_STYLES", "LocalParams", "ReplicatedGradSum", "ShardParameter"]
+           "is_whole", "modules_matching", "resolve_tp_plan", "tp_plan_for", "HF_STYLES", "LocalParams",
+           "ReplicatedGradSum", "ShardParameter"]
 
 Plan = dict[str, Any]  # module pattern -> ParallelStyle or Hugging Face style string
 
