@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 from colab_par.layout import model_sizes
 
-__all__ = ["ModelSpec", "flops_per_token"]
+__all__ = ["ModelSpec", "flops_per_token", "trainable_share"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class ModelSpec:
     seq_len: int = 0
     tied_embeddings: bool = False
     hugging_face: bool = False  # no context parallel / sequence parallel plan for those
+    trainable: float = 1.0  # share of the parameters that train (a PEFT model's adapters); the rest are frozen
 
     def __post_init__(self) -> None:
         if not self.n_kv_head:
@@ -35,9 +36,11 @@ class ModelSpec:
 
     @classmethod
     def of(cls, model: Any) -> "ModelSpec":
-        """From a ModelSpec, GPTConfig, GPT module, Hugging Face config/model or a mapping."""
+        """From a ModelSpec, GPTConfig, GPT module, Hugging Face config/model (a PEFT model too: its
+        trainable share is read off its parameters) or a mapping."""
         if isinstance(model, ModelSpec):
             return model
+        share = trainable_share(model)
         if not isinstance(model, Mapping) and hasattr(model, "config") and not hasattr(model, "d_model"):
             model = model.config
         sizes = model_sizes(model)
@@ -53,7 +56,7 @@ class ModelSpec:
                    vocab_size=sizes["vocab_size"], n_kv_head=sizes.get("n_kv_head", 0),
                    ffn_hidden=sizes.get("ffn_hidden", 0), seq_len=sizes.get("seq_len", 0),
                    tied_embeddings=bool(get("tie_word_embeddings", False)),
-                   hugging_face=bool(getattr(model, "model_type", None)))
+                   hugging_face=bool(getattr(model, "model_type", None)), trainable=share)
 
     @property
     def head_dim(self) -> int:
@@ -86,9 +89,24 @@ class ModelSpec:
         return {**sizes, "hugging_face": 1} if self.hugging_face else sizes
 
 
+def trainable_share(model: Any) -> float:
+    """The share of a module's parameter elements that require gradients (1.0 for anything that is
+    not a module with parameters)."""
+    parameters = getattr(model, "parameters", None)
+    if not callable(parameters):
+        return 1.0
+    total = trainable = 0
+    for param in parameters():
+        total += param.numel()
+        trainable += param.numel() if param.requires_grad else 0
+    return trainable / total if total else 1.0
+
+
 def flops_per_token(spec: ModelSpec, seq_len: int, recompute: str) -> float:
-    """6Ψ (forward + backward matmuls) + 12·L·h·s attention; recompute repeats (part of) forward."""
-    dense, attention = 6 * spec.matmul_params, 12 * spec.n_layer * spec.d_model * seq_len
+    """6Ψ (forward, input and weight gradients: 2Ψ each; frozen weights skip theirs) + 12·L·h·s
+    attention; recompute repeats (part of) forward."""
+    dense = (4 + 2 * spec.trainable) * spec.matmul_params
+    attention = 12 * spec.n_layer * spec.d_model * seq_len
     if recompute == "full":
         return (dense + attention) * 4 / 3
     if recompute == "selective":

@@ -29,6 +29,12 @@ class ModuleSpec:
     activation_bytes: float  # saved for backward, per sample, in the probe's dtype
     flops_per_sample: float  # forward + backward
     tensor_parallel: bool  # a tensor-parallel plan exists (the model's own or the user's)
+    trainable_params: int | None = None  # parameters that train (a PEFT model's adapters); None: all
+
+    @property
+    def trainable(self) -> float:
+        """The share of the parameters that train (gradients and optimizer state only for them)."""
+        return 1.0 if self.trainable_params is None else self.trainable_params / self.n_params
 
     @classmethod
     def probe(cls, model: nn.Module, example_batch: Any, *, blocks: Sequence[type | str] | None = None,
@@ -37,6 +43,7 @@ class ModuleSpec:
         it). Gradients the probe leaves are cleared."""
         from torch.utils.flop_counter import FlopCounterMode
 
+        from colab_par.parallel.adapters import is_peft_model
         from colab_par.parallel.batch import (batch_size, call_model, check_batch, default_batch_loss,
                                               slice_batch)
         from colab_par.parallel.blocks import find_blocks
@@ -53,10 +60,12 @@ class ModuleSpec:
         model.zero_grad(set_to_none=True)
         found = find_blocks(model, blocks)
         params = sum(p.numel() for p in model.parameters())
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         unit = max((sum(p.numel() for p in block.parameters()) for _, _, block in found), default=params)
         return cls(name=type(model).__name__, n_params=params, unit_params=unit, n_blocks=len(found),
                    activation_bytes=float(meter.bytes), flops_per_sample=float(counter.get_total_flops()),
-                   tensor_parallel=tp_plan is not None or has_tp_plan(model))
+                   tensor_parallel=tp_plan is not None or has_tp_plan(
+                       model.get_base_model() if is_peft_model(model) else model), trainable_params=trainable)
 
     def config(self, seq_len: int = 0) -> dict[str, int]:
         """The sizes layout.py's rules read for a model of this kind."""

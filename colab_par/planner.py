@@ -19,7 +19,7 @@ from colab_par.module_spec import ModuleSpec
 from colab_par.tensor_costs import GridShape, grid_local_params, kept_activation_bytes, tensor_comm_bytes
 
 __all__ = ["MemoryBreakdown", "ModelSpec", "DeviceSpec", "Plan", "DEVICES", "GiB", "INIT_MODES",
-           "model_state_bytes", "init_peak_bytes",
+           "FROZEN_BYTES", "model_state_bytes", "init_peak_bytes",
            "activation_bytes_per_layer", "pipeline_bubble", "get_device", "measure_cpu_device",
            "cpu_device", "cpu_compute_costs", "estimate", "search_space", "preferred",
            "candidate_layouts", "plan", "flops_per_token", "CPU_PROCESS_BYTES", "CPU_WRAPPER_COST"]
@@ -68,20 +68,28 @@ _STATE_BYTES = {
 }
 
 
+FROZEN_BYTES = 4  # a frozen weight holds its stored copy only: fp32, the kit's (and from_pretrained's) dtype
+
+
 def model_state_bytes(n_params: float, *, zero: int, dp: int, precision: str = "mixed",
-                      optimizer: str = "adam", offload: bool = False) -> MemoryBreakdown:
+                      optimizer: str = "adam", offload: bool = False, trainable: float = 1.0) -> MemoryBreakdown:
     """Per-device bytes of parameters, gradients and optimizer states under ZeRO stage `zero`.
 
     Stage 1 shards the optimizer states over `dp`, 2 the gradients too, 3 the parameters too.
     `offload` moves every sharded part (and the optimizer states) to host memory; what stays
     replicated stays on the device, as in ZeRO-Offload and FSDP's CPUOffloadPolicy.
+    Only the `trainable` share of the parameters (a PEFT model's adapters) has gradients and
+    optimizer state; the frozen rest holds its weights (`FROZEN_BYTES` each), sharded like them.
     """
     if (precision, optimizer) not in _STATE_BYTES:
         raise ValueError(f"precision={precision!r}, optimizer={optimizer!r} is not modelled; use "
                          "precision 'mixed' or 'fp32' and optimizer 'adam' or 'sgd'")
     if zero not in (0, 1, 2, 3) or dp < 1:
         raise ValueError(f"zero={zero}, dp={dp}: zero is 0..3 and dp a positive integer")
-    per_param = _STATE_BYTES[precision, optimizer]
+    if not 0.0 <= trainable <= 1.0:
+        raise ValueError(f"trainable={trainable!r} is the share of parameters that train, between 0 and 1")
+    params, grads, states = _STATE_BYTES[precision, optimizer]
+    per_param = (trainable * params + (1 - trainable) * FROZEN_BYTES, trainable * grads, trainable * states)
     sharded = (zero >= 3, zero >= 2, zero >= 1)
     device, host = [], []
     for bytes_, is_sharded, is_optimizer in zip(per_param, sharded, (False, False, True)):
@@ -261,9 +269,10 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
     # (at rest = ZeRO-3).
     state_precision = "mixed" if precision == "bf16" else "fp32"
     state = model_state_bytes(local, zero=layout.zero, dp=shard, precision=state_precision,
-                              optimizer=optimizer, offload=layout.offload)
+                              optimizer=optimizer, offload=layout.offload, trainable=spec.trainable)
     resting = model_state_bytes(local, zero=3 if layout.zero == 2 else layout.zero, dp=shard,
-                                precision=state_precision, optimizer=optimizer, offload=layout.offload)
+                                precision=state_precision, optimizer=optimizer, offload=layout.offload,
+                                trainable=spec.trainable)
     # FSDP (zero 2/3): the root unit (embedding, head, final norm) stays gathered from forward to
     # the end of backward, with the current and the prefetched layer; a unit's reduce-scatter
     # holds its unsharded gradients and the flat fp32 input they are copied into (on gloo: the
@@ -329,9 +338,10 @@ def _estimate_module(spec: ModuleSpec, layout: Layout, dev: DeviceSpec, *, globa
     state_precision = "mixed" if precision == "bf16" else "fp32"
     local = spec.n_params / (layout.tp * layout.pp)
     state = model_state_bytes(local, zero=layout.zero, dp=layout.dp, precision=state_precision,
-                              optimizer=optimizer, offload=layout.offload)
+                              optimizer=optimizer, offload=layout.offload, trainable=spec.trainable)
     resting = model_state_bytes(local, zero=3 if layout.zero == 2 else layout.zero, dp=layout.dp,
-                                precision=state_precision, optimizer=optimizer, offload=layout.offload)
+                                precision=state_precision, optimizer=optimizer, offload=layout.offload,
+                                trainable=spec.trainable)
     units_in_memory = 2 if spec.n_blocks else 1
     gathered = units_in_memory * spec.unit_params / layout.tp * act_bytes if layout.zero == 3 else 0.0
     buffers = 2 * spec.unit_params / layout.tp * 4 if layout.zero >= 2 else 0.0
@@ -355,7 +365,8 @@ def _estimate_module(spec: ModuleSpec, layout: Layout, dev: DeviceSpec, *, globa
         inter = _spans_nodes(layout.tp, layout.dp, gpus_per_node)
         units = max(spec.n_blocks, 1) / layout.pp + 1
         times["dp"] = _data_parallel_seconds(layout, local, units, act_bytes, compute, dev,
-                                             dev.inter_bandwidth if inter else dev.intra_bandwidth)
+                                             dev.inter_bandwidth if inter else dev.intra_bandwidth,
+                                             spec.trainable)
     if layout.pp > 1:
         times["pp"] = 2 * layout.microbatches * layout.virtual_stages * dev.latency
     times["optimizer"] = 2 * (resting.total + resting.host_total) / dev.hbm_bandwidth
@@ -438,7 +449,7 @@ def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str
     # (data_parallel.GradientAverager), which nothing hides.
     if dp * c > 1:
         times["dp"] = _data_parallel_seconds(layout, local_params, layers + 1, act_bytes, compute, dev,
-                                             bandwidth(t, dp * c))
+                                             bandwidth(t, dp * c), spec.trainable)
     # pipeline: each microbatch crosses each of this rank's stage boundaries forward and backward
     if p > 1:
         # the boundary activation is split over tp with SP, and in every grid mode (batch × hidden)
@@ -467,7 +478,7 @@ def _grid_seconds(spec: ModelSpec, layout: Layout, micro: int, seq: int, act_byt
 
 
 def _data_parallel_seconds(layout: Layout, local_params: float, units: float, act_bytes: int,
-                           compute: float, dev: DeviceSpec, bandwidth: float) -> float:
+                           compute: float, dev: DeviceSpec, bandwidth: float, trainable: float = 1.0) -> float:
     """Exposed gradient/parameter traffic over the dp·cp group.
 
     DDP all-reduce 2Ψ(N−1)/N; ZeRO-1 (ZeroRedundancyOptimizer) adds the all-gather of updated
@@ -475,18 +486,19 @@ def _data_parallel_seconds(layout: Layout, local_params: float, units: float, ac
     backward, 3Ψ, with one collective per FSDP unit (`units`). Hidden behind compute as far as the
     device allows: DDP's bucketed all-reduce behind backward only, FSDP's prefetched gathers behind
     forward too. Zero 0 with tensor or pipeline parallel cannot use DDP: one flat all-reduce after
-    backward (data_parallel.GradientAverager), which nothing hides.
+    backward (data_parallel.GradientAverager), which nothing hides. Only the `trainable` share has
+    gradients to reduce and (ZeRO-1) updates to gather.
     """
     n = layout.dp * layout.cp
     grad_bytes = 4  # fp32 gradient reduction (MixedPrecisionPolicy reduce_dtype) and fp32 runs
     flat = layout.zero == 0 and (layout.tp > 1 or layout.pp > 1)
     if layout.zero >= 2:
         gathers = 2 if layout.zero == 3 else 1
-        volume = local_params * (gathers * act_bytes + grad_bytes) * (n - 1) / n
+        volume = local_params * (gathers * act_bytes + trainable * grad_bytes) * (n - 1) / n
         hops = (gathers + 1) * units * (n - 1)
     else:
-        buckets = 1 if flat else 1 + local_params * grad_bytes / 25e6  # DDP's 25 MB buckets
-        volume = local_params * (2 * grad_bytes + (4 if layout.zero == 1 else 0)) * (n - 1) / n
+        buckets = 1 if flat else 1 + local_params * trainable * grad_bytes / 25e6  # DDP's 25 MB buckets
+        volume = local_params * trainable * (2 * grad_bytes + (4 if layout.zero == 1 else 0)) * (n - 1) / n
         hops = buckets * 2 * (n - 1) + (n - 1 if layout.zero == 1 else 0)
     comm = volume / bandwidth + hops * dev.latency
     window = 0.0 if flat else compute if layout.zero >= 2 else compute * 2 / 3

@@ -55,10 +55,53 @@ def batches(vocab_size: int, seq_len: int, steps: int = STEPS, batch: int = BATC
     return out
 
 
+# PEFT models, kind "<base kind>+<adapter>" (tests/test_adapters.py): the base with PEFT_LAYERS
+# layers, peft's adapter on its linear layers (the head too for the kit's GPT, whose plan shards it
+# along the sequence under sp). Dropout 0, so parity holds step by step.
+PEFT_LAYERS = 2
+PEFT_TARGETS = {"gpt": ["wq", "wv", "wo", "w1", "w2", "output"], "llama": "all-linear", "gpt2": "all-linear",
+                "qwen2": "all-linear"}
+
+
+def peft_config(adapter: str, base_kind: str, **changes: Any) -> Any:
+    """peft's config for `adapter` ("lora", "dora", "ia3", "lora_head": LoRA and the output head
+    trained whole, peft's modules_to_save) on `base_kind`."""
+    import peft
+
+    targets = changes.pop("target_modules", PEFT_TARGETS[base_kind])
+    if adapter == "ia3":
+        feedforward = {"gpt": ["w2"], "gpt2": ["c_proj"]}.get(base_kind, ["down_proj"])
+        return peft.IA3Config(target_modules=targets, feedforward_modules=feedforward, **changes)
+    options = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, use_dora=adapter == "dora",
+                   modules_to_save=["lm_head"] if adapter == "lora_head" else None)
+    return peft.LoraConfig(**{**options, **changes})
+
+
+def peft_base(base_kind: str) -> torch.nn.Module:
+    """A PEFT_LAYERS-layer model of `base_kind` ("gpt", a Hugging Face family), from the generator."""
+    import transformers
+
+    if base_kind == "gpt":
+        from colab_par.models import GPT, GPTConfig
+        return GPT(GPTConfig(**{**GPT_SIZES, "n_layer": PEFT_LAYERS}))
+    if base_kind == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            **{**any_models.GPT2, "n_layer": PEFT_LAYERS}, **HF_TOKENS, tie_word_embeddings=False))
+    config_name, model_name = HF_DECODERS[base_kind]
+    config = getattr(transformers, config_name)(**{**LLAMA_SIZES, "num_hidden_layers": PEFT_LAYERS}, **HF_TOKENS,
+                                                attn_implementation="sdpa", tie_word_embeddings=False)
+    return getattr(transformers, model_name)(config)
+
+
 def build_model(kind: str, seed: int | None) -> torch.nn.Module:
     """The model of `kind`, seeded with `seed` first (None: from the generator as it stands)."""
     if seed is not None:
         torch.manual_seed(seed)
+    if "+" in kind:
+        import peft
+
+        base_kind, adapter = kind.split("+")
+        return peft.get_peft_model(peft_base(base_kind), peft_config(adapter, base_kind))
     if kind in any_models.MODELS:
         return any_models.MODELS[kind]()
     if kind in GPT_KINDS:
@@ -74,6 +117,7 @@ def build_model(kind: str, seed: int | None) -> torch.nn.Module:
 
 
 def _vocab_seq(kind: str) -> tuple[int, int]:
+    kind = kind.partition("+")[0]
     if kind in GPT_KINDS:
         return GPT_KINDS[kind]["vocab_size"], GPT_KINDS[kind]["seq_len"]
     return LLAMA_SIZES["vocab_size"], LLAMA_SIZES["max_position_embeddings"]
@@ -88,6 +132,8 @@ def training_batches(kind: str, steps: int = STEPS) -> list[Any]:
     """Global batches: (tokens, targets) pairs for language models, the kind's own otherwise."""
     if not takes_tokens(kind):
         return any_models.make_batches(kind, steps)
+    if "+" in kind:  # adapters on a random base learn one repeated batch within a few steps
+        return batches(*_vocab_seq(kind), 1) * steps
     return batches(*_vocab_seq(kind), steps)
 
 
@@ -114,15 +160,15 @@ def engine_model(kind: str, source: str) -> Any:
     return build_model(kind, None)
 
 
-def engine_run(layout: str, kind: str = "gpt", steps: int = STEPS, source: str = DEFAULT_SOURCE,
-               **options: Any) -> dict[str, Any]:
+def engine_run(layout: str, kind: str = "gpt", steps: int = STEPS, source: str = DEFAULT_SOURCE, *,
+               lr: float = LR, **options: Any) -> dict[str, Any]:
     """Runs on every engine: parallelize, train `steps` steps, return losses, gradient norms and state.
 
     The global gradient norm is read between backward and the optimizer step (clipping at infinity
     changes nothing): Adam is blind to a uniformly scaled gradient, the norm is not. `options` go
     to `parallelize` (loss_fn, blocks, tp_plan).
     """
-    pm = _parallelized(engine_model(kind, source), layout, **options)
+    pm = _parallelized(engine_model(kind, source), layout, lr=lr, **options)
     run = _train(pm, kind, training_batches(kind, steps))
     return {**run, "state": pm.full_state_dict()}
 
@@ -142,10 +188,10 @@ def engine_run_moved(first: str, second: str, folder: str, kind: str = "gpt", st
     return {key: done[key] + rest[key] for key in done} | {"state": after.full_state_dict()}
 
 
-def _parallelized(model: Any, layout: str, **options: Any) -> Any:
+def _parallelized(model: Any, layout: str, *, lr: float = LR, **options: Any) -> Any:
     from colab_par import parallelize
 
-    return parallelize(model, layout, optimizer_fn=lambda p: torch.optim.AdamW(p, lr=LR), **options)
+    return parallelize(model, layout, optimizer_fn=lambda p: torch.optim.AdamW(p, lr=lr), **options)
 
 
 def _train(pm: Any, kind: str, batches: list[Any]) -> dict[str, list[float]]:
@@ -227,8 +273,9 @@ def reference_run(kind: str = "gpt", steps: int = STEPS, *, lr: float = LR,
     """
     model = build_model(kind, SEED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    names = {id(p): name for name, p in model.state_dict(keep_vars=True).items()}
-    slack = {name: torch.zeros_like(t, dtype=torch.float64) for name, t in model.state_dict().items()}
+    named = _named_root(model)
+    names = {id(p): name for name, p in named.state_dict(keep_vars=True).items()}
+    slack = {name: torch.zeros_like(t, dtype=torch.float64) for name, t in named.state_dict().items()}
     noise: dict[str, torch.Tensor] = {}  # per element: the largest gradient noise seen so far
     losses, grad_norms = [], []
     for step, batch in enumerate(training_batches(kind, steps), start=1):
@@ -262,12 +309,18 @@ def reference_run(kind: str = "gpt", steps: int = STEPS, *, lr: float = LR,
                 slack[names[id(p)]] += _adam_sensitivity(optimizer, p, step, noise[names[id(p)]], lr)
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in named.state_dict().items()}
     # Tied parameters (an MLM head sharing the embedding) appear under several names and their
     # slack was summed under one of them. Storing a float32 parameter rounds it once per step.
-    owner = {k: names[id(v)] for k, v in model.state_dict(keep_vars=True).items()}
+    owner = {k: names[id(v)] for k, v in named.state_dict(keep_vars=True).items()}
     tolerance = {k: slack[owner[k]] + steps * ROUNDOFF * state[k].double().abs() for k in state}
     return {"losses": losses, "grad_norms": grad_norms, "state": state, "tolerance": tolerance}
+
+
+def _named_root(model: torch.nn.Module) -> torch.nn.Module:
+    """Whose names the state goes by: a PEFT model's inner model (the one the kit parallelizes)."""
+    peft = sys.modules.get("peft")
+    return model.get_base_model() if peft is not None and isinstance(model, peft.PeftModel) else model
 
 
 def _plain_loss(kind: str, model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -277,7 +330,7 @@ def _plain_loss(kind: str, model: torch.nn.Module, batch: Any) -> torch.Tensor:
     if not takes_tokens(kind):
         return any_models.plain_loss(kind, model, batch)
     x, y = batch
-    if kind in (*GPT_KINDS, "tinylm"):
+    if kind.partition("+")[0] in (*GPT_KINDS, "tinylm"):
         return model.loss_fn(model(x), y)
     logits = model(input_ids=x, use_cache=False).logits
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))

@@ -24,7 +24,9 @@ __all__ = ["from_pretrained"]
 
 def from_pretrained(path: str | os.PathLike, layout: Layout | str, *,
                     dtype: torch.dtype | str = torch.float32, attn_implementation: str | None = None,
-                    tp_plan: dict[str, Any] | None = None, **options: Any) -> Any:
+                    tp_plan: dict[str, Any] | None = None, lora: Any = None,
+                    adapter: str | os.PathLike | None = None, is_trainable: bool = False,
+                    **options: Any) -> Any:
     """The causal LM in the local Hugging Face directory `path`, spread over the engines as `layout` says.
 
     Call on every engine (e.g. in a ``%%colossal`` cell). `dtype`: the parameters' dtype; float32 by
@@ -32,9 +34,17 @@ def from_pretrained(path: str | os.PathLike, layout: Layout | str, *,
     adds autocast), "auto" keeps the dtype the directory's config records. `attn_implementation`:
     as in transformers; None keeps transformers' default (sdpa where the architecture has it).
     `tp_plan` and `options` go to `parallelize` (optimizer_fn, loss_fn, blocks, kernels, ...).
+
+    `lora`: a peft config (``peft.LoraConfig(...)``, or another tuner's) whose new adapters are added
+    to the model, initialised exactly as ``get_peft_model`` initialises them in one process with the
+    same seed; only they train. `adapter`: a PEFT adapter directory (what ``save_pretrained`` of a
+    PEFT model or peft itself wrote) loaded onto the model instead, trainable if `is_trainable`
+    (peft's argument), else frozen. Either is checked against the model before any weight is read.
     """
     layout = Layout.parse(layout)
     path = Path(path)
+    if lora is not None and adapter is not None:
+        raise ValueError("give lora= (new adapters) or adapter= (a saved adapter directory), not both")
     build = _model_builder(path, dtype, attn_implementation)
     with torch.device("meta"):
         shapes = build()
@@ -47,6 +57,10 @@ def from_pretrained(path: str | os.PathLike, layout: Layout | str, *,
         if unused:
             warnings.warn(f"{path} holds {len(unused)} tensor(s) {type(shapes).__name__} does not use "
                           f"(e.g. {unused[0]}); they are not loaded", stacklevel=2)
+        if lora is not None or adapter is not None:
+            from colab_par.parallel.adapters.files import peft_source
+
+            build, weights = peft_source(build, weights, path, lora=lora, adapter=adapter, is_trainable=is_trainable)
         del shapes
         return parallelize(build, layout, weights=weights, tp_plan=tp_plan, **options)
 

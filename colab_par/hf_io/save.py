@@ -15,6 +15,7 @@ ranks would wait on it); it is reported to every rank at the end.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import shutil
@@ -53,7 +54,7 @@ class _Entry:
 
 
 def save_pretrained(pm: Any, path: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                    overwrite: bool = False) -> Path:
+                    overwrite: bool = False, merged: bool = False, adapter_name: str | None = None) -> Path:
     """Write `pm`'s weights and config as a Hugging Face directory at `path` (a path rank 0 sees).
 
     Call on every rank; rank 0 writes. One ``model.safetensors`` when everything fits in
@@ -61,18 +62,24 @@ def save_pretrained(pm: Any, path: str | os.PathLike, *, max_shard_bytes: int = 
     than the limit gets a shard of its own). A tied tensor is written once, under its first name
     (``model.embed_tokens.weight``), as transformers does. An existing non-empty `path` is refused
     unless `overwrite=True`, which replaces it only once the new directory is complete.
+
+    A PEFT model (`pm.adapters`) is written as peft writes an adapter: ``adapter_config.json`` and
+    ``adapter_model.safetensors`` under peft's keys, which ``PeftModel.from_pretrained(base, path)``
+    loads (`adapter_name`: which adapter, default the one the model runs). `merged=True` writes the
+    base model with the adapters merged into its weights instead (W + scale·B·A, one layer at a
+    time), a directory transformers loads alone.
     Returns `path` on every rank.
     """
     config = _hf_config(pm)
     if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes!r}; give a positive number of bytes, "
                          f"e.g. {DEFAULT_MAX_SHARD_BYTES} (2 GiB)")
+    local, write_config, single_file = _output(pm, config, merged, adapter_name)
     path, rank = Path(path), dist.get_rank()
     staging = path.parent / f".{path.name}.saving-{uuid.uuid4().hex[:12]}"
     _agree(_start(path, staging, overwrite) if rank == 0 else None, path)
-    local = _local_tensors(pm)
     entries = _catalogue(pm, local)
-    files = _shard_files(entries, max_shard_bytes)
+    files = _shard_files(entries, max_shard_bytes if single_file == SINGLE_FILE else None, single_file)
     error = None
     pending: dict[str, torch.Tensor] = {}
     for entry, (file, last_of_file) in zip(entries, files):
@@ -84,7 +91,7 @@ def save_pretrained(pm: Any, path: str | os.PathLike, *, max_shard_bytes: int = 
             error = _write(safetensors.torch.save_file, pending, staging / file, {"format": "pt"})
             pending = {}
     if rank == 0 and error is None:
-        error = _commit(staging, path, config, entries, files, overwrite)
+        error = _commit(staging, path, write_config, entries, files, overwrite)
     if rank == 0 and error is not None:
         shutil.rmtree(staging, ignore_errors=True)
     _agree(error, path)
@@ -99,6 +106,37 @@ def _hf_config(pm: Any) -> Any:
                         "no transformers config (.config.save_pretrained); save it with "
                         "colab_par.save(pm, path) (a DCP checkpoint any layout can load) instead")
     return config
+
+
+def _output(pm: Any, config: Any, merged: bool, adapter_name: str | None) -> tuple[dict[str, Any], Any, str]:
+    """What the directory holds: this rank's tensors by output name (a value may be a callable the
+    holding stage's ranks compute together, e.g. a merged weight), how its config is written, and
+    the name of its one weights file."""
+    local = _local_tensors(pm)
+    adapters = getattr(pm, "adapters", None)
+    if adapters is None:
+        if merged or adapter_name is not None:
+            raise ValueError(f"merged= and adapter_name= apply to PEFT models, and {type(pm.model).__name__} "
+                             "has no adapters; call save_pretrained(pm, path)")
+        return local, functools.partial(_write_model_config, config), SINGLE_FILE
+    from colab_par.parallel.adapters.files import ADAPTER_WEIGHTS, adapter_state, merged_state
+
+    if merged:
+        if adapter_name is not None:
+            raise ValueError("merged=True merges the adapters the model runs; drop adapter_name=")
+        return merged_state(pm.model_parts, local, adapters), functools.partial(_write_model_config, config), \
+            SINGLE_FILE
+    name = adapters.adapter_to_save(adapter_name)
+    adapter_config = copy.deepcopy(adapters.configs[name])
+    adapter_config.inference_mode = True  # as peft records a saved adapter
+    return (adapter_state(local, adapters, name),
+            lambda staging, entries: adapter_config.save_pretrained(str(staging)), ADAPTER_WEIGHTS)
+
+
+def _write_model_config(config: Any, staging: Path, entries: list[_Entry]) -> None:
+    saved = copy.deepcopy(config)
+    saved.dtype = next((e.dtype for e in entries if e.dtype.is_floating_point), torch.float32)
+    saved.save_pretrained(staging)
 
 
 def _unwrapped(part: nn.Module) -> nn.Module:
@@ -136,17 +174,18 @@ def _catalogue(pm: Any, local: dict[str, torch.Tensor]) -> list[_Entry]:
     return list(entries.values())
 
 
-def _shard_files(entries: list[_Entry], max_shard_bytes: int) -> list[tuple[str, bool]]:
+def _shard_files(entries: list[_Entry], max_shard_bytes: int | None,
+                 single_file: str = SINGLE_FILE) -> list[tuple[str, bool]]:
     """Per entry: its output file and whether it is that file's last tensor. Shards fill greedily
-    in writing order."""
+    in writing order (`max_shard_bytes` None: one file, `single_file`)."""
     shard_of, size, shard = [], 0, 0
     for entry in entries:
-        if size and size + entry.nbytes > max_shard_bytes:
+        if max_shard_bytes is not None and size and size + entry.nbytes > max_shard_bytes:
             shard, size = shard + 1, 0
         shard_of.append(shard)
         size += entry.nbytes
     count = shard + 1
-    names = ([SINGLE_FILE] if count == 1 else
+    names = ([single_file] if count == 1 else
              [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
     return [(names[s], i + 1 == len(shard_of) or shard_of[i + 1] != s) for i, s in enumerate(shard_of)]
 
@@ -158,7 +197,7 @@ def _gathered(pm: Any, entry: _Entry, local: dict[str, torch.Tensor]) -> torch.T
     rank, full = dist.get_rank(), None
     if pm.pp_rank == entry.pp_rank:
         tensor = local[entry.name]
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        full = tensor() if callable(tensor) else tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if rank == entry.sender and rank != 0:
             dist.send(full.detach().contiguous(), dst=0)
     if rank != 0 or entry.sender == 0:
@@ -180,7 +219,7 @@ def _start(path: Path, staging: Path, overwrite: bool) -> Exception | None:
     return _write(lambda: staging.mkdir(parents=True))
 
 
-def _commit(staging: Path, path: Path, config: Any, entries: list[_Entry],
+def _commit(staging: Path, path: Path, write_config: Any, entries: list[_Entry],
             files: list[tuple[str, bool]], overwrite: bool) -> Exception | None:
     """Index and config into the staging directory, then swap it into place."""
     def commit() -> None:
@@ -189,9 +228,7 @@ def _commit(staging: Path, path: Path, config: Any, entries: list[_Entry],
                                   "total_parameters": sum(_numel(e.shape) for e in entries)},
                      "weight_map": {e.name: file for e, (file, _) in zip(entries, files)}}
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        saved = copy.deepcopy(config)
-        saved.dtype = next((e.dtype for e in entries if e.dtype.is_floating_point), torch.float32)
-        saved.save_pretrained(staging)
+        write_config(staging, entries)
         _fsync_tree(staging)
         replaced = path.parent / f".{path.name}.replaced-{uuid.uuid4().hex[:12]}"
         if overwrite and path.is_dir():

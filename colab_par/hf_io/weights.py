@@ -32,14 +32,15 @@ class WeightsError(ValueError):
 
 class SafetensorsWeights:
     """The tensors of `path` (``model.safetensors``, or an index and its shards), by state-dict name.
+    `single_file` names another lone file (a PEFT adapter's ``adapter_model.safetensors``).
 
     File handles open lazily, one per file, and stay open for the many block reads of one load;
     `close()` (or leaving a ``with`` block) releases them.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, single_file: str = SINGLE_FILE):
         self.path = Path(path)
-        self._file_of = _weight_map(self.path)
+        self._file_of = _weight_map(self.path, single_file)
         self._handles: dict[Path, Any] = {}
 
     # ---- WeightSource ------------------------------------------------------------------------
@@ -112,14 +113,14 @@ class SafetensorsWeights:
         self.close()
 
 
-def _weight_map(path: Path) -> dict[str, Path]:
+def _weight_map(path: Path, single_file: str = SINGLE_FILE) -> dict[str, Path]:
     """Tensor name -> the file holding it; refuses a directory whose files are not all there."""
     if not path.is_dir():
         raise WeightsError(f"{path} is not a directory; give the local directory of a Hugging Face "
                            "model (config.json plus model.safetensors or its index and shards), e.g. "
                            "one downloaded with huggingface_hub.snapshot_download")
-    index_file, single = path / INDEX_FILE, path / SINGLE_FILE
-    if index_file.is_file():
+    index_file, single = path / INDEX_FILE, path / single_file
+    if index_file.is_file() and single_file == SINGLE_FILE:
         weight_map = json.loads(index_file.read_text()).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise WeightsError(f"{index_file} has no 'weight_map' (tensor name -> shard file); "
@@ -139,7 +140,7 @@ def _weight_map(path: Path) -> dict[str, Path]:
     hint = (f"it holds {', '.join(found)} but no {INDEX_FILE} naming them" if found else
             "it holds no safetensors files (.bin / .pt weights are not read: convert them with "
             "transformers' save_pretrained)")
-    raise WeightsError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}: {hint}")
+    raise WeightsError(f"{path} has neither {single_file} nor {INDEX_FILE}: {hint}")
 
 
 def _check_shard_headers(files: dict[str, Path], weight_map: dict[str, str]) -> None:

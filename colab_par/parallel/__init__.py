@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from colab_par.layout import Layout
 from colab_par.models.hf import causal_lm_logits, is_hf_model
+from colab_par.parallel.adapters import Adapters, adapter_tp_plan, attach_adapters, wraps_output_layer
 from colab_par.parallel.batch import (LabelMean, batch_to, call_model, check_batch, counted_labels,
                                       default_loss, labels_of, slice_batch)
 from colab_par.parallel.blocks import find_blocks
@@ -67,6 +68,7 @@ class ParallelModel:
         self._fused_loss = False  # a Hugging Face decoder scored by the fused linear cross-entropy
         self._takes_positions = takes_positions
         self._grad_averager, self._runner = grad_averager, runner
+        self.adapters: Adapters | None = None  # a PEFT model's adapters (parallel/adapters/)
         self.dp_rank, self.dp_size = mesh["dp"].get_local_rank(), layout.dp
         self.cp_rank, self.cp_size = mesh["cp"].get_local_rank(), layout.cp
         self.pp_rank = mesh["pp"].get_local_rank()
@@ -289,8 +291,11 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
         raise RuntimeError("torch.distributed is not initialised; run parallelize on the engines of a "
                            "colab_par.Cluster (e.g. inside a %%colossal cell)")
     factory = model if not isinstance(model, nn.Module) else None
+    built_on_meta = factory is None and is_meta_model(model)
     layout.validate(dist.get_world_size(), getattr(model, "config", None))  # before building anything
     model, record = _shard_first_model(model, layout, weights, example_batch)
+    model, adapters, weights = attach_adapters(model, record, weights, layout, tp_plan=tp_plan,
+                                               built_on_meta=built_on_meta)
     config = getattr(model, "config", None)
     layout.validate(dist.get_world_size(), config)
     hf = is_hf_model(model)
@@ -310,7 +315,8 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
     optimizer_fn = optimizer_fn or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     device = default_device()
 
-    fused_loss = _apply_hf_kernels(model, kernels, layout, device, fuse=loss_fn is None) if hf else False
+    fused_loss = (_apply_hf_kernels(model, kernels, layout, device,
+                                    fuse=loss_fn is None and not wraps_output_layer(model)) if hf else False)
     token_loss = loss_fn or getattr(model, "loss_fn", None) or _default_loss
     batch_loss = loss_fn or default_loss(model)
     if record is None:
@@ -326,9 +332,9 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
         parts = split_model(model, layout, mesh["pp"].get_local_rank(), split_points=split_points,
                             block_types=block_types, example_batch=example)
     parts = [_parallelize_part(part, layout, mesh, dp_cp_mesh, device, hf, tp_plan,
-                               _part_blocks(part, block_types, block_names), fill) for part in parts]
+                               _part_blocks(part, block_types, block_names), fill, adapters) for part in parts]
 
-    params = [p for part in parts for p in part.parameters()]
+    params = [p for part in parts for p in part.parameters() if p.requires_grad]  # frozen ones get no state
     optimizer = build_optimizer(params, optimizer_fn, layout, mesh["dp"].get_group())
     averager = (GradientAverager(params, dp_cp_mesh.get_group())
                 if needs_gradient_averager(parts[0], layout) else None)
@@ -336,13 +342,16 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
     if layout.pp > 1:
         runner = PipelineRunner(parts, layout, mesh["pp"].get_group(), token_loss, device,
                                 batch_loss_fn=batch_loss)
+    rebuild = _rebuilder(model)
+    if adapters is not None and rebuild is not None:
+        rebuild = adapters.factory(rebuild)
     pm = ParallelModel(parts, layout, mesh, optimizer, (token_loss, batch_loss), device, hf, averager, runner,
-                         optimizer_fn=optimizer_fn, model_factory=factory or _rebuilder(model),
+                         optimizer_fn=optimizer_fn, model_factory=factory or rebuild,
                          takes_positions=takes_positions,
                          options=dict(loss_fn=loss_fn, blocks=blocks, tp_plan=tp_plan,
                                       split_points=split_points, example_batch=example_batch,
                                       kernels=kernels))
-    pm._whole_model_names, pm._fused_loss = names, fused_loss
+    pm._whole_model_names, pm._fused_loss, pm.adapters = names, fused_loss, adapters
     return pm
 
 
@@ -431,16 +440,17 @@ def _part_blocks(part: nn.Module, block_types: tuple[type, ...], block_names: fr
 
 
 def _parallelize_part(part: nn.Module, layout: Layout, mesh: Any, dp_cp_mesh: Any, device: torch.device,
-                      hf: bool, tp_plan: dict | None, blocks: list, fill: Callable[[nn.Module], None]) -> nn.Module:
+                      hf: bool, tp_plan: dict | None, blocks: list, fill: Callable[[nn.Module], None],
+                      adapters: Adapters | None) -> nn.Module:
     """TP(+SP) -> CP -> AC -> FSDP/DDP on one module (the whole model or one pipeline stage).
 
     `fill` gives a meta part its local shards: after FSDP has sharded it, before DDP (which
-    broadcasts real parameters)."""
+    broadcasts real parameters). A PEFT model's adapters split with their base layers."""
     if layout.tp_mode != "1d":
         apply_tensor_grid(part, layout, build_grid_mesh(layout, device))
     elif layout.tp > 1:
         plan = tp_plan_for(part, tp_plan, hf=hf, sequence_parallel=layout.sequence_parallel)
-        apply_tensor_parallel(part, mesh["tp"], plan)
+        apply_tensor_parallel(part, mesh["tp"], plan if adapters is None else adapter_tp_plan(part, plan))
     if layout.cp > 1:
         apply_context_parallel(part, mesh["cp"].get_group(), layout.cp_mode)
     apply_activation_checkpointing(part, layout.checkpointing, blocks)

@@ -86,9 +86,10 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def build_optimizer(params: list[nn.Parameter], optimizer_fn: Callable, layout: Layout,
                     dp_group: dist.ProcessGroup) -> torch.optim.Optimizer:
-    """`optimizer_fn(params)`; for zero=1 the same class and settings inside ZeroRedundancyOptimizer."""
-    optimizer = optimizer_fn(params)
-    if layout.zero != 1:
+    """`optimizer_fn(params)`; for zero=1 the same class and settings inside ZeroRedundancyOptimizer.
+    With nothing to train (a model of frozen adapters, for evaluation) its one group is empty."""
+    optimizer = optimizer_fn(params or [{"params": []}])
+    if layout.zero != 1 or not params:
         return optimizer
     accepted = inspect.signature(type(optimizer).__init__).parameters
     settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}

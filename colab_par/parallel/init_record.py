@@ -16,6 +16,7 @@ or scheme the model's init uses (per-module `reset_parameters`, a root-level re-
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import zlib
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from colab_par.compat import tree_map
 from colab_par.parallel.memory import trim_host_heap
 
 __all__ = ["InitRecord", "record_build", "record_reset", "named_state", "tie_groups", "retie",
-           "UninitialisedError"]
+           "UninitialisedError", "drawing_random_values"]
 
 # In-place ops that overwrite every element without reading the old values: replay can start there.
 _OVERWRITES = {"uniform_", "normal_", "fill_", "zero_", "random_", "exponential_", "geometric_",
@@ -41,6 +42,8 @@ _META_SKIPPING_INITS = ("trunc_normal_", "orthogonal_", "dirac_", "sparse_")
 _OVERWRITES |= set(_META_SKIPPING_INITS)
 # Ops that only allocate: their values are garbage until something writes them.
 _ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"}
+# Set inside `drawing_random_values()`: random ops draw even where the recording was told not to.
+_DRAW_ANYWAY: contextvars.ContextVar[bool] = contextvars.ContextVar("colab_par_draw_anyway", default=False)
 
 
 class UninitialisedError(ValueError):
@@ -150,6 +153,13 @@ class InitRecord:
                 self._tied.setdefault(self.names[name], []).append(name)
         self._keep.clear()
 
+    def keep_under(self, prefix: str) -> None:
+        """Rename the recorded state names from a wrapper's to its submodule's at `prefix` (a PEFT
+        model's "base_model.model."), dropping names outside it."""
+        self.names = {name[len(prefix):]: ref for name, ref in self.names.items() if name.startswith(prefix)}
+        self._tied = {ref: [name[len(prefix):] for name in names if name.startswith(prefix)]
+                      for ref, names in self._tied.items()}
+
     def fingerprint(self) -> int:
         """A checksum of the generator states the init started from: equal on ranks that
         recorded the same init."""
@@ -258,7 +268,7 @@ def _recording_meta_skipping_inits(record: InitRecord, draw: bool) -> Iterator[N
                 return original(tensor, *args, **kwargs)
             generator = kwargs.get("generator") or torch.default_generator
             record.record_init_function(original, tensor, args, kwargs, (generator, generator.get_state()))
-            if draw:
+            if draw or _DRAW_ANYWAY.get():
                 original(torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu"), *args, **kwargs)
                 trim_host_heap()
             return tensor
@@ -303,7 +313,7 @@ class _Recorder(compat.torch_dispatch_mode()):
             rng = (generator, generator.get_state())
         outputs = func(*args, **kwargs)
         self.record.record(func, args, kwargs, outputs, rng)
-        if rng is not None and self.draw:
+        if rng is not None and (self.draw or _DRAW_ANYWAY.get()):
             self._advance(func, args, kwargs, rng)
         return outputs
 
@@ -350,6 +360,18 @@ class _OnMeta(TorchFunctionMode):
         if isinstance(out, torch.Tensor) and out.numel() == 0:
             return func(*args, **kwargs)
         return out
+
+
+@contextlib.contextmanager
+def drawing_random_values() -> Iterator[None]:
+    """Inside a factory recorded with ``draw=False``: this part's random ops draw for real, so the
+    generator moves on as in a normal build (adapters added to a model whose weights a checkpoint
+    fills get the values a one-process build with the same seed would give them)."""
+    token = _DRAW_ANYWAY.set(True)
+    try:
+        yield
+    finally:
+        _DRAW_ANYWAY.reset(token)
 
 
 def record_build(factory: Callable[[], nn.Module], *, draw: bool = True) -> tuple[nn.Module, InitRecord]:

@@ -38,7 +38,8 @@ from colab_par.parallel.hf_plans import (KIT_PLANS, Conv1DColwise, Conv1DRowwise
 from colab_par.parallel.pipeline.layers import StandIn
 
 __all__ = ["apply_tensor_parallel", "bert_tp_plan", "gpt2_tp_plan", "gpt_tp_plan", "has_tp_plan", "hf_tp_plan",
-           "resolve_tp_plan", "tp_plan_for", "HF_STYLES", "LocalParams", "ReplicatedGradSum", "ShardParameter"]
+           "is_whole", "modules_matching", "resolve_tp_plan", "tp_plan_for", "HF_STYLES", "LocalParams",
+           "ReplicatedGradSum", "ShardParameter"]
 
 Plan = dict[str, Any]  # module pattern -> ParallelStyle or Hugging Face style string
 
@@ -155,6 +156,11 @@ class _Styles(ParallelStyle):
             style.src_data_rank = self.src_data_rank
             module = style._apply(module, device_mesh)
         return module
+
+
+def is_whole(style: ParallelStyle) -> bool:
+    """The "replicate" style: the module stays whole on every rank."""
+    return isinstance(style, _Styles) and not style.styles
 
 
 # ---- Hugging Face style strings -------------------------------------------------------------------
@@ -299,6 +305,11 @@ def _resolve(model: nn.Module, pattern: str) -> tuple[list[nn.Module], list[tupl
     return frontier, [], pruned
 
 
+def modules_matching(model: nn.Module, pattern: str) -> list[nn.Module]:
+    """The modules a plan pattern names, matched as ``parallelize_module`` matches them."""
+    return _resolve(model, pattern)[0]
+
+
 def resolve_tp_plan(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
     """Check `plan` against `model` and translate style strings: module pattern -> ParallelStyle.
 
@@ -429,7 +440,11 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: dict[str
         return module
     _check_shardable(module, plan, tp_mesh.size())
     ties = [[_owner_and_name(module, fqn) for fqn in fqns] for fqns, _ in _tied_parameters(module)]
+    frozen = {name for name, param in module.named_parameters() if not param.requires_grad}
     parallelize_module(module, tp_mesh, plan)
+    for name, param in module.named_parameters():  # torch's SequenceParallel makes every parameter trainable
+        if name in frozen:
+            param.requires_grad_(False)
     for members in ties:  # each style replaced its own copy of a tied parameter: tie them again
         params = [getattr(owner, name) for owner, name in members]
         shared = next((p for p in params if isinstance(p, DTensor)), params[0])
@@ -450,6 +465,6 @@ def _keep_gradient_sharded_like(param: nn.Parameter) -> None:
     """DTensor's embedding backward returns a full-size (Replicate) gradient for a vocab-sharded
     weight; chunking it back to the weight's placement (no communication) keeps (t-1)/t of the
     embedding's gradient bytes off every tensor-parallel rank."""
-    if isinstance(param, DTensor):
+    if isinstance(param, DTensor) and param.requires_grad:  # a frozen one (under adapters) has none
         param.register_hook(lambda grad: grad.redistribute(placements=param.placements)
                             if isinstance(grad, DTensor) and grad.placements != param.placements else grad)
