@@ -318,6 +318,8 @@ ALLOWED = {
         "a ParallelStyle subclass implements torch's _apply (no public hook); tensor-parallel room",
     ("colab_par/parallel/hf_plans.py", "_apply"):
         "GPT-2's Conv1D styles implement torch's ParallelStyle._apply (no public hook)",
+    ("colab_par/parallel/adapters/tensor_split.py", "_apply"):
+        "the adapters' ParallelStyles implement torch's ParallelStyle._apply (no public hook)",
     ("colab_par/parallel/tensor_parallel.py", "_parameters"):
         "replaces parameters in place while distributing them; tensor-parallel room",
     ("colab_par/parallel/tensor_parallel.py", "_modules"):

@@ -176,29 +176,30 @@ class MergedTensor:
         full = {name: _whole(p) for name, p in self.layer.named_parameters()}
         with _holding(self.layer, full):
             self.layer.merge(adapter_names=self.active)
-        return full[self.name]
+        return full[self.name].detach()
 
 
-def _whole(param: torch.Tensor) -> torch.Tensor:
+def _whole(param: torch.Tensor) -> nn.Parameter:
+    """A whole copy of `param`, a Parameter so that it can stand in the layer while peft merges."""
     whole = param.full_tensor() if isinstance(param, DTensor) else param
-    return whole.detach().clone()
+    return nn.Parameter(whole.detach().clone(), requires_grad=False)
 
 
 @contextlib.contextmanager
-def _holding(layer: nn.Module, full: dict[str, torch.Tensor]) -> Iterator[None]:
+def _holding(layer: nn.Module, full: dict[str, nn.Parameter]) -> Iterator[None]:
     """The layer's parameters replaced by `full` (its whole tensors) while peft merges into them."""
     swapped = []
     for name, tensor in full.items():
         owner_name, _, attr = name.rpartition(".")
         owner = layer.get_submodule(owner_name)
-        swapped.append((owner, attr, owner._parameters[attr]))
-        owner._parameters[attr] = tensor
+        swapped.append((owner, attr, owner.get_parameter(attr)))
+        owner.register_parameter(attr, tensor)
     merged = list(layer.merged_adapters)
     try:
         yield
     finally:
         for owner, attr, original in swapped:
-            owner._parameters[attr] = original
+            owner.register_parameter(attr, original)
         layer.merged_adapters[:] = merged
 
 

@@ -64,17 +64,18 @@ def base_name(model: nn.Module, name: str, merging: Sequence[str] | None = None)
             module, i = module.base_layer, i + 1
             continue
         if is_auxiliary_wrapper(module):
-            copies = module._modules.get("modules_to_save") or {}
+            children = dict(module.named_children())
+            copies = children.get("modules_to_save") or {}
             active_copy = merging is not None and any(adapter in copies for adapter in merging)
             if part == "original_module" and not active_copy:
-                module, i = module._modules[part], i + 1
+                module, i = children[part], i + 1
             elif part == "modules_to_save" and (merging is None or parts[i + 1] in merging):
                 module, i = copies[parts[i + 1]], i + 2
             else:
                 return None
             continue
         kept.append(part)
-        module, i = module._modules[part], i + 1
+        module, i = module.get_submodule(part), i + 1
     return ".".join(kept + parts[-1:])
 
 

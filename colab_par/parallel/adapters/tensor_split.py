@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import zlib
 from typing import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -28,7 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                                               PrepareModuleOutput, RowwiseParallel)
+                                               PrepareModuleOutput, RowwiseParallel, parallelize_module)
 
 from colab_par.parallel.adapters.model import is_auxiliary_wrapper, is_tuner_layer
 from colab_par.parallel.collectives import regroup_blocks, sum_grad_over
@@ -126,7 +127,7 @@ def _factor_styles(name: str, style: ParallelStyle, module: nn.Module,
 
 def _trained_copies(name: str, wrapper: nn.Module, style: ParallelStyle) -> dict[str, ParallelStyle]:
     """``modules_to_save``: the original and each trained copy are the same module, split alike."""
-    copies = wrapper._modules.get("modules_to_save")
+    copies = dict(wrapper.named_children()).get("modules_to_save")
     if copies is None:
         raise ValueError(f"tensor parallel splits {name} ({_kind(wrapper)}), which trains single rows of a "
                          "split tensor; leave it out of the plan or use a layout without tp")
@@ -170,7 +171,7 @@ class ColumnBlocks(ParallelStyle):
             raise ValueError(f"ColumnBlocks(parts={self.parts}) splits {module.out_features} outputs over "
                              f"tp={device_mesh.size()}; choose a tp that divides the heads")
         for name in ("weight", "bias"):
-            param = module._parameters.get(name)
+            param = getattr(module, name, None)
             if param is not None:
                 sharded = distribute_tensor(param.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
                 module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
@@ -200,7 +201,7 @@ class AdapterInput(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         local = PrepareModuleInput(input_layouts=(self.layout,), desired_input_layouts=(self.layout,),
                                    use_local_output=True)
-        local._apply(module, device_mesh)
+        parallelize_module(module, device_mesh, local)
         if self.shared_mask is not None:
             module.forward = _shared_mask_dropout(module, device_mesh, self.shared_mask)
         return module
