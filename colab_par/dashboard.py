@@ -116,7 +116,8 @@ class LiveDashboard:
                     continue  # chunks are only ever extended: an unchanged length is nothing new
                 self._merged[(rank, key)] = len(rows)
                 for row in rows:
-                    steps[int(row["step"])] = row
+                    if row.get("kind") != "eval":  # evaluation rows share a step with a training row
+                        steps[int(row["step"])] = row
         return bool(self.rows)
 
     # ---- summaries ----------------------------------------------------------------------------

@@ -68,6 +68,12 @@ class Trainer:
     measures memory, activations and the grad norm). With `ckpt_dir`, a checkpoint is saved at the
     end of every `fit` and every `ckpt_every` steps.
 
+    With `eval_data` (a `TokenDataset` with `eval_batches` global batches, a `BatchList` or a list
+    of global batches) and `eval_every`, the model is evaluated every `eval_every` steps and after
+    the last one (`ParallelModel.evaluate`, which changes no training state): a row with
+    ``kind: "eval"``, `eval_loss`, `eval_perplexity` (language models) and the units counted
+    joins `history`, the dashboard's data and checkpoints. `evaluate()` does the same on demand.
+
     `on_failure="restart"` (with `ckpt_dir` and `ckpt_every`): when an engine dies while the cell
     that fits this trainer runs, the kit restarts the engines and runs the cell again; its `fit`
     then resumes from the last committed checkpoint (history included), at most `max_restarts`
@@ -78,8 +84,10 @@ class Trainer:
                  lr_schedule: Callable[[int], float] | None = None, grad_clip: float | None = None,
                  grad_accum: int = 1, log_every: int = 1, ckpt_dir: str | os.PathLike | None = None,
                  ckpt_every: int | None = None, seed: int = 0, telemetry: bool = True,
-                 on_failure: str = "raise", max_restarts: int = 3):
+                 on_failure: str = "raise", max_restarts: int = 3, eval_data: Any = None,
+                 eval_every: int | None = None, eval_batches: int | None = None):
         _check_positive(steps=steps, grad_accum=grad_accum, log_every=log_every)
+        _check_eval(eval_data, eval_every, eval_batches)
         if on_failure not in ON_FAILURE:
             raise ValueError(f"on_failure={on_failure!r} is not one of {', '.join(ON_FAILURE)}")
         if on_failure == "restart" and (ckpt_dir is None or ckpt_every is None):
@@ -104,6 +112,7 @@ class Trainer:
         self.lr_schedule, self.grad_clip, self.grad_accum = lr_schedule, grad_clip, grad_accum
         self.log_every, self.ckpt_dir, self.ckpt_every = log_every, ckpt_dir, ckpt_every
         self.seed, self.telemetry = seed, telemetry
+        self.eval_data, self.eval_every, self.eval_batches = eval_data, eval_every, eval_batches
         self.on_failure, self.max_restarts = on_failure, max_restarts
         self.step = 0
         self.data_position = 0
@@ -132,6 +141,10 @@ class Trainer:
                 row = self.train_step()
                 if row is not None and publisher is not None:
                     publisher.publish(self.history, force=self.step >= stop_at)
+                if self.eval_every is not None and (self.step % self.eval_every == 0 or self.step == self.steps):
+                    self.evaluate()
+                    if publisher is not None:
+                        publisher.publish(self.history, force=True)
                 due = self.ckpt_every is not None and self.step % self.ckpt_every == 0
                 if self.ckpt_dir is not None and (due or self.step == stop_at):
                     self.save_checkpoint()
@@ -178,6 +191,18 @@ class Trainer:
                **{f"time_{name}": seconds for name, seconds in clock.phases.items()}}
         if measure:
             self._add_telemetry(row, grads, bubbles, samples, tokens)
+        self.history.append(row)
+        return row
+
+    def evaluate(self) -> dict:
+        """Evaluate on `eval_data` now; the row (``kind: "eval"``) joins `history` and is returned."""
+        if self.eval_data is None:
+            raise ValueError("this Trainer has no eval_data; pass Trainer(..., eval_data=..., eval_every=k)")
+        start = time.perf_counter()
+        result = self.pm.evaluate(self.eval_data, self.eval_batches)
+        row = {"step": self.step, "rank": self.rank, "kind": "eval", "eval_loss": result["loss"],
+               **{f"eval_{key}": value for key, value in result.items() if key != "loss"},
+               "eval_time": time.perf_counter() - start}
         self.history.append(row)
         return row
 
@@ -317,6 +342,19 @@ def _counts(batch: Any, data: Any) -> tuple[int, int]:
         mask = batch.get("attention_mask")
         return batch_size(batch), int(mask.sum()) if mask is not None else batch["input_ids"].numel()
     return batch_size(batch), 0
+
+
+def _check_eval(eval_data: Any, eval_every: int | None, eval_batches: int | None) -> None:
+    if eval_every is not None:
+        _check_positive(eval_every=eval_every)
+        if eval_data is None:
+            raise ValueError("eval_every is set but eval_data is None; pass eval_data= (held-out batches)")
+    if eval_data is not None:
+        from colab_par.evaluation import check_data
+        check_data(eval_data, eval_batches)
+        if eval_every is None:
+            raise ValueError("eval_data is set but eval_every is None; pass eval_every=k to evaluate every "
+                             "k steps")
 
 
 def _check_positive(**values: int) -> None:
