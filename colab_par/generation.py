@@ -49,17 +49,19 @@ def generate(pm: Any, input_ids: torch.Tensor, max_new_tokens: int, sampling: Sa
     tokens, identical on every rank; call it on every rank with the same arguments.
 
     Prompts of different lengths are left-padded, with `attention_mask` 0 on the padding. After
-    a row produces `eos_token_id` (an id or several) it continues with `pad_token_id` (default:
-    the first eos id) and decoding stops when every row has; without eos it runs
-    `max_new_tokens` steps. Sampling draws from a generator seeded with `seed`, never from the
+    a row produces `eos_token_id` (an id or several; default: a Hugging Face model's own
+    generation config's, as its `generate`; ``[]``: none) it continues with `pad_token_id`
+    (default: the model's own, else the first eos id) and decoding stops when every row has;
+    without eos it runs `max_new_tokens` steps. Sampling settings are only the ones given. Sampling draws from a generator seeded with `seed`, never from the
     training RNG. `use_cache=False` re-forwards every token at every step (for comparison).
     """
-    decoder = _decoder_class(pm)
-    vocab, limit = decoder.sizes(bare_module(pm.model_parts[0]))
+    decoder, model = _decoder_class(pm), bare_module(pm.model_parts[0])
+    vocab, limit = decoder.sizes(model)
     one_prompt = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1
     prompts, mask = _checked_prompts(input_ids, attention_mask, vocab, padded_ok=decoder.masks)
-    eos = _checked_ids("eos_token_id", eos_token_id, vocab)
-    pad = _checked_ids("pad_token_id", pad_token_id, vocab)
+    own_eos, own_pad = decoder.special_ids(model)
+    eos = _checked_ids("eos_token_id", own_eos if eos_token_id is None else eos_token_id, vocab)
+    pad = _checked_ids("pad_token_id", own_pad if pad_token_id is None else pad_token_id, vocab)
     pad_id = pad[0] if pad else (eos[0] if eos else 0)
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a whole number >= 1")
@@ -140,6 +142,11 @@ class _Decoder:
         """(vocabulary size, how many positions the model has or None)."""
         raise NotImplementedError
 
+    @staticmethod
+    def special_ids(model: nn.Module) -> tuple[Any, Any]:
+        """The model's own (end-of-sequence ids, padding id), None where it names none."""
+        return None, None
+
     def start(self, keep: torch.Tensor) -> None:
         """A new generation: `keep` (batch, slots) marks the real tokens of every slot to come."""
 
@@ -186,6 +193,11 @@ class _HFDecoder(_Decoder):
     @staticmethod
     def sizes(model: nn.Module) -> tuple[int, int | None]:
         return model.config.vocab_size, getattr(model.config, "max_position_embeddings", None)
+
+    @staticmethod
+    def special_ids(model: nn.Module) -> tuple[Any, Any]:
+        settings = getattr(model, "generation_config", None) or model.config
+        return getattr(settings, "eos_token_id", None), getattr(settings, "pad_token_id", None)
 
     def start(self, keep: torch.Tensor) -> None:
         from colab_par.models.hf_cache import decoder_cache
@@ -299,6 +311,8 @@ def _checked_ids(name: str, ids: int | Sequence[int] | None, vocab: int) -> list
     if ids is None:
         return []
     listed = [ids] if isinstance(ids, int) else list(ids) if isinstance(ids, (list, tuple)) else None
+    if listed == [] and name == "eos_token_id":
+        return []
     if not listed or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in listed):
         raise ValueError(f"{name}={ids!r} must be a token id (or, for eos, a list of ids) in 0..{vocab - 1}")
     if name == "pad_token_id" and len(listed) > 1:

@@ -97,7 +97,8 @@ def new_tokens(results: list[torch.Tensor]) -> torch.Tensor:
 GPT_CALLS = [{}, SAMPLED, {"use_cache": False}]
 
 
-@pytest.mark.parametrize("layout", ["dp2", "dp2 zero1", "dp2 zero3", "dp2 zero3 offload", "tp2", "tp2 sp",
+@pytest.mark.parametrize("layout", ["dp2", "dp2 zero1", "dp2 zero2 ac-selective", "dp2 zero3", "dp2 zero3 offload",
+                                    "dp2 ac-full", "tp2", "tp2 sp",
                                     "pp2 1f1b mb2", "pp2 interleaved v2 mb2", "pp2 zbv v2 mb2", "cp2",
                                     "cp2 ulysses"])
 def test_gpt_generates_like_one_process(cluster2, layout: str) -> None:
@@ -138,15 +139,17 @@ def hf_reference(kind: str, eos: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def hf_cases() -> dict[str, dict]:
-    """Per family: transformers' greedy output stopping at eos 2 (its config's), and at an eos that
-    one row reaches after three tokens, so rows finish at different steps."""
+    """Per family: transformers' greedy output stopping at eos 2 (the model's own, which generate
+    takes by default as transformers does), and at an eos that one row reaches after three tokens,
+    so rows finish at different steps; the seeded draw stopping at eos 2."""
     cases = {}
     for kind in ("llama", "gpt2"):
         plain = hf_reference(kind, eos=2)
         stop = int(plain[0, 2])
-        cases[kind] = {"calls": [{"eos_token_id": 2, "pad_token_id": 0}, {"eos_token_id": stop, "pad_token_id": 0}, SAMPLED],
+        cases[kind] = {"calls": [{"pad_token_id": 0}, {"eos_token_id": stop, "pad_token_id": 0},
+                                 {**SAMPLED, "pad_token_id": 0}],
                        "expected": [plain, hf_reference(kind, eos=stop),
-                                    reference_generate(kind, True, prompts()[2])]}
+                                    reference_generate(kind, True, prompts()[2], eos=2)]}
     return cases
 
 
@@ -268,7 +271,8 @@ def test_sampling_procedure_matches_its_written_out_reference() -> None:
 
 
 def engine_refusals() -> dict[str, str]:
-    """Each bad call's error (before any collective: the last call must still work)."""
+    """Each bad call's error (before any work: the last call must still work)."""
+    import torch.distributed as dist
     import transformers
 
     from colab_par import parallelize
@@ -287,7 +291,8 @@ def engine_refusals() -> dict[str, str]:
              "vocabulary": lambda: gpt.generate(ids + VOCAB, 2),
              "temperature": lambda: gpt.generate(ids, 2, temperature=0.5),
              "max_new_tokens": lambda: gpt.generate(ids, 0),
-             "eos": lambda: gpt.generate(ids, 2, eos_token_id=-1)}
+             "eos": lambda: gpt.generate(ids, 2, eos_token_id=-1),
+             "different prompts": lambda: gpt.generate(ids + dist.get_rank(), 2)}
     errors = {}
     for name, call in calls.items():
         try:
@@ -304,6 +309,21 @@ def test_refused_before_any_work(cluster2) -> None:
     expected = {"classifier": "causal language model", "mlp": "vocabulary logits", "too long": "positions",
                 "too many": "max_new_tokens <=", "right padding": "left padding", "vocabulary": "vocabulary",
                 "temperature": "do_sample=True", "max_new_tokens": "max_new_tokens", "eos": "eos_token_id",
-                "works after": "(3, 7)"}
+                "different prompts": "different prompts", "works after": "(3, 7)"}
     for name, fragment in expected.items():
         assert fragment in errors[name], (name, errors[name])
+
+
+def engine_generate_on_grid() -> str:
+    from colab_par import parallelize
+
+    pm = parallelize(build("gpt"), "tp4 2d")
+    try:
+        pm.generate(prompts()[0], 2)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_tensor_grid_is_refused(cluster4) -> None:
+    assert all("1d tensor parallel" in message for message in cluster4.run(engine_generate_on_grid))
