@@ -137,7 +137,7 @@ def engine_fit(layout: str, evaluate: bool, folder: str, state: dict) -> dict:
     trainer = Trainer(pm, SyntheticDataset(vocab_size=VOCAB, seq_len=SEQ, batch_size=4, seed=5), steps=5,
                       telemetry=False, ckpt_dir=folder, **options)
     trainer.fit()
-    trainer.to_csv(f"{folder}-history.csv")
+    trainer.to_csv(f"{folder}-history-{trainer.rank}.csv")
     return {"history": trainer.history, "saved": saved_history(folder),
             "final": pm.evaluate(held_out, 2)}
 
@@ -155,7 +155,7 @@ def test_trainer_evaluates_every_k_steps_without_changing_training(cluster2, tmp
         assert evals[-1]["eval_perplexity"] == a["final"]["perplexity"]
         assert evals[-1]["eval_tokens"] == 2 * 4 * SEQ
         assert b["saved"] == b["history"]  # checkpoints keep the eval rows with the history
-    with open(tmp_path / "evaluated-history.csv") as handle:
+    with open(tmp_path / "evaluated-history-0.csv") as handle:
         rows = list(csv.DictReader(handle))
     assert [row["kind"] for row in rows].count("eval") == 3 and float(rows[-1]["eval_loss"]) > 0
 
