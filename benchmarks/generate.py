@@ -74,7 +74,8 @@ def main() -> None:
             load.append(os.getloadavg()[0])
     print(f"GPT {MODEL}, layout {args.layout} on 2 gloo engines, one prompt, {args.new} new tokens "
           f"(per-step time = (t(1+{args.new}) - t(1)) / {args.new}, best of {args.repeats}), "
-          f"{args.rounds} rounds (arms alternated), {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
+          f"{args.rounds} rounds (arms alternated), {os.cpu_count()} CPUs "
+          f"({platform.processor() or platform.machine()}), "
           f"load average {min(load):.1f}-{max(load):.1f}")
     print(f"{'prompt':>7} | {'cached ms/token':>28} | {'re-forward ms/token':>28} | ratio (medians)")
     for length in lengths:
@@ -82,7 +83,8 @@ def main() -> None:
         for arm in arms:
             values = [1e3 * v for v in per_token[(arm, length)]]
             cells.append(f"{statistics.median(values):7.2f} ({min(values):.2f}-{max(values):.2f})")
-        ratio = statistics.median(per_token[("re-forward", length)]) / statistics.median(per_token[("cached", length)])
+        medians = {arm: statistics.median(per_token[(arm, length)]) for arm in arms}
+        ratio = medians["re-forward"] / medians["cached"]
         print(f"{length:>7} | {cells[0]:>28} | {cells[1]:>28} | {ratio:.2f}")
 
 

@@ -119,7 +119,8 @@ def _is_token_pair(batch: Any) -> bool:
             and batch[0].shape == batch[1].shape and batch[0].dim() >= 2)
 
 
-def _token_sums(pm: Any, inputs: torch.Tensor, targets: torch.Tensor, local: bool) -> tuple[float, int, str, bool]:
+def _token_sums(pm: Any, inputs: torch.Tensor, targets: torch.Tensor,
+                local: bool) -> tuple[float, int, str, bool]:
     inputs = pm._dp_slice(inputs, local).to(pm.device)
     targets = pm._dp_slice(targets, local).to(pm.device)
     language = pm.parallelize_options.get("loss_fn") is None  # the model's own or the default cross-entropy

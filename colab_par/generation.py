@@ -52,8 +52,9 @@ def generate(pm: Any, input_ids: torch.Tensor, max_new_tokens: int, sampling: Sa
     a row produces `eos_token_id` (an id or several; default: a Hugging Face model's own
     generation config's, as its `generate`; ``[]``: none) it continues with `pad_token_id`
     (default: the model's own, else the first eos id) and decoding stops when every row has;
-    without eos it runs `max_new_tokens` steps. Sampling settings are only the ones given. Sampling draws from a generator seeded with `seed`, never from the
-    training RNG. `use_cache=False` re-forwards every token at every step (for comparison).
+    without eos it runs `max_new_tokens` steps. Sampling settings are only the ones given (a
+    model's generation config does not add any); the draw uses a generator seeded with `seed`,
+    never the training RNG. `use_cache=False` re-forwards every token at every step (to compare).
     """
     decoder, model = _decoder_class(pm), bare_module(pm.model_parts[0])
     vocab, limit = decoder.sizes(model)
@@ -278,7 +279,8 @@ def _projected_vocabulary(model: nn.Module) -> int | None:
 # ---- checks before any work ---------------------------------------------------------------------------
 def _checked_prompts(input_ids: Any, attention_mask: Any, vocab: int, *,
                      padded_ok: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+    if (not isinstance(input_ids, torch.Tensor) or input_ids.dtype.is_floating_point
+            or input_ids.dtype == torch.bool):
         raise TypeError(f"input_ids must be an integer tensor of token ids, (batch, seq) or (seq,), not "
                         f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
     prompts = input_ids[None] if input_ids.dim() == 1 else input_ids
@@ -340,7 +342,8 @@ def _agreed_chooser(pm: Any, prompts: torch.Tensor, mask: torch.Tensor, *setting
     mine = int.from_bytes(digest[:7], "big")
     owner = stage_owner(pm.layout, pm.layout.pp * pm.layout.virtual_stages - 1)
     chooses = pm.pp_rank == owner and pm.dp_rank == 0 and pm.cp_rank == 0 and pm.tp_rank == 0
-    agreed = torch.tensor([mine, -mine, dist.get_rank() if chooses else -1], dtype=torch.int64, device=pm.device)
+    agreed = torch.tensor([mine, -mine, dist.get_rank() if chooses else -1], dtype=torch.int64,
+                          device=pm.device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     if int(agreed[0]) != -int(agreed[1]):
         raise ValueError("the ranks were given different prompts or generation settings; call generate with "

@@ -31,8 +31,8 @@ class Sampling:
             raise TypeError(f"do_sample={self.do_sample!r} must be True or False")
         given = [name for name in ("temperature", "top_k", "top_p") if getattr(self, name) is not None]
         if given and not self.do_sample:
-            raise ValueError(f"{', '.join(given)} shape(s) sampling, but do_sample=False chooses the most likely "
-                             "token; pass do_sample=True, or leave them out for greedy decoding")
+            raise ValueError(f"{', '.join(given)} shape(s) sampling, but do_sample=False chooses the most "
+                             "likely token; pass do_sample=True, or leave them out for greedy decoding")
         if self.temperature is not None and not (isinstance(self.temperature, (int, float))
                                                  and math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(f"temperature={self.temperature!r} must be a finite number > 0 (e.g. 0.7); "
@@ -57,5 +57,6 @@ class Sampling:
             ranked, order = scores.sort(dim=-1, descending=True)
             probs = ranked.softmax(dim=-1)
             above = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above each one
-            scores = scores.masked_fill((above >= self.top_p).scatter(-1, order, above >= self.top_p), -math.inf)
+            beyond = above >= self.top_p
+            scores = scores.masked_fill(beyond.scatter(-1, order, beyond), -math.inf)
         return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(-1)

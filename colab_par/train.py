@@ -141,7 +141,7 @@ class Trainer:
                 row = self.train_step()
                 if row is not None and publisher is not None:
                     publisher.publish(self.history, force=self.step >= stop_at)
-                if self.eval_every is not None and (self.step % self.eval_every == 0 or self.step == self.steps):
+                if self._eval_due():
                     self.evaluate()
                     if publisher is not None:
                         publisher.publish(self.history, force=True)
@@ -205,6 +205,10 @@ class Trainer:
                "eval_time": time.perf_counter() - start}
         self.history.append(row)
         return row
+
+    def _eval_due(self) -> bool:
+        """Every `eval_every` steps and after the last one."""
+        return self.eval_every is not None and (self.step % self.eval_every == 0 or self.step == self.steps)
 
     def _next_batch(self) -> Any:
         """Token data: this rank's rows, on the device. Other data: the global batch (the model

@@ -166,7 +166,8 @@ def test_dashboard_takes_histories_with_eval_rows() -> None:
     from colab_par.telemetry import metrics_data
 
     rows = [{"step": 1, "rank": 0, "loss": 3.0, "lr": 1e-3}, {"step": 2, "rank": 0, "loss": 2.5, "lr": 1e-3},
-            {"step": 2, "rank": 0, "kind": "eval", "eval_loss": 2.7, "eval_perplexity": 14.9, "eval_tokens": 64}]
+            {"step": 2, "rank": 0, "kind": "eval", "eval_loss": 2.7, "eval_perplexity": 14.9,
+             "eval_tokens": 64}]
     stream = io.StringIO()
     dashboard = LiveDashboard(mode="text", stream=stream)
     dashboard.update([metrics_data({"rank": 0, "total_steps": 2, "run": 1}, rows)])

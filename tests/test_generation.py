@@ -1,10 +1,10 @@
 """`ParallelModel.generate` on real engines against one process.
 
 Every model is trained briefly in the test process (`trained_models.py`), so its continuations
-are confident, and the same weights go to the engines. Greedy output equals transformers' own `generate` (Hugging Face families) or a
-one-process loop that re-forwards the whole sequence and takes the argmax (colab_par's GPT, a
-notebook's own LM), token for token, for left-padded prompts of different lengths. Sampling with a
-seed gives the same tokens on every rank and equals `reference_sample`, a one-process draw
+are confident, and the same weights go to the engines. Greedy output equals transformers' own
+`generate` (Hugging Face families) or a one-process loop that re-forwards the whole sequence and
+takes the argmax (colab_par's GPT, a notebook's own LM), token for token, for left-padded prompts
+of different lengths. Sampling with a seed gives the same tokens on every rank and equals `reference_sample`, a one-process draw
 written here (temperature -> top-k -> top-p -> multinomial with a seeded generator) on logits of
 the same one-process re-forward. Generation leaves training state untouched: the next training
 steps give bit for bit the losses they give without it.
@@ -64,8 +64,8 @@ def reference_generate(kind: str, sampled: bool, rows: list[torch.Tensor], eos: 
     with torch.no_grad():
         for _ in range(NEW):
             logits = torch.stack([logits_of(model, seq[None])[0, -1] for seq in seqs])
-            chosen = (reference_sample(logits, SAMPLED["temperature"], SAMPLED["top_k"], SAMPLED["top_p"], generator)
-                      if sampled else logits.argmax(-1))
+            chosen = (reference_sample(logits, *(SAMPLED[k] for k in ("temperature", "top_k", "top_p")),
+                                       generator) if sampled else logits.argmax(-1))
             for i, token in enumerate(chosen.tolist()):
                 seqs[i] = torch.cat([seqs[i], torch.tensor([pad if done[i] else token])])
                 done[i] = done[i] or token == eos
@@ -97,8 +97,8 @@ def new_tokens(results: list[torch.Tensor]) -> torch.Tensor:
 GPT_CALLS = [{}, SAMPLED, {"use_cache": False}]
 
 
-@pytest.mark.parametrize("layout", ["dp2", "dp2 zero1", "dp2 zero2 ac-selective", "dp2 zero3", "dp2 zero3 offload",
-                                    "dp2 ac-full", "tp2", "tp2 sp",
+@pytest.mark.parametrize("layout", ["dp2", "dp2 zero1", "dp2 zero2 ac-selective", "dp2 zero3",
+                                    "dp2 zero3 offload", "dp2 ac-full", "tp2", "tp2 sp",
                                     "pp2 1f1b mb2", "pp2 interleaved v2 mb2", "pp2 zbv v2 mb2", "cp2",
                                     "cp2 ulysses"])
 def test_gpt_generates_like_one_process(cluster2, layout: str) -> None:

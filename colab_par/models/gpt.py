@@ -104,7 +104,10 @@ def _apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     if triton and cos.dim() == 2:
         from colab_par.kernels import apply_rope
         return apply_rope(q, k, cos, sin)
-    cos, sin = (cos[None, :, None, :], sin[None, :, None, :]) if cos.dim() == 2 else (cos[:, :, None], sin[:, :, None])
+    if cos.dim() == 2:  # positions shared by the batch
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    else:  # per row: (batch, seq, head_dim)
+        cos, sin = cos[:, :, None], sin[:, :, None]
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

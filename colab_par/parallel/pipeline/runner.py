@@ -278,7 +278,8 @@ class PipelineRunner:
         self.last_bubble = self._clock.idle_share()
         return self._broadcast_mean_loss(losses, loss_scale)
 
-    def _run_forward(self, key: tuple, args: tuple, kwargs: dict[str, Any], target: torch.Tensor | None) -> float:
+    def _run_forward(self, key: tuple, args: tuple, kwargs: dict[str, Any],
+                     target: torch.Tensor | None) -> float:
         """The schedule's forward-only pass (`eval`); the sum of the microbatch scores. torch's
         zero-bubble V schedule has no forward-only pass (its runtime still moves input gradients
         between the two stages of a rank), so there the stages run one microbatch at a time."""
@@ -320,8 +321,9 @@ class PipelineRunner:
 
     def _broadcast_from_last(self, value: torch.Tensor | None) -> torch.Tensor:
         """`value` of the rank holding the last stage, on every pp rank (a float scalar)."""
-        value = value.reshape(1) if value is not None else torch.zeros(1, dtype=torch.float64, device=self.device)
-        value = value.to(torch.float64)
+        if value is None:
+            value = torch.zeros(1, dtype=torch.float64, device=self.device)
+        value = value.reshape(1).to(torch.float64)
         dist.broadcast(value, group=self.pp_group, group_src=stage_owner(self.layout, self.n_stages - 1))
         return value
 
