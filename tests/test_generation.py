@@ -4,9 +4,9 @@ Every model is trained briefly in the test process (`trained_models.py`), so its
 are confident, and the same weights go to the engines. Greedy output equals transformers' own
 `generate` (Hugging Face families) or a one-process loop that re-forwards the whole sequence and
 takes the argmax (colab_par's GPT, a notebook's own LM), token for token, for left-padded prompts
-of different lengths. Sampling with a seed gives the same tokens on every rank and equals `reference_sample`, a one-process draw
-written here (temperature -> top-k -> top-p -> multinomial with a seeded generator) on logits of
-the same one-process re-forward. Generation leaves training state untouched: the next training
+of different lengths. Sampling with a seed gives the same tokens on every rank and equals
+`reference_sample`, a one-process draw written here (temperature -> top-k -> top-p -> multinomial
+with a seeded generator) on logits of the same one-process re-forward. Generation leaves training state untouched: the next training
 steps give bit for bit the losses they give without it.
 """
 from __future__ import annotations
