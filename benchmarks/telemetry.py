@@ -1,12 +1,12 @@
 """Cost of live telemetry: training step time with the dashboard on vs off, measured in one run.
 
 "On" is what a notebook user gets: engines measure every step (memory, activations, grad norm,
-MFU) and publish through ipyparallel's datapub, while the client polls and renders the matplotlib
-dashboard into a display handle (an IPython shell in this process records the frames). "Off" is
-`Trainer(..., telemetry=False)` with the client dashboard disabled. Rounds alternate the order
-(off, on), (on, off), ... so load drift hits both. Two measures per step of `fit()` (publishing
-included): wall time, and CPU time of all engines plus the client (its polling and drawing), which
-other processes on a shared machine disturb far less. Goal (issue 4): on ≤ 1.03 × off.
+MFU) and publish through ipyparallel's datapub, while the client polls and renders the dashboard
+(SVG frames, a final matplotlib picture) into a display handle (an IPython shell in this process
+records the frames). "Off" is `Trainer(..., telemetry=False)` with the client dashboard disabled.
+Rounds alternate the order (off, on), (on, off), ... so load drift hits both. Two measures per
+step of `fit()` (publishing included): wall time, and CPU time of all engines plus the client (its
+polling and drawing), which other processes on a shared machine disturb far less. Goal (issue 4): on ≤ 1.03 × off.
 
 `--in-process` isolates the engine-side part: one process (world of 1, one thread), alternating
 Trainers with telemetry on and off, CPU time of `train_step` alone (no publishing, no client).
@@ -88,7 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--layout", default="dp2 zero3")
-    # A run pays a first and a final dashboard frame once (~0.3 s CPU here); 120-step runs measure
+    # A run pays the final matplotlib picture once (~0.2 s CPU here); 120-step runs measure
     # the steady per-step cost instead of that fixed cost spread over a few seconds.
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--rounds", type=int, default=3)
@@ -98,7 +98,7 @@ def main() -> None:
         in_process(args.steps, args.rounds)
         return
 
-    shell = InteractiveShell.instance()  # the dashboard draws PNG frames as in a notebook
+    shell = InteractiveShell.instance()  # the dashboard draws its frames as in a notebook
     shell.display_pub = CapturingDisplayPublisher()
     wall: dict[bool, list[float]] = {True: [], False: []}
     cpu: dict[bool, list[float]] = {True: [], False: []}
@@ -114,7 +114,8 @@ def main() -> None:
                 engine_cpu[telemetry].append(sum(c for _, c in per_rank))
                 cpu[telemetry].append(engine_cpu[telemetry][-1] + client_cpu)
     outputs = shell.display_pub.outputs
-    frames = f"{len(outputs)} display updates, {len({o['data']['image/png'] for o in outputs})} pictures"
+    pictures = sum("image/png" in o["data"] for o in outputs)
+    frames = f"{len(outputs) - pictures} live SVG frames and {pictures} final pictures"
     print(f"layout {args.layout!r}, {args.engines} engines, {args.steps} steps × {args.rounds} rounds, "
           f"GPT {MODEL}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     print(f"dashboard in the 'on' rounds: {frames} drawn")

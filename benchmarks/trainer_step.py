@@ -16,6 +16,19 @@ with the ratio of medians. The engines of the kit's cluster stay up (idle) while
 as in a notebook session; start-up is not part of either figure (see startup.py).
 
     python benchmarks/trainer_step.py [--rounds 4] [--steps 20] [--warmup 3] [--d-model 384]
+
+`--own-work` measures the Trainer's own work directly instead of against torchrun, so the figure
+does not drown in this machine's wall-clock noise: on each engine of a `Cluster(n=2)` (dashboard
+on), CPU time of `Trainer.fit()` over the timed steps, minus the CPU time spent inside the model's
+work (`ParallelModel.forward_backward` and `optimizer_step`, timed by wrapping them on the engine,
+process CPU clock: gloo's threads work for them), plus the activation meter's hooks, which run
+inside forward and backward but are telemetry. What is left is the Trainer's: data, LR, grad
+norm, memory and throughput rows, step clock, publishing. Its parts are timed the same way
+(thread CPU clock). Each round builds a fresh model; the share is reported per rank and round
+(median, min-max). Goal (issue 23): own work <= 3 % of the step's CPU.
+
+    python benchmarks/trainer_step.py --own-work [--rounds 6] [--steps 30] [--warmup 3] [--d-model 384]
+                                      [--layout dp2]
 """
 from __future__ import annotations
 
@@ -98,6 +111,83 @@ def ddp_worker(steps: int, warmup: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def own_work_on_engine(model: dict, batch: int, steps: int, warmup: int,
+                       layout: str = "dp2") -> dict[str, float]:
+    """On an engine: CPU seconds per timed step of `Trainer.fit()` ("step"), of the model's work
+    in it ("model") and of the Trainer's own work ("own", and its parts)."""
+    import torch
+
+    from colab_par import Trainer, parallelize, telemetry
+    from colab_par.data import SyntheticDataset
+    from colab_par.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    pm = parallelize(GPT(GPTConfig(**model)), layout,
+                     optimizer_fn=lambda params: torch.optim.AdamW(params, lr=LR))
+    trainer = Trainer(pm, SyntheticDataset(model["vocab_size"], model["seq_len"], batch),
+                      steps=warmup + steps)
+    trainer.fit(stop_at=warmup)
+    spent = dict.fromkeys(("model", "hooks", "data", "grad norm", "grad bytes", "row", "publish"), 0.0)
+
+    def timed(function, part: str, clock=time.thread_time):
+        def call(*args, **kwargs):
+            started = clock()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[part] += clock() - started
+        return call
+
+    # the model's work runs on gloo's threads too: the process clock; the Trainer's parts run
+    # in this thread: its clock, which costs a tenth of the process clock in a many-threaded engine
+    pm.forward_backward = timed(pm.forward_backward, "model", time.process_time)
+    pm.optimizer_step = timed(pm.optimizer_step, "model", time.process_time)
+    pm.clip_grad_norm_ = timed(pm.clip_grad_norm_, "grad norm")  # no grad_clip: telemetry's norm
+    trainer._activations._pack = timed(trainer._activations._pack, "hooks")  # forward
+    unpack = telemetry._identity  # backward: the meter's other hook
+    telemetry._identity = timed(unpack, "hooks")
+    trainer._next_batch = timed(trainer._next_batch, "data")
+    trainer._add_telemetry = timed(trainer._add_telemetry, "row")
+    grad_bytes, publish = telemetry.grad_bytes, telemetry.Publisher.publish
+    telemetry.grad_bytes = timed(grad_bytes, "grad bytes")
+    telemetry.Publisher.publish = timed(publish, "publish")
+    try:
+        started = time.process_time()
+        trainer.fit()
+        total = time.process_time() - started
+    finally:
+        telemetry.grad_bytes, telemetry.Publisher.publish = grad_bytes, publish
+        telemetry._identity = unpack
+    model_work = spent.pop("model") - spent["hooks"]
+    figures = {"step": total, "model": model_work, "own": total - model_work, **spent}
+    figures["other"] = figures["own"] - sum(spent.values())
+    return {name: seconds / steps for name, seconds in figures.items()}
+
+
+def own_work(args: argparse.Namespace) -> None:
+    from IPython.core.displaypub import CapturingDisplayPublisher
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from colab_par import Cluster
+
+    InteractiveShell.instance().display_pub = CapturingDisplayPublisher()  # the dashboard draws
+    samples: list[dict[str, float]] = []
+    with Cluster(n=2, backend="gloo") as cluster:
+        for _ in range(args.rounds):
+            samples += cluster.run(own_work_on_engine, MODEL, BATCH, args.steps, args.warmup,
+                                   args.layout)
+    shares = [s["own"] / s["step"] for s in samples]
+    print(f"GPT {MODEL}, global batch {BATCH}, AdamW, {args.layout} on 2 gloo engines, telemetry "
+          f"on, dashboard on, {args.steps} timed steps after {args.warmup}, {args.rounds} rounds x 2 ranks, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(f"Trainer's own work: median {100 * statistics.median(shares):.2f} % of the step's CPU "
+          f"(min-max {100 * min(shares):.2f}-{100 * max(shares):.2f} %; goal <= 3 %)")
+    print("CPU per step (ms): median (min-max) over ranks and rounds")
+    for name in samples[0]:
+        values = [1e3 * s[name] for s in samples]
+        print(f"  {name:<11} {statistics.median(values):9.3f} ({min(values):.3f}-{max(values):.3f})")
+
+
 def run_ddp(steps: int, warmup: int, out: str) -> list[dict]:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                "--master-port", "29513", __file__, "--ddp-worker", "--steps", str(steps),
@@ -128,12 +218,18 @@ def main() -> None:
     parser.add_argument("--arms", default="kit,ddp",
                         help="comma-separated arms; 'kit-nodash' is the kit with the client's "
                              "dashboard off (engines still measure and publish): a diagnosis")
+    parser.add_argument("--layout", default="dp2", help="the --own-work run's layout")
+    parser.add_argument("--own-work", action="store_true",
+                        help="measure the Trainer's own CPU work per step on the engines instead")
     parser.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     MODEL.update(d_model=args.d_model, n_layer=args.n_layer)
     if args.ddp_worker:
         ddp_worker(args.steps, args.warmup, args.out)
+        return
+    if args.own_work:
+        own_work(args)
         return
 
     from IPython.core.displaypub import CapturingDisplayPublisher
@@ -142,7 +238,7 @@ def main() -> None:
     from colab_par import Cluster, magics
 
     shell = InteractiveShell.instance()  # a notebook-like shell: the dashboard draws frames
-    shell.display_pub = CapturingDisplayPublisher()  # the dashboard draws PNG frames as in a notebook
+    shell.display_pub = CapturingDisplayPublisher()  # the dashboard draws its frames as in a notebook
     shell.run_line_magic("load_ext", "colab_par")
     arms = args.arms.split(",")
     results: dict[str, list[list[dict]]] = {arm: [] for arm in arms}
@@ -156,7 +252,8 @@ def main() -> None:
                                     else run_kit(shell, args.steps, args.warmup, out))
                 load.append(os.getloadavg()[0])
     outputs = shell.display_pub.outputs
-    frames = f"{len(outputs)} display updates, {len({o['data']['image/png'] for o in outputs})} pictures"
+    pictures = sum("image/png" in o["data"] for o in outputs)
+    frames = f"{len(outputs) - pictures} live SVG frames and {pictures} final pictures"
     report(results, args, frames, load)
 
 

@@ -7,6 +7,7 @@ reports, interrupts, restarts and stops.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import logging
 import os
 import signal
@@ -19,24 +20,23 @@ import cloudpickle
 import ipyparallel as ipp
 from traitlets.config import Config
 
-from colab_par import compat, engine
-from colab_par.launchers import SSH, Launcher, launcher_from
-from colab_par.output import (DeadEngineError, EngineError, RecoveryError, TaskOutput, busy_ranks,
-                              is_transport_error, per_rank_data, rank_errors, rank_failure, ranks_text,
-                              values, where_waiting)
+from colab_par import compat, engine, probe, recovery
+from colab_par.backend import BACKENDS, choose_backend, device_problems, local_ranks
+from colab_par.launchers import SSH, Launcher, Slurm, launcher_from
+from colab_par.output import (CollectiveDeadlockError, DeadEngineError, EngineError, RecoveryError,
+                              TaskOutput, busy_ranks, is_transport_error, per_rank_data, rank_errors,
+                              rank_failure, ranks_text, values, where_waiting)
 from colab_par.ship import ship_by_value
+from colab_par.task_watch import TaskWatch
 
 __all__ = ["Cluster", "EngineError", "DeadEngineError", "RecoveryError"]
 
-RECOVERY_KEY = "colab_par.recovery"  # how a cell's restartable Trainer asks to be recovered
-
-BACKENDS = ("nccl", "gloo")
 _POLL_MAX_S = 0.25
 # A task where some ranks failed while others still run: after this long, the others are taken to
 # wait on the failed ones (in a collective they would wait for the whole process-group timeout).
 _FAILURE_GRACE_S = 1.0
-# After the failed ranks left the group, waiting ranks' collectives fail at once; one still busy
-# this long after that (or after an interrupt) is stuck, and only a restart frees it.
+# Once every rank broke its connections, pending collectives fail at once; a rank still busy this
+# long after that (or after an interrupt) is stuck, and only a restart frees it.
 _ABORT_WAIT_S = 2.0
 
 
@@ -81,11 +81,14 @@ def descendant_pids(root: int | None = None) -> set[int]:
 class Cluster:
     """ipyparallel engines forming one torch.distributed world, usable from plain Python.
 
-    ``n=None`` starts one engine per visible CUDA GPU, or 2 CPU engines when there is none;
-    ``backend=None`` picks nccl on CUDA and gloo on CPU. ``timeout`` bounds every collective
-    (the process group's timeout) and engine start-up, so nothing waits forever. Every engine's
-    torch and Python generators start from ``seed`` at each start and restart, so a notebook run
-    repeats (``seed=None`` leaves each process's own draw). ``launcher`` says where engines run:
+    ``n=None`` starts one engine per GPU of this host (2 on a host without one), one per SSH host
+    slot, or gpus_per_node × nodes of a Slurm job. ``backend=None`` picks nccl when every engine
+    reports a GPU of its own on its host, else gloo, which computes on the CPU (`colab_par.backend`);
+    an explicit "nccl" that some engine's host cannot serve is refused before the world forms.
+    ``timeout`` bounds every collective (the process group's timeout) and engine start-up, so
+    nothing waits forever. Every engine's torch and Python generators start from ``seed`` at each
+    start and restart, so a notebook run repeats (``seed=None`` leaves each process's own draw).
+    ``launcher`` says where engines run:
     "local" (this host), "mpi", "slurm" or ``Slurm(partition=..., account=..., time=...)``, or
     ``SSH({"node1": 2, "node2": 2})``; ranks are grouped by host.
     """
@@ -136,7 +139,7 @@ class Cluster:
             print(f"colab_par: {self.n} engines already running ({self.backend}); nothing to do. "
                   "Use restart() for fresh engines.")
             return self
-        n, backend = self._resolve_n_backend()
+        n = self._resolve_n()
         self.launcher.check()
         before = descendant_pids()
         options = dict(n=n, engines=self.launcher.name, log_level=logging.ERROR, delay=0,
@@ -156,7 +159,7 @@ class Cluster:
             self._wait_for_engines(n)
             self._ids = sorted(self._client.ids)[:n]
             self._pids = descendant_pids() - before
-            self._bootstrap(backend)
+            self._bootstrap()
         except BaseException:
             self.stop()
             raise
@@ -192,7 +195,7 @@ class Cluster:
         Engines holding a process group can take seconds to die from SIGTERM, and ipyparallel
         then waits 5 s per engine set before escalating; a shutdown request ends them at once.
         """
-        live = self._live_ids()
+        live = [self._ids[rank] for rank in self._live_ranks()]
         if not live:
             return
         try:
@@ -277,7 +280,7 @@ class Cluster:
                       f"{policy['ckpt_dir']} (restart {len(attempts)} of {policy['max_restarts']})",
                       file=sys.stderr)
                 self.restart()
-                self.run(engine.request_resume, policy["ckpt_dir"])
+                self.run(recovery.request_resume, policy["ckpt_dir"])
                 namespace = fresh_namespace() if fresh_namespace is not None else namespace
 
     def _execute_once(self, code: str, targets: Sequence[int] | None, all_output: bool,
@@ -315,6 +318,11 @@ class Cluster:
             rows.append(row)
         return rows
 
+    def check_devices(self) -> list[str]:
+        """What is wrong with where the engines compute (`backend.device_problems`): empty when each
+        computes on its own GPU under nccl, or on the CPU (CUDA untouched) under gloo."""
+        return device_problems(self.backend, self._hosts, self.devices, self.run(engine.device_report))
+
     def interrupt(self, ranks: Iterable[int] | None = None) -> None:
         """Send SIGINT to every engine (the notebook's stop button), or to `ranks`: directly on this
         host, through ipyparallel's nanny on others."""
@@ -337,22 +345,21 @@ class Cluster:
             self._client.send_signal(signum.name, targets=remote, block=False)
 
     # ---- internals ------------------------------------------------------------------------------
-    def _resolve_n_backend(self) -> tuple[int, str]:
-        gpus = _visible_gpus()
-        backend = self._requested_backend or ("nccl" if gpus else "gloo")
-        if backend == "nccl" and not gpus:
-            raise ValueError("backend='nccl' needs CUDA GPUs but none is visible; use backend='gloo'")
-        n = self._requested_n or (gpus if backend == "nccl" else 2)
+    def _resolve_n(self) -> int:
+        """How many engines: as asked, the SSH hosts' count, the Slurm job's GPUs, or one per GPU of
+        this host (2 on a host without one) for engines started here. The backend is chosen later,
+        from what the engines report about their own hosts (`backend.choose_backend`)."""
         if isinstance(self.launcher, SSH):
             if self._requested_n not in (None, self.launcher.n):
                 raise ValueError(f"n={self._requested_n} engines but the SSH hosts ask for "
                                  f"{self.launcher.n}; leave n out or match the hosts")
-            n = self.launcher.n
-        if backend == "nccl" and self.launcher.name == "local" and n > gpus:
-            raise ValueError(f"n={n} engines but only {gpus} GPUs are visible; use n<={gpus} or "
-                             "backend='gloo'")
-        self.backend = backend
-        return n, backend
+            return self.launcher.n
+        if self._requested_n is not None:
+            return self._requested_n
+        if isinstance(self.launcher, Slurm) and self.launcher.gpus_per_node and self.launcher.nodes:
+            return self.launcher.gpus_per_node * self.launcher.nodes
+        gpus = engine.visible_gpus() if self._requested_backend != "gloo" else 0
+        return gpus or 2
 
     def _launch_config(self) -> Config:
         """Our engine command, the launcher's settings, then any ipyparallel `config=` given."""
@@ -380,18 +387,23 @@ class Cluster:
                         + "; stopped them. Pass a longer timeout=... or ask for fewer engines"
                     ) from None
 
-    def _bootstrap(self, backend: str) -> None:
-        """Bind devices (before CUDA starts on the engines), then rendezvous on rank 0's host."""
+    def _bootstrap(self) -> None:
+        """Choose the backend from the engines' own hosts, bind devices (before CUDA starts on the
+        engines), then rendezvous on rank 0's host."""
         view = self._client[self._ids]
         view.use_cloudpickle().get(timeout=self.timeout)
         hosts = view.apply_async(engine.host_info, self._controller_address()).get(timeout=self.timeout)
         self._ids, self._hosts = _ranked_by_host(self._ids, hosts)
+        self.backend, note = choose_backend(self._requested_backend, self._hosts)
+        if note:
+            print(f"colab_par: {note}", file=sys.stderr)
         view = self._client[self._ids]
         self._stack_files = view.apply_async(engine.enable_stack_dumps).get(timeout=self.timeout)
+        view.apply_async(probe.install).get(timeout=self.timeout)
         hosts = [info["host"] for info in self._hosts]
-        local_rank = [hosts[:rank].count(host) for rank, host in enumerate(hosts)]
+        local_rank = local_ranks(self._hosts)
         bind = [self._client[[eid]].apply_async(engine.bind_device, local_rank[r], hosts.count(hosts[r]),
-                                              backend) for r, eid in enumerate(self._ids)]
+                                              self.backend) for r, eid in enumerate(self._ids)]
         self.devices = [self._get(result, rank) for rank, result in enumerate(bind)]
         if self.seed is not None:
             view.apply_async(engine.seed_generators, self.seed).get(timeout=self.timeout)
@@ -456,10 +468,6 @@ class Cluster:
         ids = engine_ids if isinstance(engine_ids, list) else [engine_ids]
         return [self._ids.index(eid) for eid in ids]
 
-    def _live_ids(self) -> list[int]:
-        dead = set(self._dead_ranks())
-        return [eid for rank, eid in enumerate(self._ids) if rank not in dead]
-
     def _dead_ranks(self) -> list[int]:
         registered = set(self._client.ids) if self._client is not None else set()
         dead = []
@@ -498,9 +506,13 @@ class Cluster:
 
     def _wait(self, result: Any, ranks: list[int], *, stream: bool, cell: str | None = None,
               source: str | None = None) -> TaskOutput:
-        """Wait without a deadline (training may be long), but never on a dead rank nor on ranks
-        left waiting by another rank's error; stream rank 0 meanwhile."""
+        """Wait without a deadline (training may be long), but never on a dead rank, on ranks left
+        waiting by another rank's error, nor on ranks stuck in collectives that can never complete
+        (`TaskWatch`); stream rank 0 meanwhile."""
         output = TaskOutput(result, stream=stream, dashboard=self.dashboard)
+        watch = TaskWatch(result, ranks, list(range(self.n)),
+                          lambda asked: self._request(asked, probe.WHERE_REQUEST), self._idle_ranks,
+                          what="the cell" if cell is not None else "the function")
         poll, failed_at = 0.002, None
         try:
             while not result.ready():
@@ -508,11 +520,16 @@ class Cluster:
                 poll = min(poll * 2, _POLL_MAX_S)
                 output.poll()
                 self._raise_if_dead(ranks)
+                now = time.monotonic()
                 if failed_at is None and rank_errors(result, ranks):
-                    failed_at = time.monotonic()
-                if failed_at is not None and time.monotonic() - failed_at > _FAILURE_GRACE_S \
-                        and not result.ready():
-                    failure = self._recover_from_rank_failure(result, ranks, cell, source)
+                    failed_at = now
+                failure = None
+                if failed_at is not None:
+                    if now - failed_at > _FAILURE_GRACE_S and not result.ready():
+                        failure = self._recover_from_rank_failure(result, ranks, cell, source)
+                elif (stuck := watch.poll(now)) and not result.ready():
+                    failure = self._recover_from_deadlock(result, ranks, stuck, watch.gone, cell, source)
+                if failure is not None:
                     output.finish()
                     raise failure
         except KeyboardInterrupt:
@@ -536,21 +553,35 @@ class Cluster:
             self.restart()
 
     def _recover_from_rank_failure(self, result: Any, ranks: list[int], cell: str | None,
-                                   source: str | None = None) -> Exception:
-        """Some ranks failed, others still run (most likely waiting for them in a collective):
-        record where the others are, make their collectives fail now by taking the failed ranks
-        out of the group, interrupt what still runs, and re-initialise the world."""
+                                   source: str | None) -> Exception:
+        """Some ranks failed while others still run, most likely waiting for them in a collective."""
+        errors = rank_errors(result, ranks)  # the causes (the others' errors come from freeing them)
+        return self._stop_and_repair(result, ranks, cell, source, lambda waiting, repaired: rank_failure(
+            errors or rank_errors(result, ranks), waiting, repaired))
+
+    def _recover_from_deadlock(self, result: Any, ranks: list[int], stuck: dict[int, str],
+                               gone: dict[int, str], cell: str | None, source: str | None) -> Exception:
+        """Ranks wait in collectives that can never complete (`TaskWatch`)."""
+        return self._stop_and_repair(result, ranks, cell, source, lambda waiting, repaired:
+                                     CollectiveDeadlockError(stuck, waiting, gone, repaired))
+
+    def _stop_and_repair(self, result: Any, ranks: list[int], cell: str | None, source: str | None,
+                         failure: Callable[[dict[int, str], str], Exception]) -> Exception:
+        """Busy ranks that can never finish (they wait on a rank that failed, or in collectives that
+        can never complete): record where each is, free them and re-form the world
+        (`_free_and_rejoin`); `failure(waiting, repaired)` is the error that says so."""
         started = time.monotonic()
-        errors = rank_errors(result, ranks)
-        busy = busy_ranks(result, ranks)
-        waiting = self._where(busy, cell, source)
-        left: set[int] = set()
-        self._leave_group(left, busy)
-        deadline = time.monotonic() + _ABORT_WAIT_S
-        while not result.ready() and time.monotonic() < deadline:
-            result.wait(0.05)
-            still = busy_ranks(result, ranks)
-            self._leave_group(left, still)  # ranks that just failed may be what others wait on
+        waiting = self._where(busy_ranks(result, ranks), cell, source)
+        return failure(waiting, self._free_and_rejoin(result, ranks, started))
+
+    def _free_and_rejoin(self, result: Any, ranks: list[int], started: float) -> str:
+        """Make every pending collective fail now (each rank breaks its own connections, from its
+        control thread: `probe.abort`), interrupt what still runs Python, then re-initialise the
+        world; a rank still busy after all that is stuck where nothing reaches it, and only fresh
+        engines free it. Returns what was done, and what it cost, in words."""
+        self._answers(self._request(range(self.n), probe.ABORT_REQUEST,
+                                    {"addresses": self._world_addresses()}), _ABORT_WAIT_S)
+        result.wait(_ABORT_WAIT_S)
         if not result.ready():
             self.interrupt(busy_ranks(result, ranks))
             result.wait(_ABORT_WAIT_S)
@@ -558,12 +589,10 @@ class Cluster:
             stuck = busy_ranks(result, ranks)
             self._signal(signal.SIGKILL, stuck)  # stuck in C++: a polite shutdown would wait for them
             self.restart()
-            recovery = (f"rank(s) {ranks_text(stuck)} stayed busy after the group was aborted and an "
-                        "interrupt, so the engines and the process group were restarted: every engine "
-                        "variable is gone; re-run the cells that set them up.")
-        else:
-            recovery = self._rejoin_and_report(started)
-        return rank_failure(errors or rank_errors(result, ranks), waiting, recovery)
+            return (f"rank(s) {ranks_text(stuck)} stayed busy after the group was aborted and an "
+                    "interrupt, so the engines and the process group were restarted: every engine "
+                    "variable is gone; re-run the cells that set them up.")
+        return self._rejoin_and_report(started)
 
     def _repair_if_broken(self, result: Any, ranks: list[int]) -> None:
         """A task that ended in transport errors (a collective timed out, a peer left) leaves a
@@ -582,18 +611,46 @@ class Cluster:
         return (f"the process group was torn down and re-initialised with a fresh store in "
                 f"{time.monotonic() - started:.1f}s; {kept}.")
 
-    def _leave_group(self, left: set[int], busy: list[int]) -> None:
-        """Idle ranks not yet out of the group leave it, closing their connections."""
-        out = set(busy) | left | set(self._dead_ranks())
-        idle = [r for r in range(self.n) if r not in out]
-        if idle:
-            self._client[[self._ids[r] for r in idle]].apply_async(
-                engine.leave_process_group, self._world_addresses()).wait(5.0)
-            left.update(idle)
+    # ---- asking engines from their control thread (answers while a task runs) -------------------
+    def _request(self, ranks: Iterable[int], request: str, content: dict | None = None) -> dict[int, Any]:
+        """Send a `probe` request to the live ones of `ranks`; one future per rank for its reply."""
+        live = set(self._live_ranks())
+        ranks = [rank for rank in ranks if rank in live]
+        if not ranks:
+            return {}
+        futures = compat.send_control_requests(self._client, [self._ids[r] for r in ranks], request,
+                                               content or {})
+        return dict(zip(ranks, futures))
+
+    @staticmethod
+    def _answers(futures: dict[int, Any], timeout: float) -> dict[int, dict[str, Any]]:
+        """The replies that came within `timeout` and succeeded, by rank."""
+        if futures:
+            concurrent.futures.wait(list(futures.values()), timeout=timeout)
+        replies = {rank: future.result()["content"] for rank, future in futures.items()
+                   if future.done() and not future.exception()}
+        return {rank: reply for rank, reply in replies.items() if reply.get("status") == "ok"}
+
+    def _idle_ranks(self, ranks: list[int]) -> set[int]:
+        """The live ones of `ranks` that have no task queued or running, as the hub knows."""
+        live = set(self._live_ranks())
+        queues = self._client.queue_status(targets=[self._ids[r] for r in ranks if r in live])
+        return {rank for rank in ranks if rank in live and queues[self._ids[rank]]["queue"] == 0}
+
+    def _live_ranks(self) -> list[int]:
+        dead = set(self._dead_ranks())
+        return [rank for rank in range(self.n) if rank not in dead]
 
     def _where(self, ranks: list[int], cell: str | None, source: str | None = None) -> dict[int, str]:
-        """Where each busy rank is, from the stack dump its SIGUSR1 handler writes (`source`: the
-        file of the function `run` shipped, whose code reaches the engines without its file name)."""
+        """Where each busy rank is (`source`: the file of the function `run` shipped, whose code
+        reaches the engines without its file name): asked from the engine's control thread; for a
+        rank that cannot answer (its main thread holds the GIL), from the stack dump its SIGUSR1
+        handler writes, on this host."""
+        answers = self._answers(self._request(ranks, probe.WHERE_REQUEST), 1.0)
+        found = {rank: where_waiting(answer["dump"], cell, source) for rank, answer in answers.items()}
+        return {**found, **self._dumped_stacks([r for r in ranks if r not in found], cell, source)}
+
+    def _dumped_stacks(self, ranks: list[int], cell: str | None, source: str | None) -> dict[int, str]:
         local = [r for r in ranks if self._is_local(self._hosts[r])]
         for rank in local:
             os.truncate(self._stack_files[rank], 0)
@@ -607,9 +664,10 @@ class Cluster:
                     text = dump.read()
                 if compat.ENGINE_MAIN_FILE in text:  # the main thread's dump is complete
                     dumps[rank] = text
-        remote = {r: f"on {self._hosts[r]['host']}: SIGUSR1 asked it to dump its stacks to "
-                     f"{self._stack_files[r]} there" for r in ranks if r not in local}
+        remote = {r: f"on {self._hosts[r]['host']}: it did not answer, and SIGUSR1 asked it to dump its "
+                     f"stacks to {self._stack_files[r]} there" for r in ranks if r not in local}
         return {**{r: where_waiting(dumps.get(r, ""), cell, source) for r in local}, **remote}
+
 
 def _source_file(fn: Callable[..., Any]) -> str | None:
     code = getattr(fn, "__code__", None)
@@ -622,7 +680,8 @@ def _recovery_policy(result: Any) -> dict[str, Any] | None:
         published = per_rank_data(result.data)
     except Exception:  # noqa: BLE001 - a task lost with its engine may hold no data at all
         return None
-    return next((data[RECOVERY_KEY] for data in published if data and RECOVERY_KEY in data), None)
+    key = recovery.RECOVERY_KEY
+    return next((data[key] for data in published if data and key in data), None)
 
 
 def _ranked_by_host(ids: list[int], hosts: list[dict[str, Any]]) -> tuple[list[int], list[dict[str, Any]]]:
@@ -652,18 +711,6 @@ def _engine_config(nanny: bool) -> Config:
         f"--IPEngine.enable_nanny={nanny}"]
     config.LocalEngineSetLauncher.delay = 0.0  # ranks come from sorted engine ids, not launch order
     return config
-
-
-def _visible_gpus() -> int:
-    """CUDA GPUs this process sees; a host without the NVIDIA driver answers without importing torch."""
-    if sys.platform.startswith("linux") and not os.path.exists("/dev/nvidiactl"):
-        return 0
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:  # noqa: BLE001 - no usable torch CUDA means no GPUs
-        return 0
 
 
 def _reap(pids: set[int], grace_s: float) -> None:

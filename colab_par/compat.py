@@ -20,8 +20,10 @@ __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_pat
            "STAGE_COMPUTE_HOOKS", "check_stage_compute_hooks", "hf_tp_plan",
            "ipp_engine_kernel_class", "ENGINE_MAIN_CODE", "ENGINE_MAIN_FILE", "task_futures",
            "checkpoint_wrapper", "sdpa_aten_ops",
-           "torch_dispatch_mode", "tree_map", "tree_leaves", "device_constructors", "op_schema",
-           "storage_key", "module_reset", "triton_interpreted"]
+           "torch_dispatch_mode", "device_constructors", "op_schema", "storage_key", "module_reset",
+           "triton_interpreted", "tree_flatten", "tree_unflatten", "tree_map", "tree_leaves",
+           "hf_token_losses", "answer_control_requests", "send_control_requests", "group_sequence",
+           "process_groups"]
 
 SUPPORTED = {"torch": "torch>=2.6,<3", "ipyparallel": "ipyparallel>=9",
              "transformers": "transformers>=5.9", "triton": "triton>=3.0"}
@@ -290,3 +292,63 @@ def hf_token_losses() -> dict[str, Callable]:
         if not callable(loss):
             raise _missing("transformers", f"transformers.loss.loss_utils's {kind} language-model loss")
     return losses
+
+
+# ---- the engines' control channel and process-group internals (colab_par.probe) --------------------
+def answer_control_requests(answers: dict[str, Callable[[dict], dict]]) -> None:
+    """On an engine: answer each control-channel request type with ``answers[type](content)``.
+
+    ipykernel's control thread (`Kernel.control_handlers`, undocumented) runs the answer while the
+    main thread is busy with a task, which is the point: it can say where that thread waits.
+    """
+    from ipykernel.kernelbase import Kernel
+
+    kernel = Kernel.instance()
+    handlers = getattr(kernel, "control_handlers", None)
+    if handlers is None or getattr(kernel, "control_thread", None) is None:
+        raise _missing("ipyparallel", "an engine kernel with a control thread (Kernel.control_handlers)")
+
+    def handler(answer: Callable[[dict], dict], reply_type: str) -> Callable[..., None]:
+        def handle(stream: Any, idents: Any, parent: dict) -> None:
+            try:
+                content = {"status": "ok", **answer(parent["content"])}
+            except Exception as exc:  # noqa: BLE001 - the asker gets the error, the engine goes on
+                content = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+            kernel.session.send(stream, reply_type, content, parent, ident=idents)
+        return handle
+
+    for request, answer in answers.items():
+        handlers[request] = handler(answer, request.removesuffix("_request") + "_reply")
+
+
+def send_control_requests(client: Any, engine_ids: list[int], request: str, content: dict) -> list[Any]:
+    """Send `request` on the control channel to each engine; one future per engine resolving to the
+    reply message (`Client._send` on `Client._control_stream`, private: the public control calls
+    cover only signal, abort, clear and shutdown)."""
+    send, stream = getattr(client, "_send", None), getattr(client, "_control_stream", None)
+    build_targets = getattr(client, "_build_targets", None)
+    if send is None or stream is None or build_targets is None:
+        raise _missing("ipyparallel", "Client._send / _control_stream / _build_targets")
+    return [send(stream, request, content=content, ident=ident) for ident in build_targets(engine_ids)[0]]
+
+
+def group_sequence(group: Any) -> int | None:
+    """How many collectives this rank has issued on `group` (`_get_sequence_number_for_group`, private;
+    gloo and NCCL count every call, point-to-point included); None where the backend keeps no count."""
+    sequence = getattr(group, "_get_sequence_number_for_group", None)
+    if sequence is None:
+        raise _missing("torch", "ProcessGroup._get_sequence_number_for_group")
+    try:
+        return int(sequence())
+    except RuntimeError:  # a backend without sequence numbers
+        return None
+
+
+def process_groups() -> list[Any]:
+    """Every live process group of this process (`distributed_c10d._world.pg_names`, private)."""
+    from torch.distributed import distributed_c10d
+
+    names = getattr(getattr(distributed_c10d, "_world", None), "pg_names", None)
+    if names is None:
+        raise _missing("torch", "distributed_c10d._world.pg_names")
+    return list(names)

@@ -1,13 +1,13 @@
 """Live training dashboard in the notebook (or one text line per log step in a terminal).
 
 Renders; never measures (telemetry.py measures on the engines). The client's wait loop feeds it
-the latest `datapub` dict of every engine; it keeps the union of the rows it has seen, and redraws
-ONE display handle in place with a matplotlib (Agg) PNG plus a progress line. Pictures are limited
-to 2 per second and to 0.5 % of the machine's CPU time, because the client shares the CPUs with
-the engines it is watching: a picture costs 0.1-0.2 CPU-seconds, so a 2-core machine whose engines
-fill both cores gets one every 15-30 s, a GPU node with many idle cores twice a second. The progress
-line under the last picture refreshes every second at no drawing cost, so the dashboard never looks
-frozen.
+the latest `datapub` dict of every engine; it keeps the union of the rows it has seen and updates
+ONE display handle in place. While training, a frame is SVG text (svg_plot.py: about a millisecond
+of CPU, the frontend draws it) under a progress line, shown when new rows arrived, at most twice a
+second and within 0.5 % of the machine's CPU time: the notebook shares its cores with the engines
+it watches, and a matplotlib picture would cost a hundred times more. The frame at the end of the
+cell is the full matplotlib (Agg) picture as a PNG, which the saved notebook keeps; `png()` draws
+the same for files (the CLI demo).
 """
 from __future__ import annotations
 
@@ -19,24 +19,68 @@ import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from colab_par.telemetry import METRICS_KEY, ROWS_KEY
+import numpy as np
 
-__all__ = ["LiveDashboard", "Panel", "progress_line"]
+from colab_par.svg_plot import Line, Plot, Stack, svg_grid
+from colab_par.telemetry import CHUNK, METRICS_KEY, ROWS_KEY
 
+__all__ = ["LiveDashboard", "Panel", "PANELS", "progress_line"]
+
+BLUE, ORANGE, GREEN, RED, PURPLE, CYAN = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+                                          "#17becf")  # matplotlib's tab10, for SVG and PNG alike
 # (row key, legend label, colour): fixed colours, so a part keeps its colour from frame to frame
-MEMORY_PARTS = (("mem_params", "params", "tab:blue"), ("mem_grads", "grads", "tab:orange"),
-                ("mem_optimizer", "optimizer", "tab:green"),
-                ("mem_activations", "activations", "tab:red"))
-TIME_PARTS = (("time_data", "data", "tab:cyan"), ("time_forward_backward", "fwd+bwd", "tab:blue"),
-              ("time_clip", "clip", "tab:orange"), ("time_optimizer", "optimizer", "tab:green"),
-              ("time_telemetry", "telemetry", "tab:purple"))
-LINE_COLOURS = {"loss": "tab:blue", "tokens_per_s": "tab:blue", "mfu": "tab:orange"}
+MEMORY_PARTS = (("mem_params", "params", BLUE), ("mem_grads", "grads", ORANGE),
+                ("mem_optimizer", "optimizer", GREEN), ("mem_activations", "activations", RED))
+TIME_PARTS = (("time_data", "data", CYAN), ("time_forward_backward", "fwd+bwd", BLUE),
+              ("time_clip", "clip", ORANGE), ("time_optimizer", "optimizer", GREEN),
+              ("time_telemetry", "telemetry", PURPLE))
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A metric drawn over steps: the first of `keys` ((row key, name) pairs) that has data."""
+
+    keys: tuple[tuple[str, str], ...]
+    colour: str
+    scale: float = 1.0
+    right: bool = False  # on a second y axis
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    """One plot: `curves` over steps, or stacked bars per rank of the latest row's `parts` (times
+    `scale`, with the row's `note` share above each bar). `{}` in `title` is the first curve's name."""
+
+    title: str
+    curves: tuple[Curve, ...] = ()
+    parts: tuple[tuple[str, str, str], ...] = ()
+    scale: float = 1.0
+    note: str | None = None
+
+    @property
+    def colours(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys([c.colour for c in self.curves] + [c for *_, c in self.parts]))
+
+
+PANELS = (
+    PanelSpec("loss by step", (Curve((("loss", "loss"),), BLUE),
+                               Curve((("eval_loss", "validation"),), ORANGE))),
+    PanelSpec("grad norm by step", (Curve((("grad_norm", "grad norm"),), RED),)),
+    PanelSpec("learning rate by step", (Curve((("lr", "lr"),), GREEN),)),
+    PanelSpec("{} (blue), MFU % (orange)",
+              (Curve((("tokens_per_s", "tokens/s"), ("samples_per_s", "samples/s")), BLUE),
+               Curve((("mfu", "MFU %"),), ORANGE, scale=100.0, right=True))),
+    PanelSpec("memory by rank (MiB)", parts=MEMORY_PARTS, scale=2 ** -20),
+    PanelSpec("step time by rank (ms)", parts=TIME_PARTS, scale=1e3, note="bubble"),
+)
+COLUMNS = 3
+FRAME_INCHES, DPI = (11.0, 5.5), 72  # the SVG frames and the PNG picture have the same pixel size
 
 
 @dataclass(frozen=True)
 class Panel:
-    """Where a frame draws one plot and in which colours, so whoever reads the PNG (a test, a
-    report) can tell a frame with data from an empty one."""
+    """Where a PNG picture draws one plot and in which colours, so whoever reads the PNG (a test, a
+    report) can tell a picture with data from an empty one."""
 
     title: str
     box: tuple[int, int, int, int]  # left, top, right, bottom: the plot area in PNG pixels
@@ -48,57 +92,66 @@ class LiveDashboard:
     """Draws the metrics engines publish under `METRICS_KEY`; silent until the first such dict.
 
     `mode`: "auto" (rich display inside a notebook frontend, text in a terminal), "display" or
-    "text". `max_fps` caps redraws; `max_duty` caps the share of the machine's CPU time (all cores)
-    spent drawing; `progress_interval` paces the progress line shown under the last picture.
+    "text". `max_fps` caps live frames; `max_duty` caps the share of the machine's CPU time (all
+    cores) they take. `cpu_seconds` is the CPU time `update` has spent (this thread only).
     """
 
     def __init__(self, *, mode: str = "auto", max_fps: float = 2.0, max_duty: float = 0.005,
-                 progress_interval: float = 1.0,
                  stream: TextIO | None = None):
         if mode not in ("auto", "display", "text"):
             raise ValueError(f"mode={mode!r}; choose 'auto', 'display' or 'text'")
         self.mode = _detect_mode() if mode == "auto" else mode
         self.min_interval = 1.0 / max_fps
-        self.progress_interval = progress_interval  # s between progress lines while no picture is due
         self.cpu_budget = max_duty * (os.cpu_count() or 1)  # CPU seconds per wall second
         self.stream = stream
+        self.handle: Any = None
+        self.frames = 0  # live (SVG) frames shown
+        self.cpu_seconds = 0.0
+        self._changed = False  # rows arrived since the last frame
+        self._last_frame = 0.0
+        self._frame_cost = 0.0
+        self._figure: Any = None
+        self._start_run(None)
+
+    def _start_run(self, run: Any) -> None:
+        """Forget the rows merged so far: a new fit draws fresh curves."""
+        self._run = run
         self.rows: dict[int, dict[int, dict]] = {}  # rank -> step -> row
         self.header: dict[int, dict] = {}
-        self.handle: Any = None
-        self.frames = 0
-        self._run: Any = None
-        self._last_render = 0.0
-        self._last_shown = 0.0
-        self._png = b""
-        self._render_cost = 0.0
+        self._columns: dict[int, dict[str, _Column]] = {}  # rank -> metric -> its column
+        self._newest: dict[int, int] = {}  # rank -> newest step merged
+        self.evals: dict[int, list[dict]] = {}  # rank -> its evaluation rows (Trainer eval_every)
+        self._newest_eval: dict[int, int] = {}  # rank -> step of its newest evaluation row
+        self._merged: dict[tuple[int, int], int] = {}  # (rank, chunk) -> rows merged
+        self._complete: dict[int, int] = {}  # rank -> leading chunks full and merged
         self._printed_step = -1
-        self._merged: dict[tuple[int, str], int] = {}
-        self._figure: Any = None
+        self._printed_evals = 0
 
     # ---- feeding ----------------------------------------------------------------------------
     def update(self, per_rank: list[dict | None]) -> None:
-        """Merge the latest published dicts (rank order); redraw if enough time has passed."""
-        if not self._merge(per_rank):
-            return
-        if self.mode == "text":
-            self._print_new_lines()
-            return
-        now = time.monotonic()
-        interval = max(self.min_interval, self._render_cost / self.cpu_budget)
-        if self.handle is None or now - self._last_render >= interval:
-            self._render()
-        elif now - self._last_shown >= self.progress_interval:
-            self._show(self._png)  # the last picture under a fresh progress line: nothing drawn
+        """Merge the latest published dicts (rank order); show a new frame if one is due."""
+        started = time.thread_time()
+        try:
+            if not self._merge(per_rank):
+                return
+            if self.mode == "text":
+                self._print_new_lines()
+            elif self._frame_due():
+                self._show_live_frame()
+        finally:
+            self.cpu_seconds += time.thread_time() - started
 
     def finish(self, per_rank: list[dict | None] | None = None) -> None:
-        """Show the final frame (the executed notebook keeps it)."""
+        """Show the final frame, the full matplotlib picture (the executed notebook keeps it)."""
         self._merge(per_rank or [])
         if not self.rows:
             return
         if self.mode == "text":
             self._print_new_lines()
-        else:
-            self._render()
+            return
+        png, line = self.png(), self.progress()
+        self._show({"text/plain": line, "image/png": png,
+                    "text/html": _frame_html(line, "image/png", png)})
 
     def _merge(self, per_rank: list[dict | None]) -> bool:
         for rank, data in enumerate(per_rank):
@@ -107,59 +160,111 @@ class LiveDashboard:
                 continue
             rank = int(header.get("rank", rank))
             if header.get("run") != self._run and rank == 0:
-                self._run = header.get("run")
-                self.rows, self.header, self._printed_step, self._merged = {}, {}, -1, {}
+                self._start_run(header.get("run"))
             self.header[rank] = header
-            steps = self.rows.setdefault(rank, {})
-            for key, rows in data.items():
-                if not key.startswith(ROWS_KEY) or self._merged.get((rank, key)) == len(rows):
-                    continue  # chunks are only ever extended: an unchanged length is nothing new
-                self._merged[(rank, key)] = len(rows)
-                for row in rows:
-                    if row.get("kind") != "eval":  # evaluation rows share a step with a training row
-                        steps[int(row["step"])] = row
+            index = self._complete.get(rank, 0)  # chunks before it are full and merged: final
+            while (rows := data.get(f"{ROWS_KEY}{index}")) is not None:
+                if self._merged.get((rank, index)) != len(rows):  # chunks only ever grow
+                    self._merged[(rank, index)] = len(rows)
+                    self._add_rows(rank, rows)
+                if len(rows) >= CHUNK and index == self._complete.get(rank, 0):
+                    self._complete[rank] = index + 1
+                index += 1
         return bool(self.rows)
+
+    def _add_rows(self, rank: int, rows: list[dict]) -> None:
+        """Keep the rows, and each metric as a column: frames read the columns, so a frame costs
+        no pass over every row. Rows come in step order (chunks hold them so); a row of a step
+        already seen is a chunk sent again."""
+        steps = self.rows.setdefault(rank, {})
+        columns = self._columns.setdefault(rank, {})
+        for row in rows:
+            step, evaluation = int(row["step"]), row.get("kind") == "eval"
+            if evaluation:  # shares its step with a training row: kept apart, drawn as its own curve
+                if step <= self._newest_eval.get(rank, -1):
+                    continue
+                self.evals.setdefault(rank, []).append(row)
+                self._newest_eval[rank] = step
+            else:
+                steps[step] = row
+                if step <= self._newest.get(rank, -1):
+                    continue
+                self._newest[rank] = step
+            self._changed = True
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and key not in ("step", "rank"):
+                    columns.setdefault(key, _Column()).append(step, value)
 
     # ---- summaries ----------------------------------------------------------------------------
     def latest(self) -> dict[int, dict]:
         """The newest row of each rank."""
-        return {rank: steps[max(steps)] for rank, steps in sorted(self.rows.items()) if steps}
+        return {rank: self.rows[rank][step] for rank, step in sorted(self._newest.items())}
 
     def series(self, key: str, rank: int | None = None) -> tuple[list[int], list[float]]:
         """(steps, values) of one metric, from `rank` or the lowest rank that has it."""
-        ranks = [rank] if rank is not None else sorted(self.rows)
-        for r in ranks:
-            steps = self.rows.get(r, {})
-            points = [(s, row[key]) for s, row in sorted(steps.items()) if row.get(key) is not None]
-            if points:
-                return [s for s, _ in points], [float(v) for _, v in points]
-        return [], []
+        steps, values = self._column(key, rank)
+        return [int(s) for s in steps], values.tolist()
+
+    def _column(self, key: str, rank: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        for r in ([rank] if rank is not None else sorted(self._columns)):
+            column = self._columns.get(r, {}).get(key)
+            if column is not None:
+                return column.view()
+        return np.empty(0), np.empty(0)
+
+    def plots(self) -> list[Plot]:
+        """What a frame shows, plot by plot: the SVG frames and the PNG picture draw these."""
+        latest = self.latest()
+        return [self._plot(spec, latest) for spec in PANELS]
+
+    def _plot(self, spec: PanelSpec, latest: dict[int, dict]) -> Plot:
+        if spec.parts:
+            ranks = list(latest)
+            stacks = tuple(Stack(label, colour, [float(latest[r].get(key) or 0.0) * spec.scale
+                                                 for r in ranks])
+                           for key, label, colour in spec.parts)
+            notes = tuple(f"{spec.note} {100 * latest[r][spec.note]:.0f}%"
+                          if spec.note and latest[r].get(spec.note) is not None else "" for r in ranks)
+            return Plot(spec.title, bars=True, categories=tuple(str(r) for r in ranks),
+                        stacks=stacks, notes=notes)
+        lines = []
+        for curve in spec.curves:
+            name, steps, values = curve.keys[0][1], np.empty(0), np.empty(0)
+            for key, label in curve.keys:
+                steps, values = self._column(key)
+                if len(steps):
+                    name = label
+                    break
+            lines.append(Line(name, curve.colour, steps, values * curve.scale, curve.right))
+        return Plot(spec.title.format(lines[0].label), lines=tuple(lines))
+
+    def svg(self) -> str:
+        """The current live frame as SVG text."""
+        width, height = (int(round(inches * DPI)) for inches in FRAME_INCHES)
+        return svg_grid(self.plots(), columns=COLUMNS, width=width, height=height)
 
     def png(self) -> bytes:
-        """The current frame as PNG bytes (for files and reports), drawn now regardless of rate limits."""
+        """The current frame as the full matplotlib picture (PNG bytes), drawn now."""
         self._ensure_figure()
         return self._draw_png()
 
     def panels(self) -> list[Panel]:
-        """The frame's four plots: their pixel boxes in `png()` / display frames, and data colours."""
+        """The PNG picture's plots: their pixel boxes in `png()` and final frames, and data colours."""
         self._ensure_figure()
         height = int(round(self._figure.bbox.height))
-        (loss_ax, speed_ax), (memory_ax, time_ax) = self._axes
-        specs = ((loss_ax, ("loss",), ()), (speed_ax, ("tokens_per_s", "mfu"), ()),
-                 (memory_ax, (), MEMORY_PARTS), (time_ax, (), TIME_PARTS))
         panels = []
-        for ax, lines, parts in specs:
+        for spec, ax in zip(PANELS, self._axes):
             box = ax.bbox
-            colours = tuple(dict.fromkeys([LINE_COLOURS[key] for key in lines] +
-                                          [colour for _, _, colour in parts]))
-            panels.append(Panel(ax.get_title(), (int(round(box.x0)), int(round(height - box.y1)),
-                                                 int(round(box.x1)), int(round(height - box.y0))),
-                                colours, bool(parts)))
+            panels.append(Panel(_default_title(spec), (int(round(box.x0)), int(round(height - box.y1)),
+                                                       int(round(box.x1)), int(round(height - box.y0))),
+                                spec.colours, bool(spec.parts)))
         return panels
 
     def progress(self) -> str:
         header = self.header.get(min(self.header)) if self.header else {}
-        return progress_line(self.latest(), int(header.get("total_steps", 0)))
+        line = progress_line(self.latest(), int(header.get("total_steps", 0)))
+        evals = self.evals.get(min(self.evals)) if self.evals else None
+        return f"{line} · validation loss {evals[-1]['eval_loss']:.4f}" if evals else line
 
     # ---- text mode ----------------------------------------------------------------------------
     def _print_new_lines(self) -> None:
@@ -170,104 +275,132 @@ class LiveDashboard:
             header = self.header.get(reference, {})
             print(progress_line(ranks, int(header.get("total_steps", 0))), file=stream, flush=True)
             self._printed_step = step
+        evals = self.evals.get(reference, [])
+        for row in evals[self._printed_evals:]:
+            print(eval_line(row), file=stream, flush=True)
+        self._printed_evals = len(evals)
 
     # ---- display mode -------------------------------------------------------------------------
-    def _render(self) -> None:
-        self._ensure_figure()  # first call imports matplotlib: not part of the per-frame cost
-        start = time.process_time()
-        self._png = self._draw_png()
-        self._show(self._png)
-        # Every frame, the first included, sets the pace: on a machine whose cores the engines fill,
-        # each CPU second spent here is taken from training (figure construction is not counted).
-        self._render_cost = time.process_time() - start
-        self.frames += 1
-        self._last_render = time.monotonic()
+    def _frame_due(self) -> bool:
+        """New rows, and the last frame is older than the rate cap and than its own CPU cost
+        allows (each CPU second spent here is taken from engines that share the cores)."""
+        if not self._changed:
+            return False
+        interval = max(self.min_interval, self._frame_cost / self.cpu_budget)
+        return self.handle is None or time.monotonic() - self._last_frame >= interval
 
-    def _show(self, png: bytes) -> None:
-        """Put `png` and the current progress line in the one display handle."""
+    def _show_live_frame(self) -> None:
+        started = time.thread_time()
+        svg, line = self.svg(), self.progress()
+        self._show({"text/plain": line, "text/html": _frame_html(line, "image/svg+xml", svg.encode())})
+        self._frame_cost = time.thread_time() - started
+        self._last_frame = time.monotonic()
+        self._changed = False
+        self.frames += 1
+
+    def _show(self, bundle: dict[str, Any]) -> None:
+        """Put `bundle` in the one display handle."""
         from IPython.display import display
 
-        line = self.progress()
-        html = (f"<div style='font-family:monospace'>{_escape(line)}</div>"
-                f"<img src='data:image/png;base64,{base64.b64encode(png).decode()}'/>")
-        bundle = {"text/plain": line, "image/png": png, "text/html": html}
         if self.handle is None:
             self.handle = display(bundle, raw=True, display_id=True)
         else:
             self.handle.update(bundle, raw=True)
-        self._last_shown = time.monotonic()
 
     def _ensure_figure(self) -> None:
-        """Build the figure and its line artists once; frames only update data (re-creating axes
-        and ticks every frame costs several times more than drawing)."""
+        """Build the figure and its line artists once; pictures only update data (re-creating
+        axes and ticks costs several times more than drawing)."""
         if self._figure is not None:
             return
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-        self._figure = Figure(figsize=(9, 5), dpi=72)  # fixed margins: layout engines cost a lot
+        self._figure = Figure(figsize=FRAME_INCHES, dpi=DPI)  # fixed margins: layout engines cost a lot
         FigureCanvasAgg(self._figure)
-        (loss_ax, speed_ax), (memory_ax, time_ax) = self._axes = self._figure.subplots(2, 2)
-        self._figure.subplots_adjust(left=0.07, right=0.93, top=0.94, bottom=0.09, hspace=0.45,
-                                     wspace=0.25)
-        mfu_ax = speed_ax.twinx()
-        self._lines = {key: ax.plot([], [], color=LINE_COLOURS[key], linewidth=2)[0]
-                       for key, ax in (("loss", loss_ax), ("tokens_per_s", speed_ax), ("mfu", mfu_ax))}
-        self._line_scale = {"loss": 1.0, "tokens_per_s": 1.0, "mfu": 100.0}
-        for ax, title in ((loss_ax, "loss by step"), (speed_ax, "tokens/s (blue), MFU % (orange)"),
-                          (memory_ax, "memory by rank (MiB)"), (time_ax, "step time by rank (ms)")):
-            ax.set_title(title, fontsize=10)
-        for ax in (loss_ax, speed_ax, mfu_ax, memory_ax, time_ax):
-            ax.tick_params(labelsize=8)
-            ax.locator_params(axis="y", nbins=4)  # every tick label is drawn text: keep few
-        for ax in (loss_ax, speed_ax):
-            ax.locator_params(axis="x", nbins=5)
+        self._axes = list(self._figure.subplots(len(PANELS) // COLUMNS, COLUMNS).ravel())
+        self._figure.subplots_adjust(left=0.06, right=0.95, top=0.94, bottom=0.07, hspace=0.4,
+                                     wspace=0.3)
+        self._lines: list[list[Any]] = []
+        for spec, ax in zip(PANELS, self._axes):
+            twin = ax.twinx() if any(curve.right for curve in spec.curves) else None
+            self._lines.append([(twin if curve.right else ax).plot(
+                [], [], color=curve.colour, linewidth=2, linestyle="--" if curve.right else "-")[0]
+                for curve in spec.curves])
+            ax.set_title(_default_title(spec), fontsize=10)
+            for axes in (ax, twin) if twin is not None else (ax,):
+                axes.tick_params(labelsize=8)
+                axes.locator_params(axis="y", nbins=4)  # every tick label is drawn text: keep few
+            if spec.curves:
+                ax.locator_params(axis="x", nbins=5)
         self._bars: list[Any] = []
 
     def _draw_png(self) -> bytes:
-        for key, line in self._lines.items():
-            steps, values = self.series(key)
-            if key == "tokens_per_s" and not steps:  # models without tokens: samples/s instead
-                steps, values = self.series("samples_per_s")
-                line.axes.set_title("samples/s (blue), MFU % (orange)", fontsize=10)
-            line.set_data(steps, [self._line_scale[key] * v for v in values])
-            line.axes.relim()
-            line.axes.autoscale_view()
         for artist in self._bars:
             artist.remove()
         self._bars = []
-        latest = self.latest()
-        _, (memory_ax, time_ax) = self._axes
-        self._draw_stacked(memory_ax, latest, MEMORY_PARTS, scale=2 ** -20)
-        self._draw_stacked(time_ax, latest, TIME_PARTS, scale=1e3, note="bubble")
+        for plot, ax, artists in zip(self.plots(), self._axes, self._lines):
+            ax.set_title(plot.title, fontsize=10)
+            if plot.bars:
+                self._draw_stacked(ax, plot)
+            for line, artist in zip(plot.lines, artists):
+                artist.set_data(line.x, line.y)
+                artist.axes.relim()
+                artist.axes.autoscale_view()
         buffer = io.BytesIO()
         self._figure.savefig(buffer, format="png", pil_kwargs={"compress_level": 1})
         return buffer.getvalue()
 
-    def _draw_stacked(self, ax: Any, latest: dict[int, dict], parts: tuple, *, scale: float,
-                      note: str | None = None) -> None:
-        ranks = list(latest)
-        positions = list(range(len(ranks)))
-        bottoms = [0.0] * len(ranks)
-        for key, label, colour in parts:
-            heights = [float(latest[r].get(key) or 0.0) * scale for r in ranks]
-            if any(heights):
-                self._bars.append(ax.bar(positions, heights, bottom=bottoms, label=label, color=colour))
-                bottoms = [b + h for b, h in zip(bottoms, heights)]
-        for i, r in enumerate(ranks):
-            value = latest[r].get(note) if note else None
-            if value is not None:
-                self._bars.append(ax.annotate(f"{note} {100 * value:.0f}%", (i, bottoms[i]),
-                                              ha="center", va="bottom", fontsize=7))
-        ax.set_xticks(positions, [str(r) for r in ranks])
-        ax.set_xlim(-0.6, len(ranks) - 0.4)
-        ax.set_ylim(0, 1.6 * max(bottoms, default=0.0) or 1.0)  # headroom for legend and notes
-        if ranks:
-            self._bars.append(ax.legend(fontsize=7, loc="upper center", ncol=len(parts)))
+    def _draw_stacked(self, ax: Any, plot: Plot) -> None:
+        positions = list(range(len(plot.categories)))
+        bottoms = [0.0] * len(positions)
+        for stack in plot.stacks:
+            if any(stack.heights):
+                self._bars.append(ax.bar(positions, stack.heights, bottom=bottoms, label=stack.label,
+                                         color=stack.colour))
+                bottoms = [b + h for b, h in zip(bottoms, stack.heights)]
+        for i, note in enumerate(plot.notes):
+            if note:
+                self._bars.append(ax.annotate(note, (i, bottoms[i]), ha="center", va="bottom",
+                                              fontsize=7))
+        ax.set_xticks(positions, list(plot.categories))
+        ax.set_xlim(-0.6, len(positions) - 0.4)
+        ax.set_ylim(0, 1.8 * max(bottoms, default=0.0) or 1.0)  # headroom for legend and notes
+        if positions:
+            self._bars.append(ax.legend(fontsize=7, loc="upper center", ncol=3))
+
+
+class _Column:
+    """One metric's (step, value) pairs in step order, in arrays that double when full: a frame
+    takes views of them, never a copy of the whole history."""
+
+    __slots__ = ("x", "y", "size")
+
+    def __init__(self) -> None:
+        self.x, self.y, self.size = np.empty(CHUNK), np.empty(CHUNK), 0
+
+    def append(self, step: int, value: float) -> None:
+        if self.size == len(self.x):
+            self.x, self.y = (np.concatenate([a, np.empty_like(a)]) for a in (self.x, self.y))
+        self.x[self.size], self.y[self.size] = step, value
+        self.size += 1
+
+    def view(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.x[:self.size], self.y[:self.size]
+
+
+def _default_title(spec: PanelSpec) -> str:
+    return spec.title.format(spec.curves[0].keys[0][1] if spec.curves else "")
+
+
+def _frame_html(line: str, mime: str, image: bytes) -> str:
+    """The progress line over the picture, for frontends that show HTML first (all of them)."""
+    return (f"<div style='font-family:monospace'>{_escape(line)}</div>"
+            f"<img src='data:{mime};base64,{base64.b64encode(image).decode()}'/>")
 
 
 def progress_line(latest: dict[int, dict], total_steps: int) -> str:
-    """`step 12/100 · loss 3.2100 · 1.2k tok/s · MFU 3.1% · mem 45.0 MiB · ETA 0:00:42`."""
+    """`step 12/100 · loss 3.2100 · 1.2k tok/s · MFU 3.1% · lr 3.00e-03 · grad norm 0.52 ·
+    mem 45.0 MiB/rank · ETA 0:00:42`."""
     if not latest:
         return "waiting for the first step"
     row = latest[min(latest)]
@@ -281,6 +414,8 @@ def progress_line(latest: dict[int, dict], total_steps: int) -> str:
         parts.append(f"MFU {100 * row['mfu']:.1f}%")
     if row.get("lr") is not None:
         parts.append(f"lr {row['lr']:.2e}")
+    if row.get("grad_norm") is not None:
+        parts.append(f"grad norm {row['grad_norm']:.3g}")
     memory = [r.get("mem_total") for r in latest.values() if r.get("mem_total") is not None]
     if memory:
         parts.append(f"mem {max(memory) / 2 ** 20:.1f} MiB/rank")
@@ -289,6 +424,16 @@ def progress_line(latest: dict[int, dict], total_steps: int) -> str:
     if total_steps and row.get("step_time") and step < total_steps:
         seconds = int(round(row["step_time"] * (total_steps - step)))
         parts.append(f"ETA {seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}")
+    return " · ".join(parts)
+
+
+def eval_line(row: dict) -> str:
+    """`eval at step 50 · loss 2.3100 · perplexity 10.07 · 8192 tokens`."""
+    parts = [f"eval at step {int(row['step'])}", f"loss {row['eval_loss']:.4f}"]
+    if row.get("eval_perplexity") is not None:
+        parts.append(f"perplexity {row['eval_perplexity']:.4g}")
+    parts += [f"{row[f'eval_{unit}']} {unit}" for unit in ("tokens", "labels", "samples")
+              if row.get(f"eval_{unit}") is not None]
     return " · ".join(parts)
 
 

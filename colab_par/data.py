@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["TokenDataset", "TextDataset", "SyntheticDataset", "BatchList", "stdlib_source_dir"]
+__all__ = ["TokenDataset", "TextDataset", "SyntheticDataset", "BatchList", "pack_text", "stdlib_source_dir"]
 
 
 def stdlib_source_dir() -> Path:
@@ -161,3 +162,70 @@ class BatchList:
 
     def describe(self) -> dict:
         return {"kind": "BatchList", "name": self.name, "count": self.count}
+
+
+def pack_text(dataset: Any, tokenizer: Callable[..., Any], seq_len: int, *, text_column: str = "text",
+              add_eos: bool = True, map_batch: int = 1000) -> Any:
+    """Tokenize a text column and pack it into rows of exactly `seq_len` tokens: a Hugging Face
+    `datasets.Dataset` with `input_ids` and `labels` (= input_ids; the model shifts them), ready
+    for `Trainer(pm, packed, batch_size=...)` with any causal LM.
+
+    `dataset` is a `datasets.Dataset` (or a list of strings); `tokenizer` is a Hugging Face
+    tokenizer or any callable `text -> token ids`. Documents are joined with the tokenizer's
+    `eos_token_id` after each (when it has one and `add_eos`), so rows cross document borders as
+    in GPT-style pre-training. Packing runs through `datasets.map` in chunks of `map_batch`
+    documents; each chunk's last tokens that do not fill a row are dropped.
+    """
+    import datasets
+
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
+    if not isinstance(dataset, datasets.Dataset):
+        texts = list(dataset)
+        if not all(isinstance(text, str) for text in texts):
+            raise TypeError("pack_text takes a datasets.Dataset or a list of strings")
+        dataset = datasets.Dataset.from_dict({text_column: texts})
+    if text_column not in dataset.column_names:
+        raise ValueError(f"the dataset has no column {text_column!r} (its columns: {dataset.column_names}); "
+                         "pass text_column= the column that holds the text")
+    eos = getattr(tokenizer, "eos_token_id", None) if add_eos else None
+    encode = _token_encoder(tokenizer)
+
+    def pack(columns: dict) -> dict:
+        stream: list[int] = []
+        for ids in encode(columns[text_column]):
+            stream.extend(ids)
+            if eos is not None:
+                stream.append(int(eos))
+        rows = [stream[start:start + seq_len] for start in range(0, len(stream) - seq_len + 1, seq_len)]
+        return {"input_ids": rows, "labels": [list(row) for row in rows]}
+
+    packed = dataset.map(pack, batched=True, batch_size=map_batch, remove_columns=dataset.column_names)
+    if len(packed) == 0:
+        raise ValueError(f"the text gives fewer than seq_len={seq_len} tokens per chunk of {map_batch} "
+                         "documents, so no row; add text, lower seq_len or raise map_batch")
+    return packed
+
+
+def _token_encoder(tokenizer: Callable[..., Any]) -> Callable[[list[str]], list[list[int]]]:
+    """texts -> token id lists: one batched call for a Hugging Face tokenizer, else one call per text
+    (a result may be ids, a tensor, or a mapping with `input_ids`)."""
+    try:
+        from transformers import PreTrainedTokenizerBase
+    except ImportError:
+        PreTrainedTokenizerBase = ()  # noqa: N806 (no transformers: every tokenizer is a callable)
+    if isinstance(tokenizer, PreTrainedTokenizerBase):
+        return lambda texts: tokenizer(texts)["input_ids"]
+
+    def each(texts: list[str]) -> list[list[int]]:
+        encoded = []
+        for text in texts:
+            ids = tokenizer(text)
+            ids = ids["input_ids"] if isinstance(ids, Mapping) else ids
+            ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise TypeError(f"the tokenizer gave {ids[:5]!r} for a text; it must return token ids "
+                                "(ints), a tensor of them, or a mapping with 'input_ids'")
+            encoded.append(ids)
+        return encoded
+    return each

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from datetime import timedelta
 from typing import Any, Sequence
 
-__all__ = ["host_info", "bind_device", "enable_stack_dumps", "open_rendezvous",
-           "init_process_group", "leave_process_group", "names_built_on_the_group", "rank_status",
-           "update_namespace"]
+from colab_par import compat
+from colab_par.backend import device_for
+
+__all__ = ["host_info", "visible_gpus", "bind_device", "socket_interfaces", "enable_stack_dumps",
+           "open_rendezvous", "init_process_group", "leave_process_group", "break_connections",
+           "names_built_on_the_group", "rank_status", "device_report", "update_namespace"]
 
 _LISTENER: socket.socket | None = None  # rank 0: the bound rendezvous socket until the store takes it
 _STACKS: Any = None  # the open file faulthandler dumps stacks into on SIGUSR1
@@ -21,13 +25,29 @@ _INET = (socket.AF_INET, socket.AF_INET6)
 
 
 def host_info(toward: str = "127.0.0.1") -> dict[str, Any]:
-    """Where this engine lives, so the client can derive local ranks and the rendezvous address.
+    """Where this engine lives, so the client can derive local ranks, the rendezvous address and
+    the backend (from the GPUs this engine sees, not the notebook's host: that may be a login node).
 
     The address is the one this host reaches `toward` (the controller) from: the network the hosts
     share. What the hostname resolves to is often loopback (Debian maps it to 127.0.1.1) or
     nothing at all on a cluster node.
     """
-    return {"host": socket.gethostname(), "ip": address_toward(toward), "pid": os.getpid()}
+    return {"host": socket.gethostname(), "ip": address_toward(toward), "pid": os.getpid(),
+            "gpus": visible_gpus()}
+
+
+def visible_gpus() -> int:
+    """CUDA GPUs this process may use (after CUDA_VISIBLE_DEVICES). torch counts them through NVML
+    where it can, without initialising CUDA, so binding a device later is unaffected; a host
+    without the NVIDIA driver answers without asking torch at all."""
+    if sys.platform.startswith("linux") and not os.path.exists("/dev/nvidiactl"):
+        return 0
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no usable torch CUDA means no GPUs
+        return 0
 
 
 def address_toward(peer: str) -> str:
@@ -44,8 +64,7 @@ def address_toward(peer: str) -> str:
 
 
 def interface_of(address: str) -> str | None:
-    """The network interface holding `address` (IPv4, Linux), for gloo's GLOO_SOCKET_IFNAME: gloo
-    otherwise binds to whatever the hostname resolves to, which may be loopback or unresolvable."""
+    """The network interface holding `address` (IPv4, Linux): see `socket_interfaces`."""
     import fcntl
     import struct
 
@@ -61,12 +80,23 @@ def interface_of(address: str) -> str | None:
     return None
 
 
+def socket_interfaces(own_address: str) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME naming the interface that holds `own_address` (the
+    address the world uses on this host). Both backends open their own sockets and otherwise pick
+    an interface themselves: gloo the one the hostname resolves to (loopback or nothing on many
+    nodes), NCCL the first it likes (a docker bridge, a management network). NCCL matches names
+    by prefix unless they start with "=". Empty when no interface holds the address."""
+    name = interface_of(own_address)
+    return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": f"={name}"} if name else {}
+
+
 def bind_device(local_rank: int, local_world: int, backend: str) -> str:
     """Bind this engine to its device before anything touches CUDA, and share the CPU fairly.
 
-    Called first on a fresh engine: on CUDA, `set_device` precedes any allocation, so each engine
-    owns exactly one GPU; on CPU each engine gets an equal share of the cores instead of every
-    engine spawning a thread per core and thrashing.
+    Called first on a fresh engine: under nccl, `set_device` precedes any allocation, so each
+    engine owns exactly one GPU; a gloo world computes on the CPU even on a GPU host (see
+    `colab_par.backend`), and CUDA is left untouched. Each engine gets an equal share of the cores
+    instead of every engine spawning a thread per core and thrashing.
     """
     import torch
 
@@ -74,21 +104,14 @@ def bind_device(local_rank: int, local_world: int, backend: str) -> str:
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
     threads = max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(threads)
-    if backend == "nccl":
+    device = device_for(backend, local_rank)
+    if device.startswith("cuda"):
         count = torch.cuda.device_count()
         if local_rank >= count:
             raise RuntimeError(f"local rank {local_rank} has no GPU: this host shows {count}; "
                                f"start at most {count} engines per host")
         torch.cuda.set_device(local_rank)
-        return f"cuda:{local_rank}"
-    return "cpu"
-
-
-def request_resume(ckpt_dir: str) -> None:
-    """On fresh engines after one died: the cell's restartable Trainer resumes from `ckpt_dir`."""
-    from colab_par.train import request_resume as resume_next_fit
-
-    resume_next_fit(ckpt_dir)
+    return device
 
 
 def seed_generators(seed: int) -> None:
@@ -139,16 +162,16 @@ def init_process_group(backend: str, addr: str, port: int, rank: int, world: int
                        timeout_s: float, own_address: str) -> None:
     """Join a fresh torch.distributed world through rank 0's store at addr:port (any old group is
     left first, so this also re-initialises a broken world). Rank 0 serves the store on the socket
-    `open_rendezvous` bound; gloo talks over the interface holding `own_address`."""
+    `open_rendezvous` bound; gloo and NCCL talk over the interface holding `own_address` unless
+    the user chose one (`socket_interfaces`)."""
     import torch.distributed as dist
 
     global _LISTENER, _ENGINE_SOCKETS
     leave_process_group([addr])
     if _ENGINE_SOCKETS is None:
         _ENGINE_SOCKETS = set(_socket_fds())
-    ifname = interface_of(own_address)
-    if ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
-        os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    for name, value in socket_interfaces(own_address).items():
+        os.environ.setdefault(name, value)  # never over a value the user set
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": addr,
                        "MASTER_PORT": str(port)})
     timeout = timedelta(seconds=timeout_s)
@@ -174,11 +197,27 @@ def leave_process_group(addresses: Sequence[str]) -> None:
 
     if not dist.is_initialized():
         return
-    _close_connections_to(set(addresses), exclude_port=int(os.environ.get("MASTER_PORT", 0)))
+    break_connections(addresses)
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - a broken group may fail to shut down cleanly; it is gone
         pass
+
+
+def break_connections(addresses: Sequence[str]) -> None:
+    """Make every pending collective of this rank, and of its peers waiting on it, fail now; safe
+    from any thread (`colab_par.probe` calls it from the control thread while the main thread is
+    blocked in a collective). gloo: shut down this rank's connections to the world's `addresses`
+    (a blocked read returns at once). NCCL: its kernels wait on the GPU, not on a socket, so each
+    communicator is aborted instead."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if "nccl" in dist.get_backend():
+        for group in compat.process_groups():
+            group.abort()
+    _close_connections_to(set(addresses), exclude_port=int(os.environ.get("MASTER_PORT", 0)))
 
 
 def _close_connections_to(addresses: set[str], exclude_port: int) -> None:
@@ -228,10 +267,12 @@ def names_built_on_the_group() -> list[str]:
     import torch
     import torch.distributed as dist
     from IPython import get_ipython
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
 
-    kinds = (dist.ProcessGroup, DeviceMesh, DTensor)
+    # nothing can hold an object of a module never imported, and importing DTensor's here would
+    # cost the first repair of a session a second
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    mesh = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", None)
+    kinds = tuple(kind for kind in (dist.ProcessGroup, mesh, dtensor) if kind is not None)
     skip = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType)
     seen: set[int] = set()
 
@@ -242,7 +283,7 @@ def names_built_on_the_group() -> list[str]:
             return False
         seen.add(id(value))
         if isinstance(value, torch.nn.Module):
-            return (any(isinstance(p, DTensor) for p in value.parameters())
+            return (dtensor is not None and any(isinstance(p, dtensor) for p in value.parameters())
                     or any(holds(v, depth - 1) for v in vars(value).values()))
         if isinstance(value, dict):
             children = list(value.values())[:50]
@@ -276,6 +317,20 @@ def rank_status() -> dict[str, Any]:
         info["device"] = "cpu"
         info["memory_bytes"] = _rss_bytes() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return info
+
+
+def device_report() -> dict[str, Any]:
+    """Where this engine computes, as torch sees it (checked by `backend.device_problems`)."""
+    import torch
+    import torch.distributed as dist
+
+    from colab_par.parallel.mesh import default_device
+
+    cuda = torch.cuda.is_initialized()
+    return {"backend": dist.get_backend() if dist.is_initialized() else None,
+            "cuda_initialized": cuda, "current_device": torch.cuda.current_device() if cuda else None,
+            "default_device": str(default_device()),
+            "nccl_socket_ifname": os.environ.get("NCCL_SOCKET_IFNAME")}
 
 
 def _rss_bytes() -> int | None:

@@ -16,7 +16,8 @@ import ipyparallel as ipp
 
 from colab_par import compat
 
-__all__ = ["EngineError", "DeadEngineError", "RecoveryError", "RankFailureError", "TaskOutput", "ranks_text", "values",
+__all__ = ["EngineError", "DeadEngineError", "RecoveryError", "RankFailureError", "CollectiveDeadlockError",
+           "TaskOutput", "ranks_text", "values",
            "grouped", "per_rank_data", "rank_errors", "busy_ranks", "rank_failure", "is_transport_error", "transport_reason",
            "where_waiting"]
 
@@ -94,6 +95,36 @@ class RankFailureError(EngineError):
         return lines
 
 
+class CollectiveDeadlockError(RankFailureError):
+    """Ranks waited in collectives that could never complete (a peer they need had returned from
+    the cell, or waits in a different collective); the cell was stopped and the world repaired.
+
+    `stuck`: rank -> why its call cannot complete; `waiting`: where each rank still busy was
+    (stuck or running, which was interrupted); `gone`: the ranks that had returned, and how.
+    """
+
+    def __init__(self, stuck: dict[int, str], waiting: dict[int, str], gone: dict[int, str],
+                 recovery: str):
+        self.stuck, self.gone = dict(sorted(stuck.items())), dict(sorted(gone.items()))
+        waits = "waits in a collective" if len(stuck) == 1 else "wait in collectives"
+        headline = f"the cell can never finish: {_who(stuck)} {waits} that cannot complete"
+        super().__init__([(sorted(stuck), "CollectiveDeadlock", headline, "")], waiting, recovery)
+
+    def _render_traceback_(self) -> list[str]:
+        ranks, name, value, _ = self.groups[0]
+        lines = [f"[ranks {ranks_text(ranks)}] {name}: {value}"]
+        for rank in sorted(set(self.waiting) | set(self.stuck) | set(self.gone)):
+            if rank in self.gone:
+                lines.append(f"  rank {rank}: {self.gone[rank]}")
+                continue
+            lines.append(f"  rank {rank}: {self.waiting.get(rank, 'position unknown')}"
+                         + ("" if rank in self.stuck else " (still running: interrupted)"))
+            if rank in self.stuck:
+                lines.append(f"          {self.stuck[rank]}")
+        lines.append(f"colab_par: {self.recovery}")
+        return lines
+
+
 def ranks_text(ranks: Iterable[int]) -> str:
     """[0, 2] -> "0,2"."""
     return ",".join(str(r) for r in ranks)
@@ -116,22 +147,30 @@ class TaskOutput:
         if self.stream:
             self._stream_rank0()
         if self.use_dashboard:
-            data = per_rank_data(self.result.data)
-            if self._dashboard is None and any(data):
-                from colab_par.dashboard import LiveDashboard
-
-                self._dashboard = LiveDashboard()
-            if self._dashboard is not None:
-                self._dashboard.update(data)
+            self._feed_dashboard(final=False)
 
     def finish(self) -> None:
-        """Show what trails the reply (iopub output can arrive after it) and the final frame."""
-        if self.stream and self.result.ready():
+        """Show what trails the reply (iopub output and published rows can arrive after it) and
+        the final frame, also when every row arrived after the last poll (a short or loaded run)."""
+        if (self.stream or self.use_dashboard) and self.result.ready():
             self.result.wait_for_output(timeout=5.0)
         if self.stream:
             self._stream_rank0()
-        if self._dashboard is not None:
-            self._dashboard.finish(per_rank_data(self.result.data))
+        if self.use_dashboard:
+            self._feed_dashboard(final=True)
+
+    def _feed_dashboard(self, *, final: bool) -> None:
+        data = per_rank_data(self.result.data)
+        if self._dashboard is None and any(data):
+            from colab_par.dashboard import LiveDashboard
+
+            self._dashboard = LiveDashboard()
+        if self._dashboard is None:
+            return
+        if final:
+            self._dashboard.finish(data)
+        else:
+            self._dashboard.update(data)
 
     def show_other_ranks(self, ranks: list[int], all_output: bool) -> None:
         """Other ranks' output when it differs from rank 0's (or always), prefixed with the rank."""

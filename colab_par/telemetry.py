@@ -2,8 +2,8 @@
 
 Measures; never renders (dashboard.py draws). Rows are plain dicts of floats so they travel through
 ipyparallel's `datapub` cheaply and land in `Trainer.history` / CSV unchanged. Rows are
-published in chunks that the client's data dict accumulates, so a client that misses some
-publishes (it polls about every 0.25 s) still draws complete curves.
+published in chunks that the client's data dict accumulates, so a client that polls at its own
+pace (about every 0.25 s) still draws complete curves.
 """
 from __future__ import annotations
 
@@ -92,7 +92,9 @@ class ActivationMeter:
         self._exclude = {_local(t).untyped_storage().data_ptr() for t in exclude}
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        local = _local(tensor)
+        # runs for every tensor saved in forward: plain tensors skip the unwrapping (a no_grad
+        # context costs more than the rest of this hook)
+        local = tensor if type(tensor) in _PLAIN else _local(tensor)
         try:
             storage = local.untyped_storage()
         except (RuntimeError, NotImplementedError):
@@ -108,6 +110,9 @@ class ActivationMeter:
         self.bytes, self._seen = 0, set()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, _identity):
             yield self
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -174,10 +179,11 @@ class Publisher:
     under keys `colab_par.metrics.rows.<n>` (CHUNK rows each): a publish re-sends only the chunks
     that gained rows since the last one, and the client, which polls at its own pace, still holds
     every row. `METRICS_KEY` carries the header (rank, run, total steps, layout). Publishing is
-    rate-limited to one message per `min_interval` seconds.
+    rate-limited to one message per `min_interval` seconds: the dashboard shows at most two
+    frames a second, and each message costs the rank's training thread about 0.3 ms.
     """
 
-    def __init__(self, header: dict[str, Any], *, min_interval: float = 0.2,
+    def __init__(self, header: dict[str, Any], *, min_interval: float = 0.5,
                  local_sink: Callable[[list[dict | None]], None] | None = None):
         self.header = header
         self.min_interval = min_interval

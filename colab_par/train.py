@@ -19,11 +19,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from colab_par import recovery
 from colab_par import telemetry as telem
 from colab_par.data import BatchList, TokenDataset
-from colab_par.parallel.batch import batch_size, check_batch
+from colab_par.data_sources import DataPlace, DataSource, data_source, dp_total
+from colab_par.loggers import Logger, RunLogs
+from colab_par.parallel.batch import batch_size, batch_to, check_batch
 
-__all__ = ["Trainer", "WarmupCosine", "request_resume"]
+__all__ = ["Trainer", "WarmupCosine"]
 
 
 @dataclass(frozen=True)
@@ -48,21 +51,16 @@ class WarmupCosine:
 
 
 ON_FAILURE = ("raise", "restart")
-_RESUME_REQUESTS: set[str] = set()  # checkpoint folders whose next fit resumes (`request_resume`)
-
-
-def request_resume(ckpt_dir: str) -> None:
-    """Called by the notebook on fresh engines after one died: the next `fit` of a restartable
-    Trainer with this `ckpt_dir` continues from its last committed checkpoint."""
-    _RESUME_REQUESTS.add(str(ckpt_dir))
-
-
 class Trainer:
     """Train `pm` on `data` for `steps` optimizer steps.
 
     `data` is a `TokenDataset` (its `batch_size` is the global batch of ONE micro-step, so a step
-    sees `batch_size * grad_accum` sequences) or, for any other model, a `BatchList` of global
-    batches (a plain list is wrapped in one). `lr_schedule(step) -> factor` multiplies each param
+    sees `batch_size * grad_accum` sequences), for any other model a `BatchList` of global
+    batches (a plain list is wrapped in one), or the user's own data: a torch Dataset,
+    IterableDataset, DataLoader or Hugging Face `datasets.Dataset` with `batch_size=` the GLOBAL
+    batch (a DataLoader's own batch_size is read as global), shuffled with `seed`
+    (`colab_par.data_sources`: each rank reads only its rows, the position is saved in checkpoints).
+    `lr_schedule(step) -> factor` multiplies each param
     group's initial LR. `grad_clip` clips the global norm across all shards. `log_every` sets how
     often a telemetry row is recorded and published (with `telemetry=True` a log step also
     measures memory, activations and the grad norm). With `ckpt_dir`, a checkpoint is saved at the
@@ -78,14 +76,18 @@ class Trainer:
     that fits this trainer runs, the kit restarts the engines and runs the cell again; its `fit`
     then resumes from the last committed checkpoint (history included), at most `max_restarts`
     times (`Cluster.execute`). `"raise"` (the default) fails the cell.
+
+    `log_dir`: rank 0 writes TensorBoard event files there from the rows in `history` (and every
+    rank's memory figures); `loggers`: more loggers of the same rows (`colab_par.loggers`).
     """
 
-    def __init__(self, pm: Any, data: TokenDataset | BatchList | list, *, steps: int,
+    def __init__(self, pm: Any, data: Any, *, steps: int, batch_size: int | None = None,
                  lr_schedule: Callable[[int], float] | None = None, grad_clip: float | None = None,
                  grad_accum: int = 1, log_every: int = 1, ckpt_dir: str | os.PathLike | None = None,
                  ckpt_every: int | None = None, seed: int = 0, telemetry: bool = True,
-                 on_failure: str = "raise", max_restarts: int = 3, eval_data: Any = None,
-                 eval_every: int | None = None, eval_batches: int | None = None):
+                 on_failure: str = "raise", max_restarts: int = 3,
+                 log_dir: str | os.PathLike | None = None, loggers: list[Logger] | None = None,
+                 eval_data: Any = None, eval_every: int | None = None, eval_batches: int | None = None):
         _check_positive(steps=steps, grad_accum=grad_accum, log_every=log_every)
         _check_eval(eval_data, eval_every, eval_batches)
         if on_failure not in ON_FAILURE:
@@ -103,11 +105,15 @@ class Trainer:
                 raise ValueError("ckpt_every is set but ckpt_dir is None; pass ckpt_dir='<folder>'")
         if isinstance(data, (list, tuple)):
             data = BatchList(data)
+        if isinstance(data, (TokenDataset, BatchList)) and batch_size is not None:
+            raise ValueError(f"batch_size= is for your own datasets; a {type(data).__name__} sets its "
+                             "own batches: leave batch_size out")
         if not isinstance(data, (TokenDataset, BatchList)):
-            raise TypeError(f"data must be a colab_par.data dataset (TextDataset, SyntheticDataset) or "
-                            f"a BatchList / list of global batches, not {type(data).__name__}")
+            data = data_source(data, batch_size, seed=seed)
         if isinstance(data, BatchList):
             check_batch(data.global_batch(0))
+        if isinstance(data, DataSource):
+            data.check(pm)
         self.pm, self.data, self.steps = pm, data, steps
         self.lr_schedule, self.grad_clip, self.grad_accum = lr_schedule, grad_clip, grad_accum
         self.log_every, self.ckpt_dir, self.ckpt_every = log_every, ckpt_dir, ckpt_every
@@ -117,6 +123,8 @@ class Trainer:
         self.step = 0
         self.data_position = 0
         self.history: list[dict] = []
+        self._logs = RunLogs.build(log_dir, loggers, dist.get_rank() if dist.is_initialized() else 0)
+        self._data_place: tuple[Any, DataPlace] | None = None  # (pm, where it reads data)
         self.base_lrs = [group.get("initial_lr", group["lr"]) for group in pm.optimizer.param_groups]
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         torch.manual_seed(seed * 1_000_003 + self.rank)
@@ -132,13 +140,17 @@ class Trainer:
     def fit(self, stop_at: int | None = None) -> list[dict]:
         """Train until step `stop_at` (default: `steps`); returns the rows recorded in this call."""
         stop_at = self.steps if stop_at is None else min(stop_at, self.steps)
-        if self.on_failure == "restart" and str(self.ckpt_dir) in _RESUME_REQUESTS:
+        if self.on_failure == "restart" and recovery.resume_requested(self.ckpt_dir):
             self._resume()
         publisher = self._publisher()
         first = len(self.history)
+        if self._logs is not None:
+            self._logs.begin(self.history, self.step, torch.device(self.pm.device))
         try:
             while self.step < stop_at:
                 row = self.train_step()
+                if self._logs is not None:
+                    self._logs.after_step(self.history, row, torch.device(self.pm.device))
                 if row is not None and publisher is not None:
                     publisher.publish(self.history, force=self.step >= stop_at)
                 if self._eval_due():
@@ -149,6 +161,8 @@ class Trainer:
                 if self.ckpt_dir is not None and (due or self.step == stop_at):
                     self.save_checkpoint()
         finally:
+            if self._logs is not None:
+                self._logs.end(self.history)
             if publisher is not None:
                 publisher.publish(self.history, force=True, done=True)
                 self._finish_local()
@@ -171,7 +185,8 @@ class Trainer:
                 if isinstance(self.data, TokenDataset):
                     losses.append(pm.forward_backward(*batch, local=True, **options))
                 else:
-                    losses.append(pm.forward_backward(batch, **options))
+                    losses.append(pm.forward_backward(batch, local=isinstance(self.data, DataSource),
+                                                      **options))
             samples, tokens = (a + b for a, b in zip((samples, tokens), _counts(batch, self.data)))
             bubbles.append(telem.pipeline_bubble(pm) if measure else None)
         lr = self._apply_lr()
@@ -186,6 +201,8 @@ class Trainer:
         step_time = time.perf_counter() - start
         if not log:
             return None
+        if measure and isinstance(self.data, DataSource):
+            tokens = dp_total(tokens, pm)  # this rank counted its own rows
         row = {"step": self.step, "rank": self.rank, "loss": sum(losses) / len(losses), "lr": lr,
                "grad_norm": grad_norm, "step_time": step_time,
                **{f"time_{name}": seconds for name, seconds in clock.phases.items()}}
@@ -217,6 +234,10 @@ class Trainer:
         if isinstance(self.data, TokenDataset):
             inputs, targets = self.data.batch(self.data_position, pm.dp_rank, pm.dp_size)
             batch = inputs.to(pm.device), targets.to(pm.device)
+        elif isinstance(self.data, DataSource):
+            if self._data_place is None or self._data_place[0] is not pm:  # a relayout changes it
+                self._data_place = (pm, DataPlace.of(pm))
+            batch = batch_to(self.data.local_batch(self.data_position, self._data_place[1]), pm.device)
         else:
             batch = self.data.global_batch(self.data_position)
         self.data_position += 1
@@ -286,15 +307,14 @@ class Trainer:
         """Tell the notebook how to recover this cell if an engine dies (`Cluster.execute`)."""
         send = telem.engine_publisher()
         if send is not None:
-            from colab_par.cluster import RECOVERY_KEY
-            send({RECOVERY_KEY: {"ckpt_dir": str(self.ckpt_dir), "max_restarts": self.max_restarts}})
+            send({recovery.RECOVERY_KEY: {"ckpt_dir": str(self.ckpt_dir), "max_restarts": self.max_restarts}})
 
     def _resume(self) -> None:
         """The engines were restarted after one died: go on from the last committed checkpoint,
         or from the start when none was committed before the loss."""
         from colab_par.checkpoint import LATEST, load, saved_history
 
-        _RESUME_REQUESTS.discard(str(self.ckpt_dir))
+        recovery.take_resume_request(self.ckpt_dir)
         if not (Path(self.ckpt_dir) / LATEST).is_file():
             print("colab_par: no checkpoint was committed before the engine was lost; training "
                   "again from step 0")
@@ -311,14 +331,19 @@ class Trainer:
     def state_dict(self) -> dict:
         """JSON-able loop state for checkpoints: where training and the data stream stand."""
         schedule = self.lr_schedule
-        return {"step": self.step, "data_position": self.data_position, "seed": self.seed,
-                "grad_accum": self.grad_accum, "base_lrs": self.base_lrs, "data": self.data.describe(),
-                "lr_schedule": asdict(schedule) if isinstance(schedule, WarmupCosine) else repr(schedule)}
+        state = {"step": self.step, "data_position": self.data_position, "seed": self.seed,
+                 "grad_accum": self.grad_accum, "base_lrs": self.base_lrs, "data": self.data.describe(),
+                 "lr_schedule": asdict(schedule) if isinstance(schedule, WarmupCosine) else repr(schedule)}
+        if isinstance(self.data, DataSource):
+            state["data_state"] = self.data.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a `state_dict()` (checkpoint.load has checked that the data matches)."""
         self.step, self.data_position = int(state["step"]), int(state["data_position"])
         self.base_lrs = [float(lr) for lr in state["base_lrs"]]
+        if isinstance(self.data, DataSource):
+            self.data.load_state_dict(state.get("data_state", {}))
 
     def to_csv(self, path: str | os.PathLike) -> None:
         """Write `history` (one row per log step of this rank) as CSV."""
@@ -339,9 +364,12 @@ def telemetry_flops_per_token(pm: Any, seq_len: int) -> float:
 
 def _counts(batch: Any, data: Any) -> tuple[int, int]:
     """(samples, tokens) of one global micro-batch: tokens are the token dataset's windows or the
-    unmasked `input_ids` of a dict batch, 0 where there are none (throughput is then samples/s)."""
+    unmasked `input_ids` of a dict batch, 0 where there are none (throughput is then samples/s).
+    A DataSource's batch is this rank's rows: its tokens are summed over dp at log steps."""
     if isinstance(data, TokenDataset):
         return data.batch_size, data.batch_size * data.seq_len
+    if isinstance(data, DataSource):
+        return data.batch_size, _counts(batch, None)[1]
     if isinstance(batch, dict) and "input_ids" in batch:
         mask = batch.get("attention_mask")
         return batch_size(batch), int(mask.sum()) if mask is not None else batch["input_ids"].numel()

@@ -1,19 +1,21 @@
-"""Does a dashboard frame show data? Counts pixels of the data colours inside each plot area.
+"""Does a dashboard frame show data? Counts pixels of the data colours inside each plot area of
+a PNG picture, and the drawn extent of the data elements of each plot of an SVG live frame.
 
 One helper for every test of a dashboard picture (unit frames, the live run, `colab-par demo`'s
-PNG, the notebooks' final frames): a frame passes only when every one of its four plots shows
-its lines or bars, so a blank frame with empty axes fails (checked on every call). The
-model-selection view's frames get the same kind of check, per trial colour and engine lane.
+PNG, the notebooks' final frames): a frame passes only when every one of its plots shows its lines
+or bars, so a blank frame with empty axes fails (checked on every call). The model-selection
+view's frames get the same kind of check, per trial colour and engine lane.
 """
 from __future__ import annotations
 
 import io
+import xml.etree.ElementTree as ET
 
 import numpy as np
 from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
-from colab_par.dashboard import LiveDashboard
+from colab_par.dashboard import PANELS, LiveDashboard
 
 TOLERANCE = 0.08  # per RGB channel: the line's core pixels, not its anti-aliased edges
 INSET = 3  # pixels kept clear of the axes' spines and ticks
@@ -49,9 +51,9 @@ def empty_plots(png: bytes) -> list[str]:
 
 
 def assert_shows_data(png: bytes) -> None:
-    """Every plot of `png` shows data, by the same check that finds all four plots of a blank
-    frame empty (asserted here too, so no caller can pass with a check that sees data anywhere)."""
-    assert len(empty_plots(blank_frame())) == 4, "the picture check passes a blank frame"
+    """Every plot of `png` shows data, by the same check that finds every plot of a blank frame
+    empty (asserted here too, so no caller can pass with a check that sees data anywhere)."""
+    assert len(empty_plots(blank_frame())) == len(PANELS), "the picture check passes a blank frame"
     empty = empty_plots(png)
     assert not empty, f"the dashboard frame shows no data in {empty}: {data_pixels(png)}"
 
@@ -59,6 +61,46 @@ def assert_shows_data(png: bytes) -> None:
 def blank_frame() -> bytes:
     """A frame drawn before any row arrived: the negative control every picture test checks."""
     return LiveDashboard(mode="text").png()
+
+
+# ---- live SVG frames ----------------------------------------------------------------------------------
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def svg_extent(svg: str) -> dict[str, float]:
+    """For each plot (by its place in the grid): pixels of data drawn in its data colours, the
+    length of its polylines for line plots, the area of its bars for bar plots."""
+    plots = ET.fromstring(svg).findall(f"{SVG}g[@class='plot']")
+    assert len(plots) == len(PANELS), f"{len(plots)} plots in an SVG frame of {len(PANELS)}"
+    extent = {}
+    for spec, plot in zip(PANELS, plots):
+        colours = {colour.lower() for colour in spec.colours}
+        drawn = 0.0
+        for line in plot.iter(f"{SVG}polyline"):
+            if line.get("stroke", "").lower() in colours:
+                points = np.array([[float(v) for v in p.split(",")] for p in line.get("points").split()])
+                drawn += float(np.hypot(*np.diff(points, axis=0).T).sum()) if len(points) > 1 else 0.0
+        for bar in plot.iter(f"{SVG}rect"):
+            if bar.get("class") == "data" and bar.get("fill", "").lower() in colours:
+                drawn += float(bar.get("width")) * float(bar.get("height"))
+        extent[plot.get("data-title")] = drawn
+    return extent
+
+
+def svg_empty_plots(svg: str) -> list[str]:
+    """Plots of an SVG frame that show no data (lines shorter than MIN_LINE_PIXELS, bars smaller
+    than MIN_BAR_PIXELS)."""
+    return [title for (title, drawn), spec in zip(svg_extent(svg).items(), PANELS)
+            if drawn < (MIN_BAR_PIXELS if spec.parts else MIN_LINE_PIXELS)]
+
+
+def assert_svg_shows_data(svg: str) -> None:
+    """Every plot of a live SVG frame shows data; a frame drawn before any row arrived fails the
+    same check (asserted here)."""
+    assert len(svg_empty_plots(LiveDashboard(mode="text").svg())) == len(PANELS), \
+        "the SVG check passes a blank frame"
+    empty = svg_empty_plots(svg)
+    assert not empty, f"the live frame shows no data in {empty}: {svg_extent(svg)}"
 
 
 # ---- the model-selection view's frames (colab_par.selection.view) ----------------------------------

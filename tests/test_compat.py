@@ -455,3 +455,39 @@ def test_hf_token_losses_are_what_language_models_score_with():
     bert = transformers.BertForMaskedLM(transformers.BertConfig(hidden_size=8, num_hidden_layers=1,
                                                                 num_attention_heads=2, intermediate_size=8))
     assert gpt2.loss_function is losses["causal"] and bert.loss_function is losses["masked"]
+
+
+def answer_echo_requests() -> None:
+    import threading
+
+    compat.answer_control_requests({"colab_par_echo_request": lambda content: {
+        "echo": content["text"], "thread": threading.current_thread().name}})
+
+
+def test_control_requests_are_answered_from_the_control_thread_while_a_task_runs(cluster2):
+    import concurrent.futures
+
+    cluster2.run(answer_echo_requests)
+    busy = cluster2._client[cluster2._client.ids[:2]].execute("import time\ntime.sleep(2.0)", block=False)
+    futures = compat.send_control_requests(cluster2._client, cluster2._client.ids[:2], "colab_par_echo_request",
+                                           {"text": "hello"})
+    concurrent.futures.wait(futures, timeout=10)
+    replies = [future.result()["content"] for future in futures]
+    assert not busy.ready()  # answered while the main thread still sleeps in the task
+    assert [(r["status"], r["echo"]) for r in replies] == [("ok", "hello")] * 2
+    assert all(r["thread"] != "MainThread" for r in replies)
+    busy.get(timeout=30)
+
+
+def sequence_and_groups() -> tuple[int, int, bool]:
+    import torch
+    import torch.distributed as dist
+
+    before = compat.group_sequence(dist.group.WORLD)
+    dist.all_reduce(torch.ones(1))
+    return before, compat.group_sequence(dist.group.WORLD), dist.group.WORLD in compat.process_groups()
+
+
+def test_group_sequence_counts_each_collective_and_process_groups_lists_the_world(cluster2):
+    (before, after, listed), second = cluster2.run(sequence_and_groups)
+    assert after == before + 1 and listed and second == (before, after, True)

@@ -1,27 +1,37 @@
-"""The live dashboard: silent until metrics arrive, one display handle updated in place at most
-twice a second, complete curves despite missed publishes, a text line per step in a terminal, and
-a real training run on two engines drawn through ipyparallel's datapub."""
+"""The live dashboard: silent until metrics arrive, one display handle updated in place with cheap
+SVG frames while training (at most twice a second, within its CPU share) and the full matplotlib
+picture at the end, complete curves despite missed publishes, a text line per step in a terminal,
+and a real training run on two engines drawn through ipyparallel's datapub."""
 from __future__ import annotations
 
 import base64
 import io
 import os
+import re
 import time
 
+import numpy as np
 import pytest
-from picture import assert_shows_data, blank_frame, empty_plots
+from IPython.core.displaypub import CapturingDisplayPublisher
+from IPython.core.interactiveshell import InteractiveShell
+from picture import (SVG, assert_shows_data, assert_svg_shows_data, blank_frame, empty_plots,
+                     svg_empty_plots)
 
-from colab_par.dashboard import LiveDashboard, progress_line
+from colab_par.dashboard import PANELS, LiveDashboard, progress_line
+from colab_par.svg_plot import MAX_POINTS
 from colab_par.telemetry import CHUNK, METRICS_KEY, ROWS_KEY, Publisher, metrics_data
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# The requirement: while training a new frame at least every 2 s, within 1 % of the machine's CPU.
+MAX_FRAME_INTERVAL_S = 2.0
+MAX_CPU_SHARE = 0.01
 
 
 def row(step: int, rank: int, **extra) -> dict:
-    return {"step": step, "rank": rank, "loss": 4.0 - 0.1 * step, "step_time": 0.5,
-            "tokens_per_s": 100.0, "mfu": 0.02, "mem_params": 2 ** 20, "mem_grads": 2 ** 20,
-            "mem_optimizer": 2 ** 21, "mem_activations": 2 ** 22, "mem_total": 2 ** 22,
-            "time_forward_backward": 0.4, "time_optimizer": 0.1, **extra}
+    return {"step": step, "rank": rank, "loss": 4.0 - 0.1 * step, "step_time": 0.5, "lr": 1e-3,
+            "grad_norm": 1.0 / step, "tokens_per_s": 100.0 + step, "mfu": 0.02, "mem_params": 2 ** 20,
+            "mem_grads": 2 ** 20, "mem_optimizer": 2 ** 21, "mem_activations": 2 ** 22,
+            "mem_total": 2 ** 22, "time_forward_backward": 0.4, "time_optimizer": 0.1, **extra}
 
 
 def published(rank: int, steps, *, run: int = 1, total: int = 10) -> dict:
@@ -32,6 +42,12 @@ def published(rank: int, steps, *, run: int = 1, total: int = 10) -> dict:
 
 def display_ids(outputs) -> list[str]:
     return [(o["transient"] or {}).get("display_id") for o in outputs]
+
+
+def live_svg(output: dict) -> str | None:
+    """The SVG of a live frame (inside its HTML), None for the final PNG picture."""
+    match = re.search(r"data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)", output["data"]["text/html"])
+    return base64.b64decode(match.group(1)).decode() if match else None
 
 
 def test_silent_until_metrics_then_one_handle_updated_in_place(captured):
@@ -45,8 +61,13 @@ def test_silent_until_metrics_then_one_handle_updated_in_place(captured):
     ids = display_ids(captured)
     assert len(captured) == 4 and len(set(ids)) == 1 and ids[0]
     assert [o["update"] for o in captured] == [False, True, True, True]
+    assert dash.frames == 3
+    for output, last in zip(captured, (2, 4, 6)):  # live frames: SVG, no picture drawn
+        assert set(output["data"]) == {"text/plain", "text/html"}
+        assert output["data"]["text/plain"].startswith(f"step {last}/10 · ")
+        assert_svg_shows_data(live_svg(output))
     final = captured[-1]["data"]
-    assert final["image/png"].startswith(PNG_MAGIC)
+    assert final["image/png"].startswith(PNG_MAGIC) and live_svg(captured[-1]) is None
     assert final["text/plain"].startswith("step 7/10 · loss 3.3000")
     assert "data:image/png;base64," in final["text/html"]
     assert_shows_data(final["image/png"])
@@ -54,21 +75,40 @@ def test_silent_until_metrics_then_one_handle_updated_in_place(captured):
 
 def test_picture_check_fails_on_frames_without_data():
     """The negative controls of every picture test: no rows at all, and rows in a shape the
-    dashboard does not read (what `colab-par demo` once sent), both draw four empty plots."""
-    assert len(empty_plots(blank_frame())) == 4
+    dashboard does not read (what `colab-par demo` once sent), draw only empty plots, in the PNG
+    picture and in the SVG frame alike."""
+    assert len(empty_plots(blank_frame())) == len(PANELS)
     dash = LiveDashboard(mode="text", stream=io.StringIO())
     dash.update([{METRICS_KEY: {"rank": 0, "total_steps": 7, "rows": [row(s, 0) for s in range(1, 8)]}}])
-    assert len(empty_plots(dash.png())) == 4
+    assert len(empty_plots(dash.png())) == len(PANELS)
+    assert len(svg_empty_plots(dash.svg())) == len(PANELS)
 
 
 def test_rows_sent_as_metrics_data_are_drawn():
     """`metrics_data` is the one format: a whole history packed by it (more than one chunk) is
-    drawn in full."""
+    drawn in full, in the live frame and in the final picture."""
     dash = LiveDashboard(mode="text", stream=io.StringIO())
     dash.update([metrics_data({"rank": r, "total_steps": 100}, [row(s, r) for s in range(1, 101)])
                  for r in (0, 1)])
     assert dash.series("loss")[0] == list(range(1, 101)) and sorted(dash.latest()) == [0, 1]
     assert_shows_data(dash.png())
+    assert_svg_shows_data(dash.svg())
+
+
+def test_long_runs_keep_spikes_within_the_point_budget():
+    """A 20,000-step curve is thinned to MAX_POINTS points per line by keeping each bucket's lowest
+    and highest value: a one-step loss spike still reaches the top of the plot."""
+    dash = LiveDashboard(mode="text", stream=io.StringIO())
+    rows = [row(s, 0, loss=1.0 + (9.0 if s == 12_345 else 0.0)) for s in range(1, 20_001)]
+    dash.update([metrics_data({"rank": 0, "total_steps": 20_000}, rows)])
+    from xml.etree import ElementTree as ET
+
+    plot = ET.fromstring(dash.svg()).findall(f"{SVG}g[@class='plot']")[0]
+    (line,) = plot.iter(f"{SVG}polyline")
+    points = np.array([[float(v) for v in p.split(",")] for p in line.get("points").split()])
+    frame = next(r for r in plot.iter(f"{SVG}rect"))  # the plot area's frame
+    assert len(points) <= MAX_POINTS
+    assert points[:, 1].min() <= float(frame.get("y")) + 1, "the spike was dropped"
 
 
 def test_redraws_at_most_twice_a_second(captured):
@@ -78,16 +118,23 @@ def test_redraws_at_most_twice_a_second(captured):
         dash.update([published(0, range(1, step + 1))])
         time.sleep(0.03)
     elapsed = time.monotonic() - start
-    assert 1 <= dash.frames <= 1 + elapsed * 2
+    assert 2 <= dash.frames <= 1 + elapsed * 2
+
+
+def test_no_new_rows_no_new_frame(captured):
+    dash = LiveDashboard(mode="display", max_fps=1e9, max_duty=1e9)
+    for _ in range(5):
+        dash.update([published(0, range(1, 4))])
+    assert dash.frames == 1 and len(captured) == 1
 
 
 def test_drawing_keeps_to_its_share_of_the_cpu(captured):
-    """Even the first frame's CPU cost sets the pace: the second frame waits until that cost fits
-    `max_duty` of the machine's cores, so drawing never takes more than that from the engines."""
-    duty = 0.05
-    dash = LiveDashboard(mode="display", max_fps=100.0, max_duty=duty)
+    """Each frame's CPU cost sets the pace: the next frame waits until that cost fits `max_duty`
+    of the machine's cores, so drawing never takes more than that from the engines."""
+    duty = 0.001
+    dash = LiveDashboard(mode="display", max_fps=1e9, max_duty=duty)
     dash.update([published(0, range(1, 2))])
-    first_at, first_cost = dash._last_render, dash._render_cost
+    first_at, first_cost = dash._last_frame, dash._frame_cost
     deadline = time.monotonic() + 30.0
     step = 1
     while dash.frames < 2 and time.monotonic() < deadline:
@@ -96,18 +143,31 @@ def test_drawing_keeps_to_its_share_of_the_cpu(captured):
         time.sleep(0.01)
     assert first_cost > 0 and dash.frames == 2
     budget = duty * (os.cpu_count() or 1)  # CPU seconds per wall second
-    assert dash._last_render - first_at >= first_cost / budget
+    assert dash._last_frame - first_at >= first_cost / budget
 
 
-def test_progress_line_moves_while_no_picture_is_due(captured):
-    """Between pictures the progress line still advances, under the same picture: nothing drawn."""
-    dash = LiveDashboard(mode="display", max_fps=1e9, max_duty=1e-9, progress_interval=0.0)
-    for last in (1, 2, 3):
-        dash.update([published(0, range(1, last + 1))])
-    assert dash.frames == 1 and len(captured) == 3
-    assert [o["data"]["text/plain"].split(" · ")[0] for o in captured] == ["step 1/10", "step 2/10",
-                                                                           "step 3/10"]
-    assert len({o["data"]["image/png"] for o in captured}) == 1
+def test_a_live_frame_costs_far_less_than_its_share(captured):
+    """Two frames a second within 1 % of a 2-core machine's CPU leave 10 ms of CPU per frame. A
+    frame (a new row merged, the SVG, the HTML, the display message) measured 1.4 ms for 2 ranks x
+    1,000 steps and 2.0 ms for 2 x 50,000 on the 2-core VM (benchmarks/dashboard.py). The bound is
+    on this thread's CPU time, which other processes' load does not inflate."""
+    allowed = MAX_CPU_SHARE * 2 / 2.0  # CPU seconds per frame: 2 frames/s on 2 cores
+    for steps in (1_000, 20_000):
+        rows = [[row(s, r) for s in range(1, steps + 7)] for r in (0, 1)]
+        dash = LiveDashboard(mode="display", max_fps=1e9, max_duty=1e9)
+        costs = []
+        for last in range(steps, steps + 6):
+            before = dash.cpu_seconds
+            dash.update([metrics_data({"rank": r, "run": 1, "total_steps": 2 * steps}, rows[r][:last])
+                         for r in (0, 1)])
+            costs.append(dash.cpu_seconds - before)
+        median = sorted(costs[1:])[2]  # the first update merges the whole history
+        assert dash.frames == 6 and median < allowed, f"{steps} steps: {1e3 * median:.1f} ms CPU a frame"
+
+
+def test_progress_line_names_grad_norm_and_lr():
+    line = progress_line({0: row(4, 0)}, total_steps=10)
+    assert "lr 1.00e-03" in line and "grad norm 0.25" in line
 
 
 def test_client_holds_every_row_despite_missed_publishes():
@@ -180,20 +240,44 @@ def train_for_dashboard(steps: int) -> float:
     return time.perf_counter() - start
 
 
+class TimedCapture(CapturingDisplayPublisher):
+    """Records display messages as the frontend would get them, each with when it was sent and
+    the CPU time the sending thread (the notebook's main thread) had used by then."""
+
+    def publish(self, *args, **kwargs) -> None:
+        super().publish(*args, **kwargs)
+        self.outputs[-1]["sent"] = (time.monotonic(), time.thread_time())
+
+
+LIVE_RUN_STEPS = 300  # several seconds of training: at one frame per 2 s, several frames must come
+
+
 @pytest.mark.slow
-def test_live_run_on_two_engines_updates_one_display(cluster2, captured):
+def test_live_run_on_two_engines_updates_one_display(cluster2):
+    """A real run through datapub: live SVG frames in one display while training, a new one at
+    least every 2 s, the notebook's main thread (polling and drawing) within 1 % of the machine's
+    CPU (its own CPU time, which the engines' load does not inflate), the final PNG picture last."""
+    shell = InteractiveShell.instance()
+    previous, shell.display_pub = shell.display_pub, TimedCapture()
     cluster2.dashboard = True  # the fixture runs without it; the magics turn it on
     try:
-        seconds = cluster2.run(train_for_dashboard, 60)
+        seconds = cluster2.run(train_for_dashboard, LIVE_RUN_STEPS)
     finally:
         cluster2.dashboard = False
+        captured, shell.display_pub = shell.display_pub.outputs, previous
     ids = display_ids(captured)
-    assert len(captured) >= 2, f"{len(captured)} frames in {max(seconds):.1f}s"
-    assert len(set(ids)) == 1 and ids[0]
-    assert sum(o["update"] for o in captured) >= 1
+    assert len(set(ids)) == 1 and ids[0] and all(o["update"] for o in captured[1:])
+    live = [o for o in captured if live_svg(o) is not None]
+    assert len(live) == len(captured) - 1 >= 3, f"{len(live)} live frames in {max(seconds):.1f} s"
+    times, cpu = zip(*(o["sent"] for o in live))
+    gaps = np.diff(times)
+    assert gaps.max() <= MAX_FRAME_INTERVAL_S, f"live frames {np.round(gaps, 2)} s apart"
+    share = (cpu[-1] - cpu[0]) / (times[-1] - times[0]) / (os.cpu_count() or 1)
+    assert share <= MAX_CPU_SHARE, f"the notebook used {100 * share:.2f} % of the machine's CPU"
+    assert_svg_shows_data(live_svg(live[-1]))
     final = captured[-1]["data"]
     assert final["image/png"].startswith(PNG_MAGIC)
-    assert final["text/plain"].startswith("step 60/60 · loss ")
+    assert final["text/plain"].startswith(f"step {LIVE_RUN_STEPS}/{LIVE_RUN_STEPS} · loss ")
     assert_shows_data(final["image/png"])
 
 

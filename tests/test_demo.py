@@ -11,6 +11,7 @@ import pytest
 from picture import assert_shows_data, empty_plots
 
 from colab_par.cli import dashboard_png
+from colab_par.dashboard import PANELS
 
 SCRIPT = Path(sys.executable).with_name("colab-par")
 
@@ -43,13 +44,14 @@ def test_bad_options_are_refused_before_engines_start(args, problem, tmp_path):
 def test_dashboard_png_draws_the_returned_rows():
     """The demo's picture, from rows as the engines return them; without rows it must be blank."""
     def rows(rank: int) -> list[dict]:
-        return [{"step": s, "rank": rank, "loss": 5.0 / s, "step_time": 0.1, "tokens_per_s": 900.0 + s,
+        return [{"step": s, "rank": rank, "loss": 5.0 / s, "lr": 1e-3, "grad_norm": 2.0 / s,
+                 "step_time": 0.1, "tokens_per_s": 900.0 + s,
                  "mfu": 0.01, "mem_params": 2 ** 20, "mem_grads": 2 ** 20, "mem_optimizer": 2 ** 21,
                  "mem_total": 2 ** 22, "time_data": 0.01, "time_forward_backward": 0.08,
                  "time_optimizer": 0.01} for s in range(1, 16)]
 
     assert_shows_data(dashboard_png([{"rows": rows(0)}, {"rows": rows(1)}], steps=15))
-    assert len(empty_plots(dashboard_png([{"rows": []}, {"rows": []}], steps=15))) == 4
+    assert len(empty_plots(dashboard_png([{"rows": []}, {"rows": []}], steps=15))) == len(PANELS)
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from parity import assert_parity, engine_run, reference_run
 from two_hosts import CONTROLLER, HOSTS, CannotMakeHosts, TwoHosts
 
 from colab_par import SSH, Cluster
-from colab_par.output import DeadEngineError
+from colab_par.output import CollectiveDeadlockError, DeadEngineError
 
 A, B = HOSTS.values()
 
@@ -40,13 +40,30 @@ def where_am_i() -> dict:
     return {"host": socket.gethostname(), "rank": dist.get_rank(), "local_rank": os.environ["LOCAL_RANK"],
             "local_world": os.environ["LOCAL_WORLD_SIZE"], "master": os.environ["MASTER_ADDR"],
             "store_host": getattr(store, "underlying_store", store).host,
-            "gloo_interface": os.environ.get("GLOO_SOCKET_IFNAME"), "threads": torch.get_num_threads()}
+            "gloo_interface": os.environ.get("GLOO_SOCKET_IFNAME"),
+            "nccl_interface": os.environ.get("NCCL_SOCKET_IFNAME"), "threads": torch.get_num_threads()}
+
+
+def all_reduced() -> float:
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.ones(1)
+    dist.all_reduce(tensor)
+    return tensor.item()
 
 
 @pytest.fixture(scope="module")
 def one_engine_per_host(hosts):
     with Cluster(launcher=SSH({A: 1, B: 1}, ssh_args=hosts.ssh_args), dashboard=False, timeout=60) as cluster:
         yield cluster
+
+
+def test_nccl_is_refused_naming_hosts_without_gpus(hosts) -> None:
+    # the backend comes from the engines' hosts: neither has a GPU, so nccl is refused naming them
+    with pytest.raises(ValueError, match="colabpar-a has 0 GPUs for 1 engine; colabpar-b has 0 GPUs for 1 engine"):
+        Cluster(launcher=SSH({A: 1, B: 1}, ssh_args=hosts.ssh_args), backend="nccl", dashboard=False,
+                timeout=60).start()
 
 
 def test_one_engine_per_host_trains_dp2_and_tp2_like_one_process(one_engine_per_host) -> None:
@@ -70,8 +87,20 @@ def test_two_engines_per_host_rank_bind_and_meet_at_rank_0s_address(hosts) -> No
         assert {row["master"] for row in placed} == {A}
         assert {row["store_host"] for row in placed} == {A}
         assert {row["gloo_interface"] for row in placed} == {"eth0"}
+        assert {row["nccl_interface"] for row in placed} == {"=eth0"}
         assert cluster._ipp.controller_ip == CONTROLLER
         assert_parity(cluster.run(engine_run, "dp2 tp2", "gpt", 2), reference_run("gpt", 2))
+
+        # A rank on the second host alone in a collective: found from its engine's answers (no
+        # stack file of another host to read), the world re-formed.
+        started = time.monotonic()
+        with pytest.raises(CollectiveDeadlockError) as info:
+            cluster.execute("import torch, torch.distributed as dist\nif rank == 2:\n"
+                            "    dist.all_reduce(torch.ones(1))\n")
+        assert time.monotonic() - started < 10.0
+        assert info.value.stuck.keys() == {2}
+        assert info.value.waiting[2].endswith("at cell line 3: dist.all_reduce(torch.ones(1))")
+        assert cluster.run(all_reduced) == [4.0] * 4
 
         # A remote engine dies while the others wait for it in a collective.
         victim = cluster.status()[3]

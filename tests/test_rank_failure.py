@@ -1,8 +1,9 @@
-"""One rank's error while the others wait in a collective, on a real 2-engine gloo world of its own.
+"""One rank's error, or a collective it skipped, while the others wait in a collective, on a real
+2-engine gloo world of its own.
 
-The cell must fail within seconds (not the process-group timeout), say what failed and where the
-other ranks waited, bring the world back by itself and say what that cost; the user never sees
-the transport errors of the ranks that merely waited.
+The cell must fail within seconds (not the process-group timeout), say what failed (or that the
+cell could never finish) and where the other ranks waited, bring the world back by itself and say
+what that cost; the user never sees the transport errors of the ranks that merely waited.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
 from colab_par import Cluster, magics
-from colab_par.output import RankFailureError
+from colab_par.output import CollectiveDeadlockError, RankFailureError
 
 FAIL_WITHIN_S = 10.0
 RAW_TRANSPORT = ("gloo", "Connection closed", "Timed out waiting", "DistBackendError", "RuntimeError")
@@ -129,17 +130,35 @@ def test_collective_timeout_is_explained_and_the_sleeping_rank_interrupted(world
     assert_world_works(shell, capsys)
 
 
-def test_mismatched_collectives_time_out_and_the_group_is_repaired(world, shell, capsys):
+def test_waits_the_watch_cannot_name_time_out_and_the_group_is_repaired(world, shell, capsys):
+    # both ranks only receive, through work handles of their own: no torch.distributed collective
+    # call to name, so only the group's (short) timeout ends it
     with pytest.raises(RankFailureError) as info:
         world.execute("import datetime\n"
                       "short = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))\n"
-                      "dist.recv(torch.ones(1), src=1 - rank, group=short)\n")  # both only receive
+                      "dist.irecv(torch.ones(1), src=1 - rank, group=short).wait()\n")
     error = info.value
     # the first time-out is the cause; the other rank's lost connection is its consequence
     assert len(error.groups) == 1 and error.groups[0][1] == "BrokenProcessGroup"
     assert error.groups[0][2].startswith("timed out in a collective")
     assert "re-initialised" in error.recovery
     assert_no_raw_transport_error("\n".join(error._render_traceback_()))
+    assert_world_works(shell, capsys)
+
+
+def test_notebook_cell_where_one_rank_skipped_a_collective_fails_fast_and_recovers(shell, capsys):
+    started = time.monotonic()
+    result = shell.run_cell("%%colossal\nt = torch.tensor([rank + 1.0])\nif rank == 0:\n"
+                            "    dist.all_reduce(t)\n")
+    elapsed = time.monotonic() - started
+    shown = capsys.readouterr().out
+    assert elapsed < FAIL_WITHIN_S, (elapsed, shown)
+    assert isinstance(result.error_in_exec, CollectiveDeadlockError)
+    assert re.search(r"rank 0: in all_reduce \(distributed_c10d\.py:\d+\) at cell line 3: dist\.all_reduce\(t\)\n"
+                     r" +its all_reduce on the group of ranks 0,1 cannot complete: rank 1 returned from the cell\n"
+                     r"  rank 1: returned from the cell\n", shown), shown
+    assert "re-initialised" in shown and re.search(r"but mesh\b.* the old group and must be rebuilt", shown)
+    assert_no_raw_transport_error(shown)
     assert_world_works(shell, capsys)
 
 

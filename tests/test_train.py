@@ -3,11 +3,13 @@ gradient accumulation, clipping across shards and warm-up + cosine; telemetry th
 from __future__ import annotations
 
 import csv
+import importlib.util
 import math
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -125,6 +127,35 @@ def test_pipeline_rows_report_a_measured_bubble(cluster2):
         assert all(0.0 < row["bubble"] < 1.0 for row in history)
 
 
+OWN_WORK_GOAL = 0.03  # issue 23: the Trainer's own work at most 3 % of a step's CPU
+
+
+def trainer_step_benchmark():
+    """benchmarks/trainer_step.py, whose engine-side measurement of the Trainer's own work this
+    test runs (one measurement, not a copy of it)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "trainer_step.py"
+    spec = importlib.util.spec_from_file_location("trainer_step_benchmark", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_trainer_own_work_stays_within_its_share(cluster2):
+    """The Trainer's own CPU work per step (data, LR, grad norm, telemetry rows, activation hooks,
+    publishing), outside the model's forward/backward/optimizer, on real engines with telemetry
+    on: `trainer_step.py --own-work` measured 2.47 % of the step (2.35-2.58 % over 12 rank-rounds)
+    on the 2-core VM, and this test 2.37-2.47 % in three runs. CPU time, so the engines' load moves
+    it little; every rank within the 3 % goal."""
+    bench = trainer_step_benchmark()
+    ranks = cluster2.run(bench.own_work_on_engine, bench.MODEL, bench.BATCH, 12, 2)
+    measured = ("data", "grad norm", "hooks", "row", "publish")  # telemetry and publishing ran
+    assert all(rank[part] > 0 for rank in ranks for part in measured), ranks
+    shares = [rank["own"] / rank["step"] for rank in ranks]
+    assert all(0 < share <= OWN_WORK_GOAL for share in shares), \
+        f"the Trainer's own work is {[f'{100 * s:.2f} %' for s in shares]} of the step: {ranks}"
+
+
 def test_history_to_csv(tmp_path):
     trainer = Trainer.__new__(Trainer)
     trainer.history = [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25, "mfu": 0.1}]
@@ -153,7 +184,7 @@ def test_warmup_cosine_shape():
 def test_bad_arguments_fail_before_any_work(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Trainer(None, SyntheticDataset(), **kwargs)
-    with pytest.raises(TypeError, match="colab_par.data dataset"):
+    with pytest.raises(TypeError, match="int is not data to train on"):
         Trainer(None, 42, steps=1)
     with pytest.raises(TypeError, match=r"a batch is a tuple \(\*inputs, target\) or a dict"):
         Trainer(None, [torch.zeros(3)], steps=1)  # a list of tensors, not of batches

@@ -23,10 +23,11 @@ GRID_DIMS = {"2d": ("row", "col"), "2.5d": ("depth", "row", "col"), "3d": ("x", 
 
 
 def default_device() -> torch.device:
-    """This rank's accelerator if it has one (the cluster bound it), else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """This rank's GPU (the cluster bound it) when its world runs on nccl, else the CPU: a gloo world
+    computes on the CPU also on a GPU host (`colab_par.backend`). Outside a world: the current GPU
+    if there is one."""
+    world_on_gpus = "nccl" in dist.get_backend() if dist.is_initialized() else torch.cuda.is_available()
+    return torch.device("cuda", torch.cuda.current_device()) if world_on_gpus else torch.device("cpu")
 
 
 # Meshes built in the current world, by (device type, shape). Every DeviceMesh opens a process
