@@ -24,31 +24,39 @@ import torch
 import torch.distributed as dist
 
 from colab_par.data import BatchList, TokenDataset
+from colab_par.data_sources import DataPlace
+from colab_par.eval_rows import EvalRows, eval_rows, token_pair
 from colab_par.inference import bare_module, training_state_kept
 from colab_par.models.hf import hf_token_loss
 from colab_par.parallel.batch import (LabelMean, batch_size, batch_to, call_model, check_batch, counted_labels,
                                       labels_of, slice_batch)
 
-__all__ = ["evaluate", "check_data"]
+__all__ = ["evaluate", "check_data", "eval_data"]
 
 
-def evaluate(pm: Any, data: Any, num_batches: int | None = None) -> dict[str, float]:
+def evaluate(pm: Any, data: Any, num_batches: int | None = None,
+             batch_size: int | None = None) -> dict[str, float]:
     """Mean loss of `data` (see the module docstring); call it on every rank.
 
     `data`: a `TokenDataset` (global batches 0..num_batches-1, each rank reading only its rows), a
-    `BatchList` or a list of global batches (the first `num_batches`, default all). A batch that is
-    exactly two integer tensors of one shape is a token pair ``(inputs, targets)``, scored like
-    ``train_step(inputs, targets)``; any other batch like ``train_step(batch)``.
-    Returns ``{"loss", "perplexity" (language models), <unit>: count, "batches"}`` where the unit
-    is "tokens", "labels" or "samples".
+    `BatchList` or a list of global batches (the first `num_batches`, default all), or the user's
+    own rows, all of them once (`eval_rows.py`): a torch Dataset or Hugging Face
+    `datasets.Dataset` in global batches of `batch_size`, or a DataLoader (its batch size is the
+    global batch). A batch that is exactly two integer tensors of one shape is a token pair
+    ``(inputs, targets)``, scored like ``train_step(inputs, targets)``; any other batch like
+    ``train_step(batch)``. Returns ``{"loss", "perplexity" (language models), <unit>: count,
+    "batches"}`` where the unit is "tokens", "labels" or "samples".
     """
+    data = eval_data(data, batch_size)
+    if isinstance(data, EvalRows):
+        data.check(pm)
     pieces = _pieces(pm, data, num_batches)  # refuses what it cannot read before any work
     totals = torch.zeros(2, dtype=torch.float64, device=pm.device)
     units, language, batches = set(), True, 0
     with training_state_kept(pm), _summed_labels(pm.batch_loss_fn):
         for kind, piece in pieces:
             total, count, unit, is_language = (_token_sums(pm, *piece) if kind == "tokens"
-                                               else _batch_sums(pm, piece))
+                                               else _batch_sums(pm, *piece))
             totals += torch.tensor([total, count], dtype=torch.float64, device=pm.device)
             units.add(unit)
             language &= is_language
@@ -67,6 +75,14 @@ def evaluate(pm: Any, data: Any, num_batches: int | None = None) -> dict[str, fl
     if language:
         result["perplexity"] = math.exp(loss) if loss < 700 else math.inf
     return result
+
+
+def eval_data(data: Any, batch_size: int | None) -> Any:
+    """The kit's own batches as they are; the user's rows (a Dataset, DataLoader, Hugging Face
+    dataset) as `EvalRows` in global batches of `batch_size`."""
+    if isinstance(data, (TokenDataset, BatchList, list, tuple, EvalRows)):
+        return data
+    return eval_rows(data, batch_size)
 
 
 def check_data(data: Any, num_batches: int | None) -> int | None:
@@ -91,32 +107,36 @@ def check_data(data: Any, num_batches: int | None) -> int | None:
         if num_batches is not None and num_batches > len(data):
             raise ValueError(f"num_batches={num_batches} but the list holds {len(data)} batches")
         return num_batches or len(data)
+    if isinstance(data, EvalRows):
+        if num_batches is not None and num_batches > data.count:
+            raise ValueError(f"num_batches={num_batches} but the {data.rows} rows make {data.count} global "
+                             f"batches of {data.batch_size}")
+        return num_batches or data.count
     raise TypeError(f"evaluation data is a TokenDataset, a BatchList or a list of global batches, not "
                     f"{type(data).__name__}")
 
 
 def _pieces(pm: Any, data: Any, num_batches: int | None) -> Iterator[tuple[str, Any]]:
-    """("tokens", (inputs, targets, local)) or ("batch", batch) per global batch."""
+    """("tokens", (inputs, targets, local)) or ("batch", (batch, local)) per global batch; local:
+    the batch is already this rank's dp share."""
     count = check_data(data, num_batches)
     if isinstance(data, TokenDataset):
         return (("tokens", (*data.batch(i, pm.dp_rank, pm.dp_size), True)) for i in range(count))
+    if isinstance(data, EvalRows):
+        place = DataPlace.of(pm)
+        return (_piece(data.local_batch(i, place), True) for i in range(count))
     batches = ([data.global_batch(i) for i in range(count)] if isinstance(data, BatchList)
                else list(data[:count]))
     pieces = []
     for batch in batches:
-        if _is_token_pair(batch):
-            pieces.append(("tokens", (batch[0], batch[1], False)))
-        else:
+        if not token_pair(batch):
             check_batch(batch)
-            pieces.append(("batch", batch))
+        pieces.append(_piece(batch, False))
     return iter(pieces)
 
 
-def _is_token_pair(batch: Any) -> bool:
-    return (isinstance(batch, (tuple, list)) and len(batch) == 2
-            and all(isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dtype != torch.bool
-                    for t in batch)
-            and batch[0].shape == batch[1].shape and batch[0].dim() >= 2)
+def _piece(batch: Any, local: bool) -> tuple[str, Any]:
+    return ("tokens", (batch[0], batch[1], local)) if token_pair(batch) else ("batch", (batch, local))
 
 
 def _token_sums(pm: Any, inputs: torch.Tensor, targets: torch.Tensor,
@@ -132,11 +152,11 @@ def _token_sums(pm: Any, inputs: torch.Tensor, targets: torch.Tensor,
     return (loss.double().item() * count if count else 0.0), count, "tokens", language
 
 
-def _batch_sums(pm: Any, batch: Any) -> tuple[float, int, str, bool]:
+def _batch_sums(pm: Any, batch: Any, local: bool) -> tuple[float, int, str, bool]:
     if pm.cp_size > 1:
         raise ValueError("context parallel splits token sequences; evaluate (inputs, targets) token batches "
                          "under it, or use cp=1")
-    if pm.dp_size > 1:
+    if pm.dp_size > 1 and not local:
         batch = slice_batch(batch, pm.dp_size, pm.dp_rank)
     batch = batch_to(batch, pm.device)
     loss_fn, labels = pm.batch_loss_fn, labels_of(batch)

@@ -242,11 +242,12 @@ class ParallelModel:
         self.optimizer.zero_grad(set_to_none=True)
 
     # ---- evaluation and generation -------------------------------------------------------------
-    def evaluate(self, data: Any, num_batches: int | None = None) -> dict[str, float]:
+    def evaluate(self, data: Any, num_batches: int | None = None, *,
+                 batch_size: int | None = None) -> dict[str, float]:
         """Mean loss of held-out `data` over all ranks (and perplexity for language models),
         changing no state; see `colab_par.evaluation.evaluate`."""
         from colab_par.evaluation import evaluate
-        return evaluate(self, data, num_batches)
+        return evaluate(self, data, num_batches, batch_size)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, *, do_sample: bool = False,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
