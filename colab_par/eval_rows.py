@@ -13,6 +13,7 @@ dataset must fill whole batches.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -57,7 +58,8 @@ def eval_rows(data: Any, batch_size: int | None) -> EvalRows:
     """`data` (a DataLoader, or an indexable dataset with a length) as EvalRows; a DataLoader
     brings its batch size (the global batch) and collate function."""
     dataset = data.dataset if isinstance(data, DataLoader) else data
-    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+    if (isinstance(dataset, (IterableDataset, str, bytes, Mapping))
+            or not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"))):
         raise TypeError(f"evaluation data is read whole every time, so it needs a length: give a torch "
                         f"Dataset, a DataLoader over one, a Hugging Face datasets.Dataset, a colab_par.data "
                         f"dataset or a list of global batches, not a {type(dataset).__name__} (a stream "

@@ -330,10 +330,10 @@ def test_held_out_rows_that_cannot_be_read_whole_are_refused() -> None:
             yield from range(3)
 
     rows = TensorDataset(torch.zeros(6, 4, dtype=torch.long), torch.zeros(6, 4, dtype=torch.long))
-    for data, batch_size, message in [(Stream(), 4, "needs a length"), (DataLoader(Stream(), batch_size=2), None,
-                                                                         "needs a length"),
-                                      (rows, None, "pass batch_size="),
-                                      (DataLoader(rows, batch_size=2), 4, "the DataLoader's is 2")]:
+    refused = [(Stream(), 4, "needs a length"), (DataLoader(Stream(), batch_size=2), None, "needs a length"),
+               ("text", 2, "not a str"), ({"input_ids": rows.tensors[0]}, 2, "not a dict"),
+               (rows, None, "pass batch_size="), (DataLoader(rows, batch_size=2), 4, "the DataLoader's is 2")]
+    for data, batch_size, message in refused:
         with pytest.raises((ValueError, TypeError), match=message):
             eval_data(data, batch_size)
     assert eval_data(DataLoader(rows, batch_size=2), None).count == 3
