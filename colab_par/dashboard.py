@@ -63,7 +63,8 @@ class PanelSpec:
 
 
 PANELS = (
-    PanelSpec("loss by step", (Curve((("loss", "loss"),), BLUE),)),
+    PanelSpec("loss by step", (Curve((("loss", "loss"),), BLUE),
+                               Curve((("eval_loss", "validation"),), ORANGE))),
     PanelSpec("grad norm by step", (Curve((("grad_norm", "grad norm"),), RED),)),
     PanelSpec("learning rate by step", (Curve((("lr", "lr"),), GREEN),)),
     PanelSpec("{} (blue), MFU % (orange)",
@@ -119,9 +120,12 @@ class LiveDashboard:
         self.header: dict[int, dict] = {}
         self._columns: dict[int, dict[str, _Column]] = {}  # rank -> metric -> its column
         self._newest: dict[int, int] = {}  # rank -> newest step merged
+        self.evals: dict[int, list[dict]] = {}  # rank -> its evaluation rows (Trainer eval_every)
+        self._newest_eval: dict[int, int] = {}  # rank -> step of its newest evaluation row
         self._merged: dict[tuple[int, int], int] = {}  # (rank, chunk) -> rows merged
         self._complete: dict[int, int] = {}  # rank -> leading chunks full and merged
         self._printed_step = -1
+        self._printed_evals = 0
 
     # ---- feeding ----------------------------------------------------------------------------
     def update(self, per_rank: list[dict | None]) -> None:
@@ -175,11 +179,17 @@ class LiveDashboard:
         steps = self.rows.setdefault(rank, {})
         columns = self._columns.setdefault(rank, {})
         for row in rows:
-            step = int(row["step"])
-            steps[step] = row
-            if step <= self._newest.get(rank, -1):
-                continue
-            self._newest[rank] = step
+            step, evaluation = int(row["step"]), row.get("kind") == "eval"
+            if evaluation:  # shares its step with a training row: kept apart, drawn as its own curve
+                if step <= self._newest_eval.get(rank, -1):
+                    continue
+                self.evals.setdefault(rank, []).append(row)
+                self._newest_eval[rank] = step
+            else:
+                steps[step] = row
+                if step <= self._newest.get(rank, -1):
+                    continue
+                self._newest[rank] = step
             self._changed = True
             for key, value in row.items():
                 if isinstance(value, (int, float)) and key not in ("step", "rank"):
@@ -252,7 +262,9 @@ class LiveDashboard:
 
     def progress(self) -> str:
         header = self.header.get(min(self.header)) if self.header else {}
-        return progress_line(self.latest(), int(header.get("total_steps", 0)))
+        line = progress_line(self.latest(), int(header.get("total_steps", 0)))
+        evals = self.evals.get(min(self.evals)) if self.evals else None
+        return f"{line} · validation loss {evals[-1]['eval_loss']:.4f}" if evals else line
 
     # ---- text mode ----------------------------------------------------------------------------
     def _print_new_lines(self) -> None:
@@ -263,6 +275,10 @@ class LiveDashboard:
             header = self.header.get(reference, {})
             print(progress_line(ranks, int(header.get("total_steps", 0))), file=stream, flush=True)
             self._printed_step = step
+        evals = self.evals.get(reference, [])
+        for row in evals[self._printed_evals:]:
+            print(eval_line(row), file=stream, flush=True)
+        self._printed_evals = len(evals)
 
     # ---- display mode -------------------------------------------------------------------------
     def _frame_due(self) -> bool:
@@ -408,6 +424,16 @@ def progress_line(latest: dict[int, dict], total_steps: int) -> str:
     if total_steps and row.get("step_time") and step < total_steps:
         seconds = int(round(row["step_time"] * (total_steps - step)))
         parts.append(f"ETA {seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}")
+    return " · ".join(parts)
+
+
+def eval_line(row: dict) -> str:
+    """`eval at step 50 · loss 2.3100 · perplexity 10.07 · 8192 tokens`."""
+    parts = [f"eval at step {int(row['step'])}", f"loss {row['eval_loss']:.4f}"]
+    if row.get("eval_perplexity") is not None:
+        parts.append(f"perplexity {row['eval_perplexity']:.4g}")
+    parts += [f"{row[f'eval_{unit}']} {unit}" for unit in ("tokens", "labels", "samples")
+              if row.get(f"eval_{unit}") is not None]
     return " · ".join(parts)
 
 

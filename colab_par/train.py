@@ -19,10 +19,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from colab_par import recovery
+from colab_par import evaluation, recovery
 from colab_par import telemetry as telem
 from colab_par.data import BatchList, TokenDataset
 from colab_par.data_sources import DataPlace, DataSource, data_source, dp_total
+from colab_par.eval_rows import EvalRows
 from colab_par.loggers import Logger, RunLogs
 from colab_par.parallel.batch import batch_size, batch_to, check_batch
 from colab_par.profiling import recorder
@@ -68,6 +69,14 @@ class Trainer:
     measures memory, activations and the grad norm). With `ckpt_dir`, a checkpoint is saved at the
     end of every `fit` and every `ckpt_every` steps.
 
+    With `eval_data` (a `TokenDataset` with `eval_batches` global batches, a `BatchList` or a list
+    of global batches, or held-out rows of the kinds `data` takes, read whole each time in global
+    batches of the training batch size or the DataLoader's own, split over dp without a row read
+    twice: `colab_par.eval_rows`) and `eval_every`, the model is evaluated every `eval_every` steps and after
+    the last one (`ParallelModel.evaluate`, which changes no training state): a row with
+    ``kind: "eval"``, `eval_loss`, `eval_perplexity` (language models) and the units counted
+    joins `history`, the dashboard's data and checkpoints. `evaluate()` does the same on demand.
+
     `on_failure="restart"` (with `ckpt_dir` and `ckpt_every`): when an engine dies while the cell
     that fits this trainer runs, the kit restarts the engines and runs the cell again; its `fit`
     then resumes from the last committed checkpoint (history included), at most `max_restarts`
@@ -87,8 +96,12 @@ class Trainer:
                  ckpt_every: int | None = None, seed: int = 0, telemetry: bool = True,
                  on_failure: str = "raise", max_restarts: int = 3,
                  log_dir: str | os.PathLike | None = None, loggers: list[Logger] | None = None,
-                 profile_steps: int | tuple[int, int] | ProfileSteps | None = None):
+                 profile_steps: int | tuple[int, int] | ProfileSteps | None = None,
+                 eval_data: Any = None, eval_every: int | None = None, eval_batches: int | None = None):
         _check_positive(steps=steps, grad_accum=grad_accum, log_every=log_every)
+        if eval_data is not None:
+            eval_data = evaluation.eval_data(eval_data, batch_size or getattr(data, "batch_size", None))
+        _check_eval(eval_data, eval_every, eval_batches)
         if on_failure not in ON_FAILURE:
             raise ValueError(f"on_failure={on_failure!r} is not one of {', '.join(ON_FAILURE)}")
         if on_failure == "restart" and (ckpt_dir is None or ckpt_every is None):
@@ -113,10 +126,13 @@ class Trainer:
             check_batch(data.global_batch(0))
         if isinstance(data, DataSource):
             data.check(pm)
+        if isinstance(eval_data, EvalRows):
+            eval_data.check(pm)
         self.pm, self.data, self.steps = pm, data, steps
         self.lr_schedule, self.grad_clip, self.grad_accum = lr_schedule, grad_clip, grad_accum
         self.log_every, self.ckpt_dir, self.ckpt_every = log_every, ckpt_dir, ckpt_every
         self.seed, self.telemetry = seed, telemetry
+        self.eval_data, self.eval_every, self.eval_batches = eval_data, eval_every, eval_batches
         self.on_failure, self.max_restarts = on_failure, max_restarts
         self._profile = StepProfiler(ProfileSteps.of(profile_steps)) if profile_steps is not None else None
         self.step = 0
@@ -152,6 +168,10 @@ class Trainer:
                     self._logs.after_step(self.history, row, torch.device(self.pm.device))
                 if row is not None and publisher is not None:
                     publisher.publish(self.history, force=self.step >= stop_at)
+                if self._eval_due():
+                    self.evaluate()
+                    if publisher is not None:
+                        publisher.publish(self.history, force=True)
                 due = self.ckpt_every is not None and self.step % self.ckpt_every == 0
                 if self.ckpt_dir is not None and (due or self.step == stop_at):
                     self.save_checkpoint()
@@ -216,6 +236,22 @@ class Trainer:
     def timeline(self) -> Any:
         """The `Timeline` of the steps `profile_steps` recorded (on rank 0, once they ran), else None."""
         return self._profile.timeline if self._profile is not None else None
+
+    def evaluate(self) -> dict:
+        """Evaluate on `eval_data` now; the row (``kind: "eval"``) joins `history` and is returned."""
+        if self.eval_data is None:
+            raise ValueError("this Trainer has no eval_data; pass Trainer(..., eval_data=..., eval_every=k)")
+        start = time.perf_counter()
+        result = self.pm.evaluate(self.eval_data, self.eval_batches)
+        row = {"step": self.step, "rank": self.rank, "kind": "eval", "eval_loss": result["loss"],
+               **{f"eval_{key}": value for key, value in result.items() if key != "loss"},
+               "eval_time": time.perf_counter() - start}
+        self.history.append(row)
+        return row
+
+    def _eval_due(self) -> bool:
+        """Every `eval_every` steps and after the last one."""
+        return self.eval_every is not None and (self.step % self.eval_every == 0 or self.step == self.steps)
 
     def _next_batch(self) -> Any:
         """Token data: this rank's rows, on the device. Other data: the global batch (the model
@@ -302,21 +338,32 @@ class Trainer:
     def _resume(self) -> None:
         """The engines were restarted after one died: go on from the last committed checkpoint,
         or from the start when none was committed before the loss."""
-        from colab_par.checkpoint import LATEST, load, saved_history
+        from colab_par.checkpoint import LATEST
 
         recovery.take_resume_request(self.ckpt_dir)
         if not (Path(self.ckpt_dir) / LATEST).is_file():
             print("colab_par: no checkpoint was committed before the engine was lost; training "
                   "again from step 0")
             return
-        meta = load(self.pm, self.ckpt_dir, trainer=self)
-        self.history = saved_history(self.ckpt_dir) or []
+        meta = self.resume()
         print(f"colab_par: resumed from the checkpoint of step {meta['step']} in {self.ckpt_dir}")
 
     # ---- checkpoints & history ------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike | None = None) -> None:
         from colab_par.checkpoint import save
         save(self.pm, path or self.ckpt_dir, trainer=self)
+
+    def resume(self, path: str | os.PathLike | None = None) -> dict:
+        """Continue from the latest checkpoint under `path` (default `ckpt_dir`): the model, the
+        optimizer, the loop's state and `history` with its evaluation rows, as that checkpoint saved
+        them (`checkpoint.load` alone leaves `history` as it is). Returns the checkpoint's metadata."""
+        from colab_par.checkpoint import load, saved_history
+        path = path or self.ckpt_dir
+        if path is None:
+            raise ValueError("no checkpoint folder: pass resume(path) or Trainer(..., ckpt_dir=...)")
+        meta = load(self.pm, path, trainer=self)
+        self.history = saved_history(path) or []
+        return meta
 
     def state_dict(self) -> dict:
         """JSON-able loop state for checkpoints: where training and the data stream stand."""
@@ -364,6 +411,18 @@ def _counts(batch: Any, data: Any) -> tuple[int, int]:
         mask = batch.get("attention_mask")
         return batch_size(batch), int(mask.sum()) if mask is not None else batch["input_ids"].numel()
     return batch_size(batch), 0
+
+
+def _check_eval(eval_data: Any, eval_every: int | None, eval_batches: int | None) -> None:
+    if eval_every is not None:
+        _check_positive(eval_every=eval_every)
+        if eval_data is None:
+            raise ValueError("eval_every is set but eval_data is None; pass eval_data= (held-out batches)")
+    if eval_data is not None:
+        evaluation.check_data(eval_data, eval_batches)
+        if eval_every is None:
+            raise ValueError("eval_data is set but eval_every is None; pass eval_every=k to evaluate every "
+                             "k steps")
 
 
 def _check_positive(**values: int) -> None:

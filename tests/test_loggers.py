@@ -76,7 +76,8 @@ def train_with_logs(log_dir: str) -> list[dict]:
     from colab_par.models.gpt import GPT, GPTConfig
     torch.manual_seed(5)
     pm = parallelize(GPT(GPTConfig(**GPT_SIZES)), "dp2 zero3")
-    trainer = Trainer(pm, Windows(), batch_size=BATCH, steps=STEPS, log_every=2, log_dir=log_dir)
+    trainer = Trainer(pm, Windows(), batch_size=BATCH, steps=STEPS, log_every=2, log_dir=log_dir,
+                      eval_data=Windows(), eval_every=2)
     trainer.fit()
     return trainer.history
 
@@ -86,7 +87,8 @@ def test_tensorboard_reads_back_the_history_of_every_rank(cluster2, tmp_path):
     assert sorted(p.parent for p in tmp_path.rglob("events.out.tfevents.*")) == [tmp_path]  # rank 0 alone
     expected: dict[str, list[tuple[int, float]]] = {}
     for rank, history in enumerate(ranks):
-        assert [row["step"] for row in history] == [2, 4]
+        assert [(row["step"], row.get("kind")) for row in history] == [(2, None), (2, "eval"), (4, None),
+                                                                        (4, "eval")]
         for row in history:
             for tag, value in scalar_tags(row, rank).items():
                 expected.setdefault(tag, []).append((row["step"], as_stored(value)))
@@ -94,9 +96,13 @@ def test_tensorboard_reads_back_the_history_of_every_rank(cluster2, tmp_path):
     assert got == expected
     assert {"train/loss", "train/lr", "train/grad_norm", "train/samples_per_s", "train/mfu",
             "memory/rank0/total", "memory/rank1/total", "memory/rank1/params"} <= set(got)
+    evals = [row for row in ranks[0] if row.get("kind") == "eval"]  # the validation curve
+    assert got["eval/loss"] == [(row["step"], as_stored(row["eval_loss"])) for row in evals]
+    assert [step for step, _ in got["eval/perplexity"]] == [2, 4]
     # Each rank's memory tags hold its own figures (which differ: the process sizes do).
-    memory = [key for key in ranks[0][-1] if key.startswith("mem_")]
-    assert any(ranks[0][-1][key] != ranks[1][-1][key] for key in memory)
+    last = [[row for row in history if row.get("kind") is None][-1] for history in ranks]
+    memory = [key for key in last[0] if key.startswith("mem_")]
+    assert any(last[0][key] != last[1][key] for key in memory)
 
 
 def fit_into(log_dir: str) -> str:

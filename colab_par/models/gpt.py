@@ -8,7 +8,9 @@ Written so every parallelism can reach into it without patches:
 - ``forward(tokens, positions)`` takes explicit positions, so a rank holding sequence chunks of a
   load-balanced context-parallel split still applies the right rotary angles;
 - ``layers`` is a ModuleDict keyed by layer index and the embedding / head may be ``None``, so a
-  pipeline stage is the same class with the other stages' modules deleted.
+  pipeline stage is the same class with the other stages' modules deleted;
+- ``forward(..., cache=KVCache(...))`` is generation's path: keys and values of past tokens are kept,
+  so a new token costs one position's forward, and left padding is masked out.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "GPT", "causal_attention", "rope_cos_sin"]
+__all__ = ["GPTConfig", "GPT", "KVCache", "causal_attention", "rope_cos_sin"]
 
 
 @dataclass
@@ -83,10 +85,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (seq, head_dim) in the rotate-half (Llama) convention."""
+    """cos/sin tables of shape (*positions.shape, head_dim) in the rotate-half (Llama) convention:
+    (seq, head_dim) for positions shared by the batch, (batch, seq, head_dim) for per-row ones."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device,
                                              dtype=torch.float32) / head_dim)
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = positions.float()[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -98,11 +101,50 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def _apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if triton:
+    if triton and cos.dim() == 2:
         from colab_par.kernels import apply_rope
         return apply_rope(q, k, cos, sin)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    if cos.dim() == 2:  # positions shared by the batch
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    else:  # per row: (batch, seq, head_dim)
+        cos, sin = cos[:, :, None], sin[:, :, None]
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class KVCache:
+    """Keys and values of past tokens, per attention module, at fixed slots (batch, slots, kv heads,
+    head_dim), and `keep` (batch, slots): which slots hold real tokens (left padding does not).
+
+    Before each forward the caller sets `start`, the slot of the forward's first token; its tokens'
+    keys and values are written at slots [start, start + seq) and each attends causally over the
+    slots up to its own. Writing a slot again overwrites it, so a forward may re-feed recent tokens
+    (sequence parallel needs a multiple of tp tokens per forward).
+    """
+
+    def __init__(self, keep: torch.Tensor):
+        self.keep, self.start = keep.bool(), 0
+        self._slots: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def attend(self, owner: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of (batch, seq, heads, head_dim) queries over `owner`'s cached slots."""
+        b, s = q.shape[:2]
+        end = self.start + s
+        if owner not in self._slots:
+            shape = (b, self.keep.shape[1], *k.shape[2:])
+            self._slots[owner] = (k.new_zeros(shape), v.new_zeros(shape))
+        keys, values = self._slots[owner]
+        keys[:, self.start:end], values[:, self.start:end] = k, v
+        keys, values = keys[:, :end], values[:, :end]
+        if keys.shape[2] != q.shape[2]:
+            keys = keys.repeat_interleave(q.shape[2] // keys.shape[2], dim=2)
+            values = values.repeat_interleave(q.shape[2] // values.shape[2], dim=2)
+        slot = torch.arange(end, device=q.device)
+        query_slot = slot[self.start:, None]
+        # A padding query attends to itself only, so no row is fully masked (NaN).
+        allowed = (slot <= query_slot) & self.keep[:, None, :end] | (slot == query_slot)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=allowed[:, None])
+        return out.transpose(1, 2)
 
 
 class RMSNorm(nn.Module):
@@ -129,13 +171,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_head * hd, d, bias=False)
         self.attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = causal_attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = _apply_rope(q, k, cos, sin, _use_triton(self.config, x))
-        out = self.attention(q, k, v)
+        out = self.attention(q, k, v) if cache is None else cache.attend(self, q, k, v)
         return self.wo(out.reshape(b, s, -1))
 
 
@@ -163,8 +206,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, config)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache=cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -190,13 +234,15 @@ class GPT(nn.Module):
             else:
                 nn.init.normal_(param, 0.0, std)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """`positions`: (seq,) shared by the batch or (batch, seq) per row (left-padded prompts)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
             positions = torch.arange(h.shape[1], device=h.device)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, cache=cache)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -19,7 +19,8 @@ from torch import nn
 
 from colab_par import compat
 
-__all__ = ["is_hf_model", "hf_token_loss", "shifts_labels", "is_hf_decoder", "causal_lm_logits"]
+__all__ = ["is_hf_model", "hf_token_loss", "shifts_labels", "is_hf_decoder", "causal_lm_logits",
+           "decode_keywords"]
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -53,3 +54,20 @@ def causal_lm_logits(model: nn.Module, tokens: torch.Tensor, positions: torch.Te
     """(batch, seq) token ids and (seq,) positions -> (batch, seq, vocab) logits, no KV cache."""
     out = model(input_ids=tokens, position_ids=positions.expand(tokens.shape[0], -1), use_cache=False)
     return out.logits
+
+
+def decode_keywords(model: nn.Module, attention_mask: torch.Tensor | None, positions: torch.Tensor,
+                    cache: object) -> dict[str, object]:
+    """What a causal LM's own forward takes for one generation step: its KV cache (by the name its
+    forward gives it: ``cache``, or ``past_key_values`` in earlier transformers; None: no cache),
+    positions, the 2D padding mask (None: no padding) and, where it can, only the last position's
+    logits, as transformers' own `generate` asks."""
+    accepted = inspect.signature(type(model).forward).parameters
+    keywords: dict[str, object] = {"position_ids": positions, "use_cache": cache is not None}
+    if cache is not None:
+        keywords["cache" if "cache" in accepted else "past_key_values"] = cache
+    if attention_mask is not None:
+        keywords["attention_mask"] = attention_mask
+    if "logits_to_keep" in accepted:
+        keywords["logits_to_keep"] = 1
+    return keywords

@@ -128,8 +128,7 @@ class ParallelModel:
                                     dtype=torch.float64, device=self.device)
             dist.all_reduce(loss_sum)
             return loss_sum
-        autocast = (self.layout.precision == "bf16" and not isinstance(self.model, FSDPModule))
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+        with self._autocast():
             loss = self.batch_loss_fn(call_model(self.model, inputs), batch)
         loss_sum = loss.detach().to(torch.float64)
         pending = dist.all_reduce(loss_sum, async_op=True)
@@ -144,23 +143,36 @@ class ParallelModel:
         Every rank holds the mean over its equal share of tokens (tp ranks repeat it), so the sum
         over all ranks divided by the world size is the global mean.
         """
+        loss, _ = self._token_loss(inputs, targets)
+        loss_sum = loss.detach().to(torch.float64)
+        pending = dist.all_reduce(loss_sum, async_op=True)
+        (loss * loss_scale).backward()
+        return loss_sum, pending
+
+    def _token_loss(self, inputs: torch.Tensor, targets: torch.Tensor,
+                    model: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's mean loss on its tokens (its context-parallel share of the dp slice `inputs`),
+        and the targets it scored; `model` replaces the wrapped model (evaluation calls DDP's
+        module itself)."""
+        model = self.model if model is None else model
         positions = torch.arange(inputs.shape[1], device=self.device)
         if self.cp_size > 1:
             mode = self.layout.cp_mode
             inputs = shard_sequence(inputs, self.cp_rank, self.cp_size, mode, dim=1)
             targets = shard_sequence(targets, self.cp_rank, self.cp_size, mode, dim=1)
             positions = sequence_positions(positions.numel(), self.cp_rank, self.cp_size, mode, self.device)
-        autocast = (self.layout.precision == "bf16" and not isinstance(self.model, FSDPModule))
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+        with self._autocast():
             if self._fused_loss:  # through the model's own call, so DDP / FSDP wrap it as usual
-                loss = self.model(input_ids=inputs, position_ids=positions.expand(inputs.shape[0], -1),
-                                  use_cache=False, colab_par_targets=targets)
+                loss = model(input_ids=inputs, position_ids=positions.expand(inputs.shape[0], -1),
+                             use_cache=False, colab_par_targets=targets)
             else:
-                loss = self.loss_fn(self._logits(inputs, positions), targets)
-        loss_sum = loss.detach().to(torch.float64)
-        pending = dist.all_reduce(loss_sum, async_op=True)
-        (loss * loss_scale).backward()
-        return loss_sum, pending
+                loss = self.loss_fn(self._logits(model, inputs, positions), targets)
+        return loss, targets
+
+    def _autocast(self) -> torch.autocast:
+        """bf16 compute for bf16 layouts (FSDP casts its parameters itself instead)."""
+        enabled = self.layout.precision == "bf16" and not isinstance(self.model, FSDPModule)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     def _count_labels(self, batch: Any) -> Any:
         """With the default loss and labels: count them over the dp ranks and set `LabelMean`'s
@@ -177,12 +189,12 @@ class ParallelModel:
         self.batch_loss_fn.items = max(counted.item(), 1.0) / pieces
         return {k: v for k, v in batch.items() if k != "labels"}
 
-    def _logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _logits(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self._hf:
-            return causal_lm_logits(self.model, tokens, positions)
+            return causal_lm_logits(model, tokens, positions)
         if not self._takes_positions:  # a user's model without positions (cp == 1 is enforced)
-            return self.model(tokens)
-        return self.model(tokens, positions)
+            return model(tokens)
+        return model(tokens, positions)
 
     def _dp_slice(self, batch: torch.Tensor, local: bool) -> torch.Tensor:
         if local or self.dp_size == 1:
@@ -230,6 +242,28 @@ class ParallelModel:
     def optimizer_step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    # ---- evaluation and generation -------------------------------------------------------------
+    def evaluate(self, data: Any, num_batches: int | None = None, *,
+                 batch_size: int | None = None) -> dict[str, float]:
+        """Mean loss of held-out `data` over all ranks (and perplexity for language models),
+        changing no state; see `colab_par.evaluation.evaluate`."""
+        from colab_par.evaluation import evaluate
+        return evaluate(self, data, num_batches, batch_size)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, *, do_sample: bool = False,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+                 attention_mask: torch.Tensor | None = None, seed: int = 0,
+                 use_cache: bool = True) -> torch.Tensor:
+        """Prompts followed by up to `max_new_tokens` new tokens, the same on every rank, changing
+        no training state; see `colab_par.generation.generate`."""
+        from colab_par.generation import generate
+        from colab_par.sampling import Sampling
+        return generate(self, input_ids, max_new_tokens,
+                        Sampling(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p),
+                        eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                        attention_mask=attention_mask, seed=seed, use_cache=use_cache)
 
     # ---- state ---------------------------------------------------------------------------------
     @property

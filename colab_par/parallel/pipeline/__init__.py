@@ -4,7 +4,9 @@
 qualified name. colab_par's GPT and Hugging Face decoders are cut by their layers (`layers.py`);
 any other model, or any model given `split_points`, is traced by torch's `pipeline()` on an example
 microbatch (`traced.py`). `PipelineRunner` (`runner.py`) runs the stages with the layout's
-schedule; `stages.py` says which stages live on which rank.
+schedule (forward-only for evaluation); `decode.py` runs them one call at a time outside torch's
+schedules (generation, whose shapes change and whose stages keep caches); `stages.py` says which
+stages live on which rank.
 """
 from __future__ import annotations
 

@@ -48,7 +48,9 @@ def layer_stage(model: nn.Module, stage: int, n_stages: int, layers: range) -> n
     """Stage `stage` of `n_stages` of a model cut by its layers, holding `layers` (the first stage
     also the embedding, the last the final norm and head); parameters keep their FQNs."""
     build = _gpt_stage if isinstance(model, GPT) else _decoder_stage
-    return build(model, stage, n_stages, layers)
+    part = build(model, stage, n_stages, layers)
+    part.pipeline_layers = layers  # a generation cache sizes itself by the stage's own layers
+    return part
 
 
 def layer_units(model: nn.Module) -> tuple[list[nn.Module], list[tuple[str, nn.Module]], list[nn.Module]]:
@@ -214,20 +216,21 @@ class _Absent(StandIn):
 
 class _StageForward:
     """A decoder stage's forward: token ids (first stage) or hidden states in, hidden states or
-    (last stage) logits out, through the model's own forward."""
+    (last stage) logits out, through the model's own forward. Keywords go to that forward
+    (generation passes its cache, attention mask and positions)."""
 
     def __init__(self, part: nn.Module, run: _StageRun):
         self.part, self.run = part, run
         self.options = {"use_cache": False} if "use_cache" in inspect.signature(type(part).forward).parameters else {}
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        run, forward = self.run, type(self.part).forward
+    def __call__(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        run, forward, options = self.run, type(self.part).forward, {**self.options, **kwargs}
         run.phase, run.output = "before", None
         if run.first:
-            out = forward(self.part, input_ids=x, **self.options)
+            out = forward(self.part, input_ids=x, **options)
         else:
             run.received = x
-            out = forward(self.part, inputs_embeds=x, **self.options)  # shapes for masks and positions
+            out = forward(self.part, inputs_embeds=x, **options)  # shapes for masks and positions
             run.received = None
         if run.last:
             return out.logits

@@ -23,6 +23,7 @@ from colab_par import compat
 from colab_par.compat import tree_flatten, tree_map
 from colab_par.layout import Layout
 from colab_par.parallel.batch import Batch, batch_size, batch_to, check_batch
+from colab_par.parallel.pipeline.decode import StageChain
 from colab_par.parallel.pipeline.stages import TiedTensor, stage_ids, stage_owner
 from colab_par.parallel.pipeline.traced import TracedInterface
 
@@ -195,11 +196,7 @@ class PipelineRunner:
             return self.step_batch((inputs, targets), loss_scale=loss_scale,
                                    score=lambda outputs, rows: self._loss_fn(outputs, rows[-1]))
         self._check_step(inputs.shape[0], loss_scale)
-        args = (inputs.to(self.device),) if self.has_first else ()
-        target = targets.to(self.device) if self.has_last else None
-        self._score = self._loss_fn
-        return self._run((tuple(inputs.shape), inputs.dtype, tuple(targets.shape)), args, {},
-                         target, loss_scale)
+        return self._run(*self._token_inputs(inputs, targets, self._loss_fn), loss_scale)
 
     def step_batch(self, batch: Batch, *, loss_scale: float = 1.0,
                    score: Callable[[Any, Batch], torch.Tensor] | None = None) -> float:
@@ -212,8 +209,35 @@ class PipelineRunner:
         on every pp rank.
         """
         check_batch(batch)
+        self._check_step(batch_size(batch), loss_scale)
+        return self._run(*self._batch_inputs(batch, score or self._batch_loss_fn), loss_scale)
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 score: Callable[[Any, torch.Tensor], torch.Tensor]) -> float:
+        """Forward only (no gradients, nothing trained): the sum over the microbatches of this
+        rank's dp slice of ``score(logits, targets)``, on every pp rank."""
+        if self._traced is not None:
+            return self.evaluate_batch((inputs, targets), lambda outputs, rows: score(outputs, rows[-1]))
+        self._check_step(inputs.shape[0], 1.0)
+        return self._run_forward(*self._token_inputs(inputs, targets, score))
+
+    def evaluate_batch(self, batch: Batch, score: Callable[[Any, Batch], torch.Tensor]) -> float:
+        """`evaluate` for any batch: the sum of ``score(outputs, microbatch)`` on every pp rank."""
+        check_batch(batch)
+        self._check_step(batch_size(batch), 1.0)
+        return self._run_forward(*self._batch_inputs(batch, score))
+
+    def _token_inputs(self, inputs: torch.Tensor, targets: torch.Tensor,
+                      score: Callable[[Any, torch.Tensor], torch.Tensor]) -> tuple:
+        """(schedule key, args, kwargs, target) of a token batch; the last stage scores with `score`."""
+        args = (inputs.to(self.device),) if self.has_first else ()
+        target = targets.to(self.device) if self.has_last else None
+        self._score = score
+        return (tuple(inputs.shape), inputs.dtype, tuple(targets.shape)), args, {}, target
+
+    def _batch_inputs(self, batch: Batch, score: Callable[[Any, Batch], torch.Tensor]) -> tuple:
+        """(schedule key, args, kwargs, target) of any batch; the last stage scores with `score`."""
         size = batch_size(batch)
-        self._check_step(size, loss_scale)
         batch = batch_to(batch, self.device)
         if self._traced is not None:
             args, kwargs = (), self._traced.inputs(batch, self.layout.microbatches)
@@ -229,10 +253,9 @@ class PipelineRunner:
         shapes = tuple((tuple(t.shape), t.dtype) for t in tree_flatten(batch)[0]
                        if isinstance(t, torch.Tensor))
         outputs = self._traced.outputs if self._traced is not None else (lambda out: out)
-        score = score or self._batch_loss_fn
         self._score = lambda output, rows: score(outputs(output), _rows(batch, rows))
         target = torch.arange(size) if self.has_last else None
-        return self._run(("batch", shapes), args, kwargs, target, loss_scale)
+        return ("batch", shapes), args, kwargs, target
 
     def _check_step(self, size: int, loss_scale: float) -> None:
         n_mb = self.layout.microbatches
@@ -245,9 +268,7 @@ class PipelineRunner:
 
     def _run(self, key: tuple, args: tuple, kwargs: dict[str, Any], target: torch.Tensor | None,
              loss_scale: float) -> float:
-        if key != self._built_for:
-            self._build()
-            self._built_for = key
+        self._ensure_built(key)
         self._loss_weight = loss_scale / self.layout.microbatches
         losses: list[torch.Tensor] = []
         self._clock.reset()
@@ -257,14 +278,54 @@ class PipelineRunner:
         self.last_bubble = self._clock.idle_share()
         return self._broadcast_mean_loss(losses, loss_scale)
 
-    def _broadcast_mean_loss(self, losses: list[torch.Tensor], loss_scale: float) -> float:
-        if self.has_last:
-            loss = (torch.stack([l.detach().float() for l in losses]).sum() / loss_scale).reshape(1)
+    def _run_forward(self, key: tuple, args: tuple, kwargs: dict[str, Any],
+                     target: torch.Tensor | None) -> float:
+        """The schedule's forward-only pass (`eval`); the sum of the microbatch scores. torch's
+        zero-bubble V schedule has no forward-only pass (its runtime still moves input gradients
+        between the two stages of a rank), so there the stages run one microbatch at a time."""
+        self._loss_weight = 1.0
+        losses: list[torch.Tensor] = []
+        if self.layout.pp_schedule == "zbv":
+            self._forward_in_order(args, target, losses)
         else:
-            loss = torch.zeros(1, device=self.device)
-        owner = stage_owner(self.layout, self.n_stages - 1)
-        dist.broadcast(loss, group=self.pp_group, group_src=owner)
-        return loss.item()
+            self._ensure_built(key)
+            with torch.no_grad():
+                self._schedule.eval(*args, target=target, losses=losses if self.has_last else None,
+                                    return_outputs=False, **kwargs)
+        total = torch.stack([l.detach().double() for l in losses]).sum() if self.has_last else None
+        return self._broadcast_from_last(total).item()
+
+    def _forward_in_order(self, args: tuple, target: torch.Tensor | None, losses: list[torch.Tensor]) -> None:
+        if self._traced is not None:
+            raise ValueError("torch's zero-bubble V schedule has no forward-only pass, and stages traced by "
+                             "pipeline() run only inside a schedule; evaluate this model under pp_schedule "
+                             "'1f1b', 'gpipe' or 'interleaved'")
+        chain = StageChain(self.parts, self.layout, self.pp_group, self.device)
+        n_mb = self.layout.microbatches
+        pieces = args[0].chunk(n_mb) if self.has_first else [None] * n_mb
+        targets = target.chunk(n_mb) if self.has_last else [None] * n_mb
+        with torch.no_grad():
+            for piece, piece_target in zip(pieces, targets):
+                output = chain(piece, lambda part, x: part(x))
+                if self.has_last:
+                    losses.append(self._score(output, piece_target))
+
+    def _ensure_built(self, key: tuple) -> None:
+        if key != self._built_for:
+            self._build()
+            self._built_for = key
+
+    def _broadcast_mean_loss(self, losses: list[torch.Tensor], loss_scale: float) -> float:
+        loss = (torch.stack([l.detach().float() for l in losses]).sum() / loss_scale) if self.has_last else None
+        return self._broadcast_from_last(loss).item()
+
+    def _broadcast_from_last(self, value: torch.Tensor | None) -> torch.Tensor:
+        """`value` of the rank holding the last stage, on every pp rank (a float scalar)."""
+        if value is None:
+            value = torch.zeros(1, dtype=torch.float64, device=self.device)
+        value = value.reshape(1).to(torch.float64)
+        dist.broadcast(value, group=self.pp_group, group_src=stage_owner(self.layout, self.n_stages - 1))
+        return value
 
 
 def _rows(batch: Batch, rows: torch.Tensor) -> Batch:

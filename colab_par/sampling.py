@@ -1,0 +1,62 @@
+"""How generation chooses the next token from the logits: greedy, or a seeded draw.
+
+The draw is defined here so that it can be reproduced exactly in one process: the float32 logits
+are divided by `temperature`, cut to the `top_k` largest (ties with the k-th kept), cut to the
+smallest set of most likely tokens whose probability reaches `top_p` (the most likely token always
+stays), and one token per row is drawn from the softmax of what is left with
+``torch.multinomial(probs, 1, generator=generator)``. The generator is generation's own, seeded from
+its `seed`: the training RNG streams are never drawn from.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Sampling"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Greedy (`do_sample=False`: the argmax) or sampled choice of the next token (module docstring)."""
+
+    do_sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.do_sample, bool):
+            raise TypeError(f"do_sample={self.do_sample!r} must be True or False")
+        given = [name for name in ("temperature", "top_k", "top_p") if getattr(self, name) is not None]
+        if given and not self.do_sample:
+            raise ValueError(f"{', '.join(given)} shape(s) sampling, but do_sample=False chooses the most "
+                             "likely token; pass do_sample=True, or leave them out for greedy decoding")
+        if self.temperature is not None and not (isinstance(self.temperature, (int, float))
+                                                 and math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number > 0 (e.g. 0.7); "
+                             "for the most likely token use do_sample=False")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool)
+                                       or self.top_k < 1):
+            raise ValueError(f"top_k={self.top_k!r} must be a whole number >= 1 (e.g. 50), or None for no cut")
+        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p={self.top_p!r} must lie in (0, 1] (e.g. 0.9), or None for no cut")
+
+    def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """(batch, vocab) logits -> (batch,) token ids."""
+        scores = logits.float()
+        if not self.do_sample:
+            return scores.argmax(dim=-1)
+        if self.temperature is not None:
+            scores = scores / self.temperature
+        if self.top_k is not None and self.top_k < scores.shape[-1]:
+            kth = scores.topk(self.top_k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, -math.inf)
+        if self.top_p is not None and self.top_p < 1:
+            ranked, order = scores.sort(dim=-1, descending=True)
+            probs = ranked.softmax(dim=-1)
+            above = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above each one
+            beyond = above >= self.top_p
+            scores = scores.masked_fill(beyond.scatter(-1, order, beyond), -math.inf)
+        return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(-1)
