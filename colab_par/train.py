@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from colab_par import recovery
+from colab_par.compat import compile_seconds
 from colab_par import telemetry as telem
 from colab_par.data import BatchList, TokenDataset
 from colab_par.data_sources import DataPlace, DataSource, data_source, dp_total
@@ -124,6 +125,7 @@ class Trainer:
         self._measured_flops: float | None = None  # per rank and step, counted where no formula applies
         self._peak = telem.device_peak_flops(pm.device, pm.layout.precision) if telemetry else 0.0
         self._activations = telem.ActivationMeter()
+        self._compile_s = 0.0  # torch.compile's seconds since the last row (layout "compile")
         if on_failure == "restart":
             self._announce_recovery()
 
@@ -160,6 +162,7 @@ class Trainer:
         pm, log = self.pm, (self.step + 1) % self.log_every == 0 or self.step + 1 == self.steps
         measure = self.telemetry and log
         clock = telem.StepClock(torch.device(pm.device))
+        compiled_before = compile_seconds() if pm.layout.compile else 0.0
         start = time.perf_counter()
         losses, bubbles, samples, tokens = [], [], 0, 0
         for micro in range(self.grad_accum):
@@ -186,6 +189,8 @@ class Trainer:
             pm.optimizer_step()
         self.step += 1
         step_time = time.perf_counter() - start
+        if pm.layout.compile:
+            self._compile_s += compile_seconds() - compiled_before
         if not log:
             return None
         if measure and isinstance(self.data, DataSource):
@@ -193,6 +198,8 @@ class Trainer:
         row = {"step": self.step, "rank": self.rank, "loss": sum(losses) / len(losses), "lr": lr,
                "grad_norm": grad_norm, "step_time": step_time,
                **{f"time_{name}": seconds for name, seconds in clock.phases.items()}}
+        if self._compile_s:  # the first step (and any new shape): how long of step_time compiled
+            row["compile_s"], self._compile_s = self._compile_s, 0.0
         if measure:
             self._add_telemetry(row, grads, bubbles, samples, tokens)
         self.history.append(row)
