@@ -6,7 +6,8 @@ relative of the single-process eager reference, every final parameter within Ada
 (`parity.assert_parity`). Every run starts from an empty dynamo cache and must report compile
 seconds on every rank, so a layout whose blocks silently ran eager fails.
 Compiling costs seconds per layout on two cores (inductor's on-disk cache makes repeats cheap),
-so the cross-section is small: plain DDP, FSDP (ZeRO-3) with recompute, Megatron tp+sp, pipeline.
+so the cross-section is small: plain DDP, FSDP (ZeRO-3) with recompute, Megatron tp+sp, Ulysses
+context parallel, pipeline.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from parity import GPT_SIZES, SEED, assert_parity, build_model, engine_run, refe
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 
 STEPS = 10
-LAYOUTS = ["dp2", "dp2 zero3 ac-selective", "tp2 sp", "pp2"]
+LAYOUTS = ["dp2", "dp2 zero3 ac-selective", "tp2 sp", "cp2 ulysses", "pp2"]
 
 
 def _compiled_run(layout: str) -> dict:
