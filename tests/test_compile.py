@@ -83,3 +83,27 @@ def _parallelize_blockless() -> str:
 def test_a_model_without_blocks_is_refused_before_work(cluster2) -> None:
     for message in cluster2.run(_parallelize_blockless):
         assert "compile compiles each repeated block" in message and "blocks=[...]" in message
+
+
+def _parallelize_without_a_compiler() -> str:
+    import os
+
+    from colab_par import parallelize
+
+    before = os.environ.get("CXX")
+    os.environ["CXX"] = "no-such-c++-compiler"
+    try:
+        parallelize(build_model("gpt", SEED), "dp2 compile")
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        if before is None:
+            del os.environ["CXX"]
+        else:
+            os.environ["CXX"] = before
+    return "accepted"
+
+
+def test_compile_on_cpu_without_a_cpp_compiler_is_refused_before_work(cluster2) -> None:
+    for message in cluster2.run(_parallelize_without_a_compiler):
+        assert "needs a C++ compiler" in message and "'no-such-c++-compiler'" in message, message

@@ -28,7 +28,7 @@ from colab_par.parallel.batch import (LabelMean, batch_to, call_model, check_bat
                                       default_loss, labels_of, slice_batch)
 from colab_par.parallel.blocks import find_blocks
 from colab_par.parallel.checkpointing import apply_activation_checkpointing
-from colab_par.parallel.compile import apply_compile
+from colab_par.parallel.compile import apply_compile, check_compiler
 from colab_par.parallel.context import apply_context_parallel, sequence_positions, shard_sequence
 from colab_par.parallel.data_parallel import (GradientAverager, apply_ddp, apply_fsdp, build_optimizer,
                                               needs_gradient_averager)
@@ -314,6 +314,8 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
                          "drop 'compile'")
     optimizer_fn = optimizer_fn or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     device = default_device()
+    if layout.compile:
+        check_compiler(device)
 
     fused_loss = _apply_hf_kernels(model, kernels, layout, device, fuse=loss_fn is None) if hf else False
     token_loss = loss_fn or getattr(model, "loss_fn", None) or _default_loss

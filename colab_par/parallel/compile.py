@@ -11,6 +11,8 @@ their DTensor arithmetic. Numerics stay those of eager up to inductor's reorderi
 from __future__ import annotations
 
 import functools
+import os
+import shutil
 from typing import Any, Callable
 
 import torch
@@ -18,7 +20,7 @@ import torch
 from colab_par.compat import tree_map
 from colab_par.parallel.blocks import Block
 
-__all__ = ["apply_compile"]
+__all__ = ["apply_compile", "check_compiler"]
 
 
 def apply_compile(blocks: list[Block], enabled: bool) -> list[Block]:
@@ -32,6 +34,18 @@ def apply_compile(blocks: list[Block], enabled: bool) -> list[Block]:
         outer.forward = _settling_inputs(torch.compile(outer.forward))
         compiled.append((container, key, outer))
     return compiled
+
+
+def check_compiler(device: torch.device) -> None:
+    """Inductor turns CPU graphs into C++ (the compiler in $CXX, else g++); without one the first
+    step would fail deep inside compilation, so `parallelize` says it before any work."""
+    if device.type != "cpu":
+        return
+    compiler = os.environ.get("CXX") or "g++"
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"compile on CPU needs a C++ compiler for inductor, and {compiler!r} is not "
+                           "on PATH; install one (e.g. apt-get install g++, or set CXX), or drop "
+                           "'compile' from the layout")
 
 
 def _settling_inputs(compiled: Callable) -> Callable:
