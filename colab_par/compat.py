@@ -23,7 +23,7 @@ __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_pat
            "torch_dispatch_mode", "device_constructors", "op_schema", "storage_key", "module_reset",
            "triton_interpreted", "tree_flatten", "tree_unflatten", "tree_map", "tree_leaves",
            "hf_token_losses", "answer_control_requests", "send_control_requests", "group_sequence",
-           "process_groups"]
+           "process_groups", "compile_seconds"]
 
 SUPPORTED = {"torch": "torch>=2.6,<3", "ipyparallel": "ipyparallel>=9",
              "transformers": "transformers>=5.9", "triton": "triton>=3.0"}
@@ -222,6 +222,20 @@ def module_reset(module: Any) -> Callable[[], None] | None:
     `_reset_parameters` torch's own MultiheadAttention and Transformer keep instead; None if none."""
     reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
     return reset if callable(reset) else None
+
+
+# ---- torch.compile -----------------------------------------------------------------------------------
+_COMPILE_PHASES = ("_compile.compile_inner", "backward._backward_impl")  # a frame; a lazy backward
+
+
+def compile_seconds() -> float:
+    """Seconds `torch.compile` has spent compiling in this process so far: each frame (dynamo and
+    the forward graph) and each backward graph, compiled lazily at the first backward
+    (`torch._dynamo.utils.compilation_time_metrics`)."""
+    metrics = getattr(_torch_private("torch._dynamo.utils"), "compilation_time_metrics", None)
+    if not isinstance(metrics, dict):
+        raise _missing("torch", "torch._dynamo.utils.compilation_time_metrics")
+    return float(sum(sum(metrics.get(phase, ())) for phase in _COMPILE_PHASES))
 
 
 # ---- triton --------------------------------------------------------------------------------------------

@@ -400,7 +400,8 @@ def _frame_html(line: str, mime: str, image: bytes) -> str:
 
 def progress_line(latest: dict[int, dict], total_steps: int) -> str:
     """`step 12/100 · loss 3.2100 · 1.2k tok/s · MFU 3.1% · lr 3.00e-03 · grad norm 0.52 ·
-    mem 45.0 MiB/rank · ETA 0:00:42`."""
+    mem 45.0 MiB/rank · compiled in 16.9 s · ETA 0:00:42` (compiled: a step that ran torch.compile,
+    whose seconds the ETA leaves out)."""
     if not latest:
         return "waiting for the first step"
     row = latest[min(latest)]
@@ -421,8 +422,10 @@ def progress_line(latest: dict[int, dict], total_steps: int) -> str:
         parts.append(f"mem {max(memory) / 2 ** 20:.1f} MiB/rank")
     if row.get("bubble") is not None:
         parts.append(f"bubble {100 * row['bubble']:.0f}%")
+    if row.get("compile_s"):
+        parts.append(f"compiled in {row['compile_s']:.1f} s")
     if total_steps and row.get("step_time") and step < total_steps:
-        seconds = int(round(row["step_time"] * (total_steps - step)))
+        seconds = int(round((row["step_time"] - row.get("compile_s", 0.0)) * (total_steps - step)))
         parts.append(f"ETA {seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}")
     return " · ".join(parts)
 

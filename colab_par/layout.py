@@ -28,7 +28,7 @@ CHECKPOINTING = ("none", "selective", "full")
 _MULTI_STAGE = ("interleaved", "zbv")
 # Field order of the enumeration: a field comes after those its choices or its default depend on.
 FIELDS = ("tp", "tp_mode", "tp_depth", "cp", "pp", "dp", "pp_schedule", "virtual_stages", "microbatches",
-          "zero", "sequence_parallel", "cp_mode", "offload", "precision", "checkpointing")
+          "zero", "sequence_parallel", "cp_mode", "offload", "precision", "checkpointing", "compile")
 _NAMED = {"zero": ZERO_LEVELS, "tp_mode": TP_MODES, "cp_mode": CP_MODES, "pp_schedule": PP_SCHEDULES,
           "precision": PRECISIONS, "checkpointing": CHECKPOINTING}
 
@@ -67,7 +67,8 @@ class Layout:
     in a line, "2d" / "2.5d" / "3d" in a q×q / q×q×tp_depth / q×q×q grid (Colossal-AI's
     multi-dimensional tensor parallelism, which partitions activations as well as weights).
     ``microbatches=None`` (the default) becomes `default_microbatches`, so every layout string
-    trains as written.
+    trains as written. `compile` runs each repeated block through ``torch.compile`` (torchtitan's
+    per-block placement: after activation checkpointing, before FSDP).
     """
 
     dp: int = 1
@@ -85,6 +86,7 @@ class Layout:
     virtual_stages: int = 1
     precision: str = "fp32"
     checkpointing: str = "none"
+    compile: bool = False
 
     def __post_init__(self) -> None:
         """Refuse values outside a field's domain here, so no impossible Layout ever exists."""
@@ -125,6 +127,8 @@ class Layout:
             parts.append(self.precision)
         if self.checkpointing != "none":
             parts.append(f"ac-{self.checkpointing}")
+        if self.compile:
+            parts.append("compile")
         return " ".join(parts)
 
     @classmethod
@@ -177,7 +181,7 @@ def _check_domain(name: str, value: Any) -> None:
         if value not in allowed or type(value) is not type(allowed[0]):
             raise LayoutError(f"{name}={value!r} is unknown; choose one of "
                               f"{', '.join(map(str, allowed))}")
-    elif name in ("offload", "sequence_parallel"):
+    elif name in ("offload", "sequence_parallel", "compile"):
         if not isinstance(value, bool):
             raise LayoutError(f"{name}={value!r} must be True or False")
     elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -213,7 +217,7 @@ def _default_choices(world: int, sizes: dict[str, int]) -> dict[str, Choices]:
     divide the global batch (only the default count without a batch)."""
     layers, batch = sizes.get("n_layer"), sizes.get("global_batch")
     return {**{name: _divisors(world) for name in DEGREES}, **_NAMED,
-            "offload": (False, True), "sequence_parallel": (False, True),
+            "offload": (False, True), "sequence_parallel": (False, True), "compile": (False, True),
             "tp_depth": [d for d in _divisors(world) if d < world],
             "virtual_stages": _divisors(layers) if layers else (1, 2),
             "microbatches": (None, *_divisors(batch)) if batch else (None,)}
@@ -290,6 +294,7 @@ _TOKEN_PATTERNS: list[tuple[str, Any]] = [
     (r"(gpipe|1f1b|interleaved|zbv)", lambda m: {"pp_schedule": m[1]}),
     (r"(fp32|bf16)", lambda m: {"precision": m[1]}),
     (r"ac-(none|selective|full)", lambda m: {"checkpointing": m[1]}),
+    (r"compile", lambda m: {"compile": True}),
 ]
 
 
@@ -302,7 +307,7 @@ def _parse_token(token: str) -> dict[str, Any]:
         f"unknown layout token {token!r}; use degrees like 'dp2 tp2 pp2 cp2', 'zero0'..'zero3', "
         "'1d'/'2d'/'2.5d'/'3d' with 'd2' (2.5d depth), "
         "'offload', 'sp', 'ring'/'ulysses', 'gpipe'/'1f1b'/'interleaved'/'zbv', 'mb4', 'v2', "
-        "'fp32'/'bf16', 'ac-selective'/'ac-full'")
+        "'fp32'/'bf16', 'ac-selective'/'ac-full', 'compile'")
 
 
 # ---- model sizes from any config ---------------------------------------------------------------
@@ -519,6 +524,21 @@ def _check_blocks_to_recompute(layout: Any, world: int | None, sizes: dict, devi
     if sizes.get("generic_model") and not sizes.get("n_blocks") and layout.checkpointing != "none":
         raise LayoutError("activation checkpointing wraps repeated blocks and this model has none; "
                           "use checkpointing='none', or name blocks with blocks=[...]")
+
+
+@_rule("compile")
+def _check_blocks_to_compile(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    if sizes.get("generic_model") and not sizes.get("n_blocks") and layout.compile:
+        raise LayoutError("compile compiles each repeated block and this model has none; drop "
+                          "'compile', or name blocks with blocks=[...]")
+
+
+@_rule("compile", "tp_mode")
+def _check_compiled_grid(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    if layout.compile and layout.tp_mode != "1d":
+        raise LayoutError(f"compile is proven with 1d tensor parallel only; the {layout.tp_mode} "
+                          "grid's own autograd functions and collectives inside each block are not "
+                          "compiled yet; use tp_mode='1d' with compile, or drop 'compile'")
 
 
 @_rule("pp", "virtual_stages")

@@ -511,7 +511,8 @@ def search_space(global_batch: int, *, bf16: bool, gpus_per_node: int = 8) -> di
 
     Left out because a candidate kept is never worse in this model: tp across nodes, interleaved
     1F1B (ZB-V has the smaller bubble and no more memory), a cp mode without cp, recompute and
-    offload (`plan` adds them where the layout does not fit without). Microbatch counts: pp, 2pp,
+    offload (`plan` adds them where the layout does not fit without), and compile (no estimate
+    tells its speed-up; the user adds it). Microbatch counts: pp, 2pp,
     4pp, 8pp and the whole local batch.
     """
     def microbatches(chosen: Any) -> tuple:
@@ -526,7 +527,8 @@ def search_space(global_batch: int, *, bf16: bool, gpus_per_node: int = 8) -> di
             "pp_schedule": lambda chosen: ("zbv", "1f1b", "gpipe") if chosen.pp > 1 else ("1f1b",),
             "virtual_stages": lambda chosen: (1, 2) if chosen.pp > 1 else (1,),
             "microbatches": microbatches,
-            "offload": (False,), "checkpointing": ("none",), "precision": ("bf16" if bf16 else "fp32",)}
+            "offload": (False,), "checkpointing": ("none",), "precision": ("bf16" if bf16 else "fp32",),
+            "compile": (False,)}
 
 
 def preferred(layouts: Iterable[Layout]) -> list[Layout]:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from colab_par import evaluation, recovery
+from colab_par.compat import compile_seconds
 from colab_par import telemetry as telem
 from colab_par.data import BatchList, TokenDataset
 from colab_par.data_sources import DataPlace, DataSource, data_source, dp_total
@@ -148,6 +149,7 @@ class Trainer:
         self._measured_flops: float | None = None  # per rank and step, counted where no formula applies
         self._peak = telem.device_peak_flops(pm.device, pm.layout.precision) if telemetry else 0.0
         self._activations = telem.ActivationMeter()
+        self._compile_s = 0.0  # torch.compile's seconds since the last row (layout "compile")
         if on_failure == "restart":
             self._announce_recovery()
 
@@ -191,6 +193,7 @@ class Trainer:
             self._profile.before_step(self.step + 1)
         mark = recorder.open_mark(self.step + 1)
         clock = telem.StepClock(torch.device(pm.device), mark=mark is not None)
+        compiled_before = compile_seconds() if pm.layout.compile else 0.0
         start = time.perf_counter()
         losses, bubbles, samples, tokens = [], [], 0, 0
         for micro in range(self.grad_accum):
@@ -220,6 +223,8 @@ class Trainer:
         recorder.close_mark(mark)
         if self._profile is not None:
             self._profile.after_step(self.step)
+        if pm.layout.compile:
+            self._compile_s += compile_seconds() - compiled_before
         if not log:
             return None
         if measure and isinstance(self.data, DataSource):
@@ -227,6 +232,8 @@ class Trainer:
         row = {"step": self.step, "rank": self.rank, "loss": sum(losses) / len(losses), "lr": lr,
                "grad_norm": grad_norm, "step_time": step_time,
                **{f"time_{name}": seconds for name, seconds in clock.phases.items()}}
+        if self._compile_s:  # the first step (and any new shape): how long of step_time compiled
+            row["compile_s"], self._compile_s = self._compile_s, 0.0
         if measure:
             self._add_telemetry(row, grads, bubbles, samples, tokens)
         self.history.append(row)

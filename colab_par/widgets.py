@@ -17,7 +17,8 @@ from colab_par.planner import GiB, DeviceSpec, ModelSpec, Plan, estimate, get_de
 
 __all__ = ["LayoutPicker"]
 
-_CHECKBOXES = {"offload": "CPU offload", "sequence_parallel": "sequence parallel"}
+_CHECKBOXES = {"offload": "CPU offload", "sequence_parallel": "sequence parallel",
+               "compile": "compile blocks"}
 _PARTS = (("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868"),
           ("activations", "#c44e52"), ("buffers", "#8172b3"))
 _BUILDS = {"meta": "built on the meta device", "full": "built whole on every rank",
@@ -125,7 +126,7 @@ class LayoutPicker:
         rows = [w.HBox([c["dp"], c["tp"], c["pp"], c["cp"]]),
                 w.HBox([c["zero"], c["offload"], c["sequence_parallel"], c["precision"]]),
                 w.HBox([c["cp_mode"], c["pp_schedule"], c["microbatches"], c["virtual_stages"]]),
-                w.HBox([c["checkpointing"], self.auto_button])]
+                w.HBox([c["checkpointing"], c["compile"], self.auto_button])]
         return w.VBox([title, *rows, self._message_html, self._memory_html, self._estimate_html,
                        self._table_html])
 

@@ -493,3 +493,18 @@ def sequence_and_groups() -> tuple[int, int, bool]:
 def test_group_sequence_counts_each_collective_and_process_groups_lists_the_world(cluster2):
     (before, after, listed), second = cluster2.run(sequence_and_groups)
     assert after == before + 1 and listed and second == (before, after, True)
+
+
+def test_compile_seconds_count_each_compiled_frame_and_lazy_backward_but_not_reuse():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    function = torch.compile(lambda x: (x.sin() * 2).sum(), backend="aot_eager")
+    x = torch.randn(8, requires_grad=True)
+    start = compat.compile_seconds()
+    loss = function(x)
+    forward = compat.compile_seconds()
+    loss.backward()  # the backward graph compiles at the first backward
+    backward = compat.compile_seconds()
+    function(x).backward()
+    assert start < forward < backward == compat.compile_seconds()

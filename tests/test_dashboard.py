@@ -218,6 +218,12 @@ def test_progress_line_eta():
     assert progress_line({}, 10) == "waiting for the first step"
 
 
+def test_a_compiling_step_says_how_long_and_its_compile_is_left_out_of_the_eta():
+    line = progress_line({0: row(1, 0, step_time=20.5, compile_s=20.0)}, total_steps=10)
+    assert "compiled in 20.0 s" in line and line.endswith("ETA 0:00:04")  # 9 steps at 0.5 s
+    assert "compiled" not in progress_line({0: row(2, 0)}, total_steps=10)
+
+
 def test_bad_mode_is_refused():
     with pytest.raises(ValueError, match="choose 'auto'"):
         LiveDashboard(mode="html")

@@ -20,6 +20,7 @@ CONFIG = GPTConfig(vocab_size=128, seq_len=64, n_layer=4, n_head=8, n_kv_head=4,
     "dp2 tp2 zero3", "pp2 interleaved mb4 v2 bf16", "cp2 ulysses", "dp4 zero2 offload",
     "tp2 sp ac-selective", "pp4 gpipe mb8", "dp2 cp2 ac-full", "pp2 zbv v2", "pp2 1f1b",
     "pp4 1f1b mb8", "dp2 pp2 gpipe mb1", "tp4 2d", "tp8 2.5d d2", "tp8 3d", "dp2 tp4 2d zero3",
+    "dp2 zero3 ac-selective compile", "tp2 sp bf16 compile",
 ])
 def test_parse_and_str_round_trip(text: str) -> None:
     layout = Layout.parse(text)
@@ -28,10 +29,11 @@ def test_parse_and_str_round_trip(text: str) -> None:
 
 
 def test_parse_reads_each_field() -> None:
-    layout = Layout.parse("dp2 tp4 pp2 cp2 zero3 offload sp ulysses interleaved mb8 v2 bf16 ac-full")
+    layout = Layout.parse("dp2 tp4 pp2 cp2 zero3 offload sp ulysses interleaved mb8 v2 bf16 ac-full "
+                          "compile")
     assert layout == Layout(dp=2, tp=4, pp=2, cp=2, zero=3, offload=True, sequence_parallel=True,
                             cp_mode="ulysses", pp_schedule="interleaved", microbatches=8,
-                            virtual_stages=2, precision="bf16", checkpointing="full")
+                            virtual_stages=2, precision="bf16", checkpointing="full", compile=True)
     assert layout.world_size == 32
 
 
@@ -152,6 +154,7 @@ def test_parse_refuses_out_of_domain_values() -> None:
 def test_booleans_are_refused_when_built() -> None:
     assert _refused(offload="yes") == "offload='yes' must be True or False"
     assert _refused(sequence_parallel=1) == "sequence_parallel=1 must be True or False"
+    assert _refused(compile="yes") == "compile='yes' must be True or False"
 
 
 @pytest.mark.parametrize("field", ["dp", "tp", "pp", "cp", "microbatches", "virtual_stages"])
@@ -342,6 +345,19 @@ def test_rule_grid_modes_refuse_what_does_not_compose(text: str, expected: str) 
     assert expected in _error(layout, layout.world_size, CONFIG)
 
 
+def test_compile_composes_with_1d_layouts_and_refuses_what_it_cannot_compile() -> None:
+    for text in ("dp2 compile", "dp2 zero1 compile", "dp2 zero3 offload bf16 ac-full compile",
+                 "tp2 sp compile", "cp2 ulysses compile", "pp2 zbv v2 compile", "dp2 tp2 cp2 zero3 compile"):
+        layout = Layout.parse(text)
+        assert layout.validate(layout.world_size, CONFIG, global_batch=8) is layout
+    assert ("compile is proven with 1d tensor parallel only" in _error(Layout.parse("tp4 2d compile"), 4)
+            and "use tp_mode='1d' with compile, or drop 'compile'" in _error(Layout.parse("tp8 3d compile"), 8))
+    no_blocks = {"generic_model": 1, "n_blocks": 0}
+    assert "compile compiles each repeated block and this model has none" in _error(
+        Layout.parse("dp2 compile"), 2, no_blocks)
+    assert Layout.parse("dp2 compile").validate(2, {"generic_model": 1, "n_blocks": 3})
+
+
 def test_grid_modes_compose_with_dp_zero_bf16_and_recompute() -> None:
     for text, fields in [
             ("dp2 tp4 2d zero3 bf16 ac-full",
@@ -424,7 +440,8 @@ def test_valid_layouts_are_exactly_those_validate_accepts(world: int, context: d
                 sequence_parallel=(False, True), cp_mode=CP_MODES,
                 offload=(False, True) if every_option else (False,),
                 precision=PRECISIONS if every_option else ("fp32",),
-                checkpointing=("none", "full") if every_option else ("none",))
+                checkpointing=("none", "full") if every_option else ("none",),
+                compile=(False, True) if every_option else (False,))
     assert set(grid) == set(FIELDS)
     found = list(valid_layouts(world, config, **context, **grid))
     assert len(found) == len(set(found))

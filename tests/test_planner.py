@@ -366,7 +366,7 @@ def _accepted_in_search_space(spec: ModelSpec, world: int, global_batch: int, se
                "zero": ZERO_LEVELS, "sequence_parallel": (False, True), "cp_mode": CP_MODES,
                "tp_mode": TP_MODES, "tp_depth": (1, 2), "pp_schedule": PP_SCHEDULES, "virtual_stages": (1, 2, 3),
                "microbatches": range(1, global_batch + 1), "offload": (False, True),
-               "precision": PRECISIONS, "checkpointing": CHECKPOINTING}
+               "precision": PRECISIONS, "checkpointing": CHECKPOINTING, "compile": (False, True)}
     assert set(domains) == set(FIELDS)
     # a fixed choice narrows the product at once; a choice that depends on other fields is checked
     grid = {name: [v for v in domain if callable(space.get(name)) or name not in space

@@ -2,8 +2,8 @@
 
 Runs on every engine (torch.distributed already initialised). The order is the one torchtitan uses,
 and each step is a file of its own: mesh -> tensor (+ sequence) parallel -> context parallel ->
-activation checkpointing -> FSDP / ZeRO / DDP -> pipeline split and schedule (for pipeline
-parallel the model is split first and every step is applied to each local stage module).
+activation checkpointing -> per-block compile -> FSDP / ZeRO / DDP -> pipeline split and schedule
+(for pipeline parallel the model is split first and every step is applied to each local stage).
 The returned `ParallelModel` trains on the GLOBAL batch: it takes this rank's data- and
 context-parallel slice itself, so a training loop is the same for every layout.
 """
@@ -29,6 +29,7 @@ from colab_par.parallel.batch import (LabelMean, batch_to, call_model, check_bat
                                       default_loss, labels_of, slice_batch)
 from colab_par.parallel.blocks import find_blocks
 from colab_par.parallel.checkpointing import apply_activation_checkpointing
+from colab_par.parallel.compile import apply_compile, check_compiler
 from colab_par.parallel.context import apply_context_parallel, sequence_positions, shard_sequence
 from colab_par.parallel.data_parallel import (GradientAverager, apply_ddp, apply_fsdp, build_optimizer,
                                               needs_gradient_averager)
@@ -346,8 +347,14 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
         raise ValueError(f"activation checkpointing wraps repeated blocks, and "
                          f"{type(model).__name__} has none (no ModuleList/Sequential of one class); "
                          "name them with blocks=[...] or use checkpointing='none'")
+    if layout.compile and not block_types:
+        raise ValueError(f"compile compiles each repeated block, and {type(model).__name__} has none "
+                         "(no ModuleList/Sequential of one class); name them with blocks=[...] or "
+                         "drop 'compile'")
     optimizer_fn = optimizer_fn or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     device = default_device()
+    if layout.compile:
+        check_compiler(device)
 
     fused_loss = (_apply_hf_kernels(model, kernels, layout, device,
                                     fuse=loss_fn is None and not wraps_output_layer(model)) if hf else False)
@@ -476,7 +483,7 @@ def _part_blocks(part: nn.Module, block_types: tuple[type, ...], block_names: fr
 def _parallelize_part(part: nn.Module, layout: Layout, mesh: Any, dp_cp_mesh: Any, device: torch.device,
                       hf: bool, tp_plan: dict | None, blocks: list, fill: Callable[[nn.Module], None],
                       adapters: Adapters | None) -> nn.Module:
-    """TP(+SP) -> CP -> AC -> FSDP/DDP on one module (the whole model or one pipeline stage).
+    """TP(+SP) -> CP -> AC -> compile -> FSDP/DDP on one module (the whole model or one pipeline stage).
 
     `fill` gives a meta part its local shards: after FSDP has sharded it, before DDP (which
     broadcasts real parameters). A PEFT model's adapters split with their base layers."""
@@ -488,6 +495,7 @@ def _parallelize_part(part: nn.Module, layout: Layout, mesh: Any, dp_cp_mesh: An
     if layout.cp > 1:
         apply_context_parallel(part, mesh["cp"].get_group(), layout.cp_mode)
     apply_activation_checkpointing(part, layout.checkpointing, blocks)
+    blocks = apply_compile(blocks, layout.compile)
     if layout.zero >= 2:
         part = apply_fsdp(part, layout, dp_cp_mesh, blocks)
         fill(part)
