@@ -214,3 +214,23 @@ def test_06_model_selection(kernel_path, tmp_path):
     makespan = float(re.search(r"makespan ([\d.]+) s", summary).group(1))
     assert makespan < 90, f"the sweep took {makespan} s; the notebook promises well under a minute"
     assert "engines stopped" in text_of(cell_of(notebook, "%colossal stop"))
+
+
+@pytest.mark.slow
+def test_07_finetune(kernel_path, tmp_path):
+    notebook = execute("07_finetune", tmp_path)
+    lora = cell_of(notebook, "lora=lora")
+    assert_dashboard(lora)
+    text = text_of(lora)
+    evals = [float(loss) for loss in re.search(r"validation loss: (.+)", text).group(1).split(" -> ")]
+    assert len(evals) == 5 and evals[-1] < evals[0] - 0.2, f"LoRA did not lower the validation loss: {evals}"
+    trainable, total = (int(n.replace(",", "")) for n in
+                        re.search(r"trainable parameters: ([\d,]+) of ([\d,]+)", text).groups())
+    assert 0 < trainable < total / 10, "LoRA trains its adapters only"
+    before, after = (re.search(rf"{label}:\s+(.+)", text).group(1) for label in ("before", "after"))
+    assert before != after
+    files = text_of(cell_of(notebook, "Path(ADAPTER).iterdir()"))
+    assert re.findall(r"^(\S+)", files, re.M) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert "tp2 generation equals dp2 zero3's: True" in text_of(cell_of(notebook, '"tp2", adapter=ADAPTER'))
+    assert "same tokens as the engines: True" in text_of(cell_of(notebook, "PeftModel.from_pretrained"))
+    assert "eval/loss" in text_of(cell_of(notebook, "EventMultiplexer"))
