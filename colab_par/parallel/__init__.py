@@ -335,26 +335,13 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
     layout.validate(dist.get_world_size(), config)
     hf = is_hf_model(model)
     takes_positions = "positions" in inspect.signature(model.forward).parameters
-    if layout.cp > 1 and not (hf or takes_positions):
-        raise ValueError(f"context parallel gives each rank scattered sequence chunks, so "
-                         f"{type(model).__name__}.forward must accept `positions` (the tokens' global "
-                         "positions, for rotary/position embeddings); add it or use cp=1")
     model_blocks = find_blocks(model, blocks)
     block_types = tuple(dict.fromkeys(type(block) for _, _, block in model_blocks))
     block_names = frozenset(name for name, module in model.named_modules()
                             if any(module is block for _, _, block in model_blocks))
-    if layout.checkpointing != "none" and not block_types:
-        raise ValueError(f"activation checkpointing wraps repeated blocks, and "
-                         f"{type(model).__name__} has none (no ModuleList/Sequential of one class); "
-                         "name them with blocks=[...] or use checkpointing='none'")
-    if layout.compile and not block_types:
-        raise ValueError(f"compile compiles each repeated block, and {type(model).__name__} has none "
-                         "(no ModuleList/Sequential of one class); name them with blocks=[...] or "
-                         "drop 'compile'")
-    optimizer_fn = optimizer_fn or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     device = default_device()
-    if layout.compile:
-        check_compiler(device)
+    _refuse_what_the_model_lacks(model, layout, hf or takes_positions, bool(block_types), device)
+    optimizer_fn = optimizer_fn or (lambda params: torch.optim.AdamW(params, lr=1e-3))
 
     fused_loss = (_apply_hf_kernels(model, kernels, layout, device,
                                     fuse=loss_fn is None and not wraps_output_layer(model)) if hf else False)
@@ -478,6 +465,24 @@ def _part_blocks(part: nn.Module, block_types: tuple[type, ...], block_names: fr
         return found
     return [(part.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], module)
             for name, module in part.named_modules() if name in block_names]
+
+
+def _refuse_what_the_model_lacks(model: nn.Module, layout: Layout, takes_positions: bool, has_blocks: bool,
+                                 device: torch.device) -> None:
+    """Before any work: what the layout needs of the model (and the machine) that it does not have."""
+    name = type(model).__name__
+    if layout.cp > 1 and not takes_positions:
+        raise ValueError(f"context parallel gives each rank scattered sequence chunks, so {name}.forward must "
+                         "accept `positions` (the tokens' global positions, for rotary/position embeddings); "
+                         "add it or use cp=1")
+    for wanted, what, way_out in ((layout.checkpointing != "none", "activation checkpointing wraps",
+                                   "use checkpointing='none'"),
+                                  (layout.compile, "compile compiles", "drop 'compile'")):
+        if wanted and not has_blocks:
+            raise ValueError(f"{what} each repeated block, and {name} has none (no ModuleList/Sequential of "
+                             f"one class); name them with blocks=[...] or {way_out}")
+    if layout.compile:
+        check_compiler(device)
 
 
 def _parallelize_part(part: nn.Module, layout: Layout, mesh: Any, dp_cp_mesh: Any, device: torch.device,
