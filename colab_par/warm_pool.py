@@ -1,0 +1,401 @@
+"""Engines and controller forked from one process that has already imported torch and ipyparallel.
+
+A fresh engine spends most of its start importing torch (about a second) and ipyparallel; the
+controller spends a third of a second importing ipyparallel. The warm pool is one long-lived
+process (a "zygote") that pays those imports once, before any cluster is asked for: `%load_ext
+colab_par` starts it in the background, and every `Cluster.start` on this host (including
+`restart` and automatic recovery) then forks its controller and engines from it in milliseconds.
+The zygote never touches CUDA (importing torch does not), so each forked engine still binds its
+own GPU first; nothing is shared between engines but copy-on-write memory.
+
+ipyparallel stays the engine layer and its launcher the owner of each process: the command it
+runs is a tiny proxy (`python -m colab_par.warm_pool launch ...`, standard library only) that hands
+its stdio, working directory, arguments and environment to the zygote, gets the forked child's
+pid, forwards the signals it receives to that child and exits with the child's status. When the
+zygote is not running, or was started with a different environment (a variable torch may read at
+import), the proxy `exec`s the ordinary cold command instead, so a start never depends on the pool.
+
+Opt out with ``COLAB_PAR_WARM_POOL=0`` in the environment.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from colab_par.compat import ENGINE_MAIN_CODE
+
+__all__ = ["WarmPool", "shared_pool", "prestart", "stop_shared_pool", "enabled", "FORKED_ENV"]
+
+FORKED_ENV = "COLAB_PAR_FORKED_FROM"
+"""Set in every forked process to the zygote's pid: how a process (or a test) tells it came warm."""
+
+_TARGETS = {
+    "engine": ("import torch.distributed", ENGINE_MAIN_CODE),
+    "controller": ("import ipyparallel.controller.app", "from ipyparallel.controller.app import main; main()"),
+}
+_IPP_PRELOAD = "import ipyparallel.engine.app, ipyparallel.controller.app"
+_TORCH_PRELOAD = "import torch.distributed, colab_par.engine, colab_par.probe"
+_CONNECT_WAIT_S = 30.0  # how long a proxy waits for a zygote that is still importing
+_HEADER = struct.Struct("!I")
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def enabled() -> bool:
+    return os.environ.get("COLAB_PAR_WARM_POOL", "1") not in ("0", "false", "no", "")
+
+
+def cold_command(target: str) -> list[str]:
+    """The ordinary command (a fresh interpreter) for `target`, what the proxy falls back to."""
+    preload, run = _TARGETS[target]
+    return [sys.executable, "-c", f"{preload}; {run}"]
+
+
+class WarmPool:
+    """One zygote process on this host, owned by this process (it exits when its owner does)."""
+
+    def __init__(self) -> None:
+        self.socket_path = os.path.join(tempfile.mkdtemp(prefix="colab_par-pool-"), "zygote.sock")
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start(self) -> "WarmPool":
+        """Start the zygote in the background; it serves once its imports are done."""
+        if not self.running:
+            # stdin is a pipe nobody writes: its end-of-file tells the zygote that its owner is gone
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "colab_par.warm_pool", "serve", self.socket_path],
+                stdin=subprocess.PIPE, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout: float = _CONNECT_WAIT_S) -> bool:
+        """True once the zygote accepts requests (its imports are done)."""
+        deadline = time.monotonic() + timeout
+        while self.running and time.monotonic() < deadline:
+            if os.path.exists(self.socket_path):
+                return True
+            time.sleep(0.01)
+        return False
+
+    def command(self, target: str) -> list[str]:
+        """What a launcher runs to get `target` ("engine" or "controller") forked from the zygote."""
+        path = _controller_path(self.socket_path) if target == "controller" else self.socket_path
+        return [sys.executable, "-m", "colab_par.warm_pool", "launch", path, str(self.pid), target]
+
+    def stop(self) -> None:
+        """End the zygote (processes forked from it are their launcher's and stay)."""
+        if self._process is not None:
+            if self._process.poll() is None:
+                self._process.terminate()
+                try:
+                    self._process.wait(5.0)
+                except subprocess.TimeoutExpired:
+                    self._process.kill()
+                    self._process.wait()
+            if self._process.stdin:
+                self._process.stdin.close()
+            self._process = None
+        for path in (self.socket_path, _controller_path(self.socket_path)):
+            if os.path.exists(path):
+                os.remove(path)
+
+
+_SHARED: WarmPool | None = None
+
+
+def shared_pool() -> WarmPool | None:
+    """This process's zygote, started if it is not running; None when the pool is switched off."""
+    global _SHARED
+    if not enabled():
+        return None
+    if _SHARED is None:
+        import atexit
+
+        _SHARED = WarmPool()
+        atexit.register(stop_shared_pool)
+    return _SHARED.start()
+
+
+def prestart() -> None:
+    """Start the zygote now, in the background, so the first `Cluster.start` finds it warm."""
+    shared_pool()
+
+
+def stop_shared_pool() -> None:
+    global _SHARED
+    if _SHARED is not None:
+        _SHARED.stop()
+        _SHARED = None
+
+
+# ---- the zygote ---------------------------------------------------------------------------------
+def _serve_pool(path: str) -> dict[str, Any] | None:
+    """Import ipyparallel, fork the controllers' zygote (without torch: a controller then starts
+    and exits light), import torch and serve engines. Returns a request in a forked child only."""
+    exec(_IPP_PRELOAD)  # noqa: S102 - fixed import lines, the whole point of the zygote
+    controllers = os.fork()
+    if controllers == 0:
+        return _serve(_controller_path(path), companions=())
+    exec(_TORCH_PRELOAD)  # noqa: S102
+    return _serve(path, companions=(controllers,))
+
+
+def _controller_path(path: str) -> str:
+    return path + ".controller"
+
+
+def _serve(path: str, companions: tuple[int, ...]) -> dict[str, Any] | None:
+    """Fork one child per request; return, in a forked child only, the request it is to run.
+
+    The zygote itself returns None when its owner is gone (its stdin closed), on SIGTERM or when
+    a companion zygote ended (taking the companions with it)."""
+    gc.collect()
+    gc.freeze()  # what was imported stays out of every collection: no copy-on-write, fast exits
+    own_env = dict(os.environ)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the notebook
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    listener.listen(64)
+    os.rename(path + ".tmp", path)  # the path appears only once requests can be served
+    children: dict[int, socket.socket] = {}  # pid -> its proxy's connection
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "accept")
+    selector.register(wake_read, selectors.EVENT_READ, "signal")
+    selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "owner")
+    while not stopping:
+        for key, _ in selector.select():
+            if key.data == "accept":
+                connection, _ = listener.accept()
+                request = _receive_request(connection)
+                if request is None:
+                    connection.close()
+                    continue
+                if _env_differs(request["env"], own_env):
+                    connection.sendall(_HEADER.pack(0))  # stale: the proxy starts cold instead
+                    connection.close()
+                    _close_fds(request["fds"])
+                    stopping.append(True)  # the next pool, started fresh, will match
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    os.setsid()
+                    for signum in (signal.SIGCHLD, signal.SIGTERM):
+                        signal.signal(signum, signal.SIG_DFL)
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                    signal.set_wakeup_fd(-1)
+                    selector.close()
+                    for other in (listener, *children.values(), connection):
+                        other.close()
+                    for fd in (wake_read, wake_write):
+                        os.close(fd)
+                    return request
+                _close_fds(request["fds"])
+                children[pid] = connection
+                selector.register(connection, selectors.EVENT_READ, pid)
+                connection.sendall(_HEADER.pack(pid))
+            elif key.data == "signal":
+                os.read(wake_read, 4096)
+                if _reap(children, selector) & set(companions):
+                    stopping.append(True)
+            elif key.data == "owner":
+                if not os.read(sys.stdin.fileno(), 4096):
+                    stopping.append(True)
+            else:  # a proxy closed its connection: it was killed, so its child goes too
+                pid = key.data
+                selector.unregister(key.fileobj)
+                key.fileobj.close()
+                children.pop(pid, None)
+                _forward(pid, signal.SIGKILL)
+    for pid in companions:
+        _forward(pid, signal.SIGTERM)
+    listener.close()
+    os.remove(path)
+    return None
+
+
+def _reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) -> set[int]:
+    """Collect exited children, tell each one's proxy how it ended; returns their pids."""
+    reaped = set()
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return reaped
+        if pid == 0:
+            return reaped
+        reaped.add(pid)
+        connection = children.pop(pid, None)
+        if connection is not None:
+            selector.unregister(connection)
+            try:
+                connection.sendall(_HEADER.pack(status))
+            except OSError:
+                pass
+            connection.close()
+
+
+def _receive_request(connection: socket.socket) -> dict[str, Any] | None:
+    try:
+        head, fds, _, _ = socket.recv_fds(connection, _HEADER.size, 3)
+        if len(head) < _HEADER.size:
+            _close_fds(fds)
+            return None
+        (size,) = _HEADER.unpack(head)
+        body = b""
+        while len(body) < size:
+            chunk = connection.recv(size - len(body))
+            if not chunk:
+                _close_fds(fds)
+                return None
+            body += chunk
+    except OSError:
+        return None
+    return {**json.loads(body), "fds": fds}
+
+
+def _env_differs(env: dict[str, str], own: dict[str, str]) -> bool:
+    """A variable other than ipyparallel's own differs: torch may have read it at import."""
+    strip = {FORKED_ENV, "PWD", "OLDPWD"}
+
+    def mine(values: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in values.items() if not k.startswith("IPP_") and k not in strip}
+
+    return mine(env) != mine(own)
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _run_forked(request: dict[str, Any]) -> None:
+    """In the forked child: become the process the proxy's command would have started."""
+    for target_fd, fd in enumerate(request["fds"]):
+        os.dup2(fd, target_fd)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.environ[FORKED_ENV] = str(os.getppid())
+    sys.argv = ["-c", *request["args"]]
+    sys.path[0] = ""  # as under `python -c`: the working directory, whatever it is now
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own stdio, never closed
+    sys.stdout = open(1, "w", closefd=False, buffering=1)  # noqa: SIM115
+    sys.stderr = open(2, "w", closefd=False, buffering=1)  # noqa: SIM115
+    exec(_TARGETS[request["target"]][1], {"__name__": "__main__"})  # noqa: S102 - fixed entry points
+
+
+# ---- the proxy a launcher runs ------------------------------------------------------------------
+def _launch(path: str, zygote: int, target: str, args: list[str]) -> int:
+    """Have the zygote fork `target`, then stand for it: forward signals, exit with its status.
+    Falls back to exec'ing the cold command when no zygote answers or it declines."""
+    connection = _connect(path, zygote)
+    if connection is not None:
+        body = json.dumps({"target": target, "args": args, "cwd": os.getcwd(),
+                           "env": dict(os.environ)}).encode()
+        try:
+            socket.send_fds(connection, [_HEADER.pack(len(body))], [0, 1, 2])
+            connection.sendall(body)
+            reply = _read_exactly(connection, _HEADER.size)
+        except OSError:
+            reply = b""
+        pid = _HEADER.unpack(reply)[0] if len(reply) == _HEADER.size else 0
+        if pid:
+            for signum in _FORWARDED:
+                signal.signal(signum, lambda signum, _, pid=pid: _forward(pid, signum))
+            status = _read_exactly(connection, _HEADER.size)
+            if len(status) < _HEADER.size:
+                return 1
+            code = os.waitstatus_to_exitcode(_HEADER.unpack(status)[0])
+            if code < 0:  # the child died of a signal: so does its stand-in
+                signal.signal(-code, signal.SIG_DFL)
+                os.kill(os.getpid(), -code)
+            return code
+        connection.close()
+    command = cold_command(target)
+    os.execv(command[0], command + args)
+    return 1  # not reached
+
+
+def _connect(path: str, zygote: int) -> socket.socket | None:
+    """The zygote's socket, waiting while it (process `zygote`) is still importing."""
+    deadline = time.monotonic() + _CONNECT_WAIT_S
+    while True:
+        if os.path.exists(path):
+            try:
+                connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                connection.connect(path)
+                return connection
+            except OSError:
+                connection.close()
+                return None
+        if not _alive(zygote) or time.monotonic() > deadline:
+            return None
+        time.sleep(0.005)
+
+
+def _read_exactly(connection: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        try:
+            chunk = connection.recv(size - len(data))
+        except InterruptedError:
+            continue
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _forward(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _main(argv: list[str]) -> int:
+    role, path, *rest = argv
+    if role == "launch":
+        return _launch(path, int(rest[0]), rest[1], rest[2:])
+    request = _serve_pool(path)
+    if request is not None:
+        _run_forked(request)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
