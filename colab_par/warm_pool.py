@@ -39,12 +39,14 @@ __all__ = ["WarmPool", "shared_pool", "prestart", "stop_shared_pool", "enabled",
 FORKED_ENV = "COLAB_PAR_FORKED_FROM"
 """Set in every forked process to the zygote's pid: how a process (or a test) tells it came warm."""
 
-_TARGETS = {
-    "engine": ("import torch.distributed", ENGINE_MAIN_CODE),
-    "controller": ("import ipyparallel.controller.app", "from ipyparallel.controller.app import main; main()"),
+_TARGETS = {  # what each zygote imports, and what its forked children run
+    "engine": ("import torch.distributed, ipyparallel.engine.app, colab_par.engine, colab_par.probe",
+               ENGINE_MAIN_CODE),
+    "controller": ("import ipyparallel.controller.app",
+                   "from ipyparallel.controller.app import main; main()"),
 }
-_IPP_PRELOAD = "import ipyparallel.engine.app, ipyparallel.controller.app"
-_TORCH_PRELOAD = "import torch.distributed, colab_par.engine, colab_par.probe"
+_VOLATILE_PREFIXES = ("IPP_", "PYTEST_")  # set per cluster / per test, read by nothing at import
+_VOLATILE = {FORKED_ENV, "PWD", "OLDPWD", "COLUMNS", "LINES"}  # cwd and terminal size
 _CONNECT_WAIT_S = 30.0  # how long a proxy waits for a zygote that is still importing
 _HEADER = struct.Struct("!I")
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -61,59 +63,67 @@ def cold_command(target: str) -> list[str]:
 
 
 class WarmPool:
-    """One zygote process on this host, owned by this process (it exits when its owner does)."""
+    """Two zygotes on this host, one for engines (torch imported) and one for controllers (without
+    torch: a controller then starts and exits light), owned by this process: they exit with it."""
 
     def __init__(self) -> None:
-        self.socket_path = os.path.join(tempfile.mkdtemp(prefix="colab_par-pool-"), "zygote.sock")
-        self._process: subprocess.Popen | None = None
+        self._folder = tempfile.mkdtemp(prefix="colab_par-pool-")
+        self._processes: dict[str, subprocess.Popen] = {}
+
+    def socket_path(self, target: str) -> str:
+        return os.path.join(self._folder, f"{target}.sock")
 
     @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
+    def pids(self) -> set[int]:
+        return {process.pid for process in self._processes.values()}
 
     @property
     def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
+        return len(self._processes) == len(_TARGETS) and all(
+            process.poll() is None for process in self._processes.values())
 
     def start(self) -> "WarmPool":
-        """Start the zygote in the background; it serves once its imports are done."""
-        if not self.running:
-            # stdin is a pipe nobody writes: its end-of-file tells the zygote that its owner is gone
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "colab_par.warm_pool", "serve", self.socket_path],
-                stdin=subprocess.PIPE, start_new_session=True)
+        """Start the zygotes that are not running, in the background; each serves once its imports
+        are done."""
+        for target in _TARGETS:
+            process = self._processes.get(target)
+            if process is None or process.poll() is not None:
+                # stdin is a pipe nobody writes: its end-of-file tells the zygote its owner is gone
+                self._processes[target] = subprocess.Popen(
+                    [sys.executable, "-m", "colab_par.warm_pool", "serve", self.socket_path(target),
+                     target], stdin=subprocess.PIPE, start_new_session=True)
         return self
 
     def wait_ready(self, timeout: float = _CONNECT_WAIT_S) -> bool:
-        """True once the zygote accepts requests (its imports are done)."""
+        """True once every zygote accepts requests (its imports are done)."""
         deadline = time.monotonic() + timeout
         while self.running and time.monotonic() < deadline:
-            if os.path.exists(self.socket_path):
+            if all(os.path.exists(self.socket_path(target)) for target in _TARGETS):
                 return True
             time.sleep(0.01)
         return False
 
     def command(self, target: str) -> list[str]:
-        """What a launcher runs to get `target` ("engine" or "controller") forked from the zygote."""
-        path = _controller_path(self.socket_path) if target == "controller" else self.socket_path
-        return [sys.executable, "-m", "colab_par.warm_pool", "launch", path, str(self.pid), target]
+        """What a launcher runs to get `target` ("engine" or "controller") forked from its zygote."""
+        return [sys.executable, "-m", "colab_par.warm_pool", "launch", self.socket_path(target),
+                str(self._processes[target].pid), target]
 
     def stop(self) -> None:
-        """End the zygote (processes forked from it are their launcher's and stay)."""
-        if self._process is not None:
-            if self._process.poll() is None:
-                self._process.terminate()
-                try:
-                    self._process.wait(5.0)
-                except subprocess.TimeoutExpired:
-                    self._process.kill()
-                    self._process.wait()
-            if self._process.stdin:
-                self._process.stdin.close()
-            self._process = None
-        for path in (self.socket_path, _controller_path(self.socket_path)):
-            if os.path.exists(path):
-                os.remove(path)
+        """End the zygotes (processes forked from them are their launchers' and stay)."""
+        for process in self._processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self._processes.values():
+            try:
+                process.wait(5.0)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            process.stdin.close()
+        self._processes = {}
+        for target in _TARGETS:
+            if os.path.exists(self.socket_path(target)):
+                os.remove(self.socket_path(target))
 
 
 _SHARED: WarmPool | None = None
@@ -145,26 +155,11 @@ def stop_shared_pool() -> None:
 
 
 # ---- the zygote ---------------------------------------------------------------------------------
-def _serve_pool(path: str) -> dict[str, Any] | None:
-    """Import ipyparallel, fork the controllers' zygote (without torch: a controller then starts
-    and exits light), import torch and serve engines. Returns a request in a forked child only."""
-    exec(_IPP_PRELOAD)  # noqa: S102 - fixed import lines, the whole point of the zygote
-    controllers = os.fork()
-    if controllers == 0:
-        return _serve(_controller_path(path), companions=())
-    exec(_TORCH_PRELOAD)  # noqa: S102
-    return _serve(path, companions=(controllers,))
-
-
-def _controller_path(path: str) -> str:
-    return path + ".controller"
-
-
-def _serve(path: str, companions: tuple[int, ...]) -> dict[str, Any] | None:
-    """Fork one child per request; return, in a forked child only, the request it is to run.
-
-    The zygote itself returns None when its owner is gone (its stdin closed), on SIGTERM or when
-    a companion zygote ended (taking the companions with it)."""
+def _serve(path: str, target: str) -> dict[str, Any] | None:
+    """Import what `target` needs, then fork one child per request; return, in a forked child
+    only, the request it is to run. The zygote itself returns None when its owner is gone (its
+    stdin closed) or on SIGTERM."""
+    exec(_TARGETS[target][0])  # noqa: S102 - fixed import lines, the whole point of the zygote
     gc.collect()
     gc.freeze()  # what was imported stays out of every collection: no copy-on-write, fast exits
     own_env = dict(os.environ)
@@ -192,7 +187,10 @@ def _serve(path: str, companions: tuple[int, ...]) -> dict[str, Any] | None:
                 if request is None:
                     connection.close()
                     continue
-                if _env_differs(request["env"], own_env):
+                if changed := _env_changes(request["env"], own_env):
+                    print(f"colab_par: the environment changed since the warm pool started "
+                          f"({', '.join(changed)}); starting {target}s the ordinary way, and a "
+                          "fresh pool for the next start", file=sys.stderr)
                     connection.sendall(_HEADER.pack(0))  # stale: the proxy starts cold instead
                     connection.close()
                     _close_fds(request["fds"])
@@ -217,8 +215,7 @@ def _serve(path: str, companions: tuple[int, ...]) -> dict[str, Any] | None:
                 connection.sendall(_HEADER.pack(pid))
             elif key.data == "signal":
                 os.read(wake_read, 4096)
-                if _reap(children, selector) & set(companions):
-                    stopping.append(True)
+                _reap(children, selector)
             elif key.data == "owner":
                 if not os.read(sys.stdin.fileno(), 4096):
                     stopping.append(True)
@@ -228,24 +225,20 @@ def _serve(path: str, companions: tuple[int, ...]) -> dict[str, Any] | None:
                 key.fileobj.close()
                 children.pop(pid, None)
                 _forward(pid, signal.SIGKILL)
-    for pid in companions:
-        _forward(pid, signal.SIGTERM)
     listener.close()
     os.remove(path)
     return None
 
 
-def _reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) -> set[int]:
-    """Collect exited children, tell each one's proxy how it ended; returns their pids."""
-    reaped = set()
+def _reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) -> None:
+    """Collect exited children and tell each one's proxy how it ended."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return reaped
+            return
         if pid == 0:
-            return reaped
-        reaped.add(pid)
+            return
         connection = children.pop(pid, None)
         if connection is not None:
             selector.unregister(connection)
@@ -275,14 +268,15 @@ def _receive_request(connection: socket.socket) -> dict[str, Any] | None:
     return {**json.loads(body), "fds": fds}
 
 
-def _env_differs(env: dict[str, str], own: dict[str, str]) -> bool:
-    """A variable other than ipyparallel's own differs: torch may have read it at import."""
-    strip = {FORKED_ENV, "PWD", "OLDPWD"}
+def _env_changes(env: dict[str, str], own: dict[str, str]) -> list[str]:
+    """The variables that differ and that torch or a library it loads may have read at import (any
+    but ipyparallel's own and those that change by themselves): a fork would not match a fresh start."""
+    def kept(values: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in values.items() if not k.startswith(_VOLATILE_PREFIXES)
+                and k not in _VOLATILE}
 
-    def mine(values: dict[str, str]) -> dict[str, str]:
-        return {k: v for k, v in values.items() if not k.startswith("IPP_") and k not in strip}
-
-    return mine(env) != mine(own)
+    env, own = kept(env), kept(own)
+    return sorted(k for k in env.keys() | own.keys() if env.get(k) != own.get(k))
 
 
 def _close_fds(fds: list[int]) -> None:
@@ -391,7 +385,7 @@ def _main(argv: list[str]) -> int:
     role, path, *rest = argv
     if role == "launch":
         return _launch(path, int(rest[0]), rest[1], rest[2:])
-    request = _serve_pool(path)
+    request = _serve(path, rest[0])
     if request is not None:
         _run_forked(request)
     return 0
