@@ -5,7 +5,7 @@ shared machine hits them alike; medians, min-max and ratios of medians are print
 
 Arms (2 workers, gloo, CPU):
 - **colab_par** (this project's venv): `Cluster(n=2).start()` then `cluster.run(all_reduce)`.
-  "script": a fresh process that nothing pre-started (`import colab_par; Cluster(...).start()`);
+  "script": a fresh process that nothing pre-started (also with the pool off, for reference) (`import colab_par; Cluster(...).start()`);
   "notebook": the same after `%load_ext colab_par` started the warm pool (the process waits until
   the pool is ready, as a user's next cell would find it), so only `%colossal start` is timed.
 - **Monarch** (`torchmonarch==0.7.0`, installed by this script into its own virtual environment
@@ -193,8 +193,10 @@ def sample_torchrun(script: Path) -> dict[str, float]:
 
 
 def sample_arm(python: str, arm: str) -> dict[str, float]:
+    env = {**os.environ, **({"COLAB_PAR_WARM_POOL": "0"} if arm == "colab_par_nopool" else {})}
     launched = time.time()
-    done = subprocess.run([python, __file__, "--arm", arm], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([python, __file__, "--arm", arm], capture_output=True, text=True, timeout=300,
+                          env=env)
     if done.returncode:
         raise RuntimeError(f"arm {arm} failed:\n{done.stderr[-3000:]}")
     stamps = json.loads(done.stdout.strip().splitlines()[-1])
@@ -239,13 +241,15 @@ def main() -> None:
     parser.add_argument("--arm", help=argparse.SUPPRESS)  # one sample, in this fresh process
     args = parser.parse_args()
     if args.arm:
-        runs = {"colab_par": lambda: arm_colab_par(False), "colab_par_notebook": lambda: arm_colab_par(True),
+        runs = {"colab_par": lambda: arm_colab_par(False), "colab_par_nopool": lambda: arm_colab_par(False),
+                "colab_par_notebook": lambda: arm_colab_par(True),
                 "monarch": arm_monarch}
         print(json.dumps(runs[args.arm]()))
         return
     if args.rounds < 3:
         parser.error(f"--rounds {args.rounds}: take at least 3 for a median and a spread")
-    pythons = {"colab_par": sys.executable, "colab_par_notebook": sys.executable,
+    pythons = {"colab_par": sys.executable, "colab_par_nopool": sys.executable,
+               "colab_par_notebook": sys.executable,
                "monarch": monarch_python()}
     arms = [*pythons, "torchrun"]
     samples: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
@@ -287,7 +291,11 @@ def report(samples: dict[str, list[dict[str, float]]], rounds: int) -> None:
         _spread(column(arm, "edit_run_ms"), "ms") for arm in ("colab_par", "colab_par_notebook", "monarch"))
           + f" | {_spread(column('torchrun', 'relaunch_s'))} (relaunch) |")
     forked = all(s["forked"] == 1.0 for s in samples["colab_par_notebook"] + samples["colab_par"])
-    print(f"\nengines forked from the warm pool in every colab_par sample: {forked}")
+    print(f"\nengines forked from the warm pool in every colab_par sample: {forked}; "
+          f"in none with COLAB_PAR_WARM_POOL=0: {not any(s['forked'] for s in samples['colab_par_nopool'])}")
+    print("without the pool (COLAB_PAR_WARM_POOL=0): " + "; ".join(
+        f"{key} {_spread(column('colab_par_nopool', key))}"
+        for key in ("cold_s", "cold_after_import_s", "restart_s")))
     monarch = {key: median("monarch", key) for key in ("cold_s", "cold_after_import_s", "restart_s", "warm_ms")}
     print("\n| ratio (colab_par / Monarch; lower is better) | script | notebook |\n|---|---|---|")
     for key, what, goal in (("cold_s", "cold, from launch", "<= 1.0"),
