@@ -5,7 +5,8 @@ shared machine hits them alike; medians, min-max and ratios of medians are print
 
 Arms (2 workers, gloo, CPU):
 - **colab_par** (this project's venv): `Cluster(n=2).start()` then `cluster.run(all_reduce)`.
-  "script": a fresh process that nothing pre-started (also with the pool off, for reference) (`import colab_par; Cluster(...).start()`);
+  "script": a fresh process that nothing pre-started (`import colab_par; Cluster(...).start()`;
+  also with the pool off, `COLAB_PAR_WARM_POOL=0`, for reference);
   "notebook": the same after `%load_ext colab_par` started the warm pool (the process waits until
   the pool is ready, as a user's next cell would find it), so only `%colossal start` is timed.
 - **Monarch** (`torchmonarch==0.7.0`, installed by this script into its own virtual environment
@@ -296,7 +297,8 @@ def report(samples: dict[str, list[dict[str, float]]], rounds: int) -> None:
     print("without the pool (COLAB_PAR_WARM_POOL=0): " + "; ".join(
         f"{key} {_spread(column('colab_par_nopool', key))}"
         for key in ("cold_s", "cold_after_import_s", "restart_s")))
-    monarch = {key: median("monarch", key) for key in ("cold_s", "cold_after_import_s", "restart_s", "warm_ms")}
+    monarch = {key: median("monarch", key)
+               for key in ("cold_s", "cold_after_import_s", "restart_s", "warm_ms")}
     print("\n| ratio (colab_par / Monarch; lower is better) | script | notebook |\n|---|---|---|")
     for key, what, goal in (("cold_s", "cold, from launch", "<= 1.0"),
                             ("cold_after_import_s", "cold, after import", "<= 1.0"),
