@@ -24,6 +24,7 @@ Opt out with ``COLAB_PAR_WARM_POOL=0`` in the environment.
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import os
@@ -39,7 +40,7 @@ from typing import Any
 
 from colab_par.compat import ENGINE_MAIN_CODE
 
-__all__ = ["WarmPool", "shared_pool", "prestart", "stop_shared_pool", "enabled", "FORKED_ENV"]
+__all__ = ["WarmPool", "shared_pool", "pool_pids", "prestart", "stop_shared_pool", "enabled", "FORKED_ENV"]
 
 FORKED_ENV = "COLAB_PAR_FORKED_FROM"
 """Set in every forked process to the zygote's pid: how a process (or a test) tells it came warm."""
@@ -74,6 +75,7 @@ class WarmPool:
     def __init__(self) -> None:
         self._folder = tempfile.mkdtemp(prefix="colab_par-pool-")
         self._processes: dict[str, subprocess.Popen] = {}
+        self.env: dict[str, str] = {}  # the environment the zygotes started with
 
     def socket_path(self, target: str) -> str:
         return os.path.join(self._folder, f"{target}.sock")
@@ -90,6 +92,8 @@ class WarmPool:
     def start(self) -> "WarmPool":
         """Start the zygotes that are not running, in the background; each serves once its imports
         are done."""
+        if not self._processes:
+            self.env = dict(os.environ)
         for target in _TARGETS:
             process = self._processes.get(target)
             if process is None or process.poll() is not None:
@@ -139,12 +143,18 @@ def shared_pool() -> WarmPool | None:
     global _SHARED
     if not enabled():
         return None
+    if _SHARED is not None and _SHARED.running and (changed := _env_changes(dict(os.environ), _SHARED.env)):
+        print(f"colab_par: the environment changed since the warm pool started ({', '.join(changed)}); "
+              "renewing it", file=sys.stderr)
+        stop_shared_pool()
     if _SHARED is None:
-        import atexit
-
         _SHARED = WarmPool()
-        atexit.register(stop_shared_pool)
     return _SHARED.start()
+
+
+def pool_pids() -> set[int]:
+    """The processes of this process's warm pool (none started here): they outlive every cluster."""
+    return _SHARED.pids if _SHARED is not None else set()
 
 
 def prestart() -> None:
@@ -157,6 +167,9 @@ def stop_shared_pool() -> None:
     if _SHARED is not None:
         _SHARED.stop()
         _SHARED = None
+
+
+atexit.register(stop_shared_pool)
 
 
 # ---- the zygote ---------------------------------------------------------------------------------

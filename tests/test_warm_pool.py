@@ -1,6 +1,6 @@
 """The warm pool (`colab_par.warm_pool`): engines and controller come forked from zygotes that
 already imported torch and ipyparallel, the zygotes outlive every cluster, nothing a cluster
-started outlives its stop, and a pool that no longer matches the environment is never used."""
+started outlives its stop, and a pool that no longer matches the environment is renewed first."""
 from __future__ import annotations
 
 from colab_par import Cluster, warm_pool
@@ -45,17 +45,25 @@ def test_the_pool_outlives_a_cluster_and_keeps_none_of_its_processes():
     assert descendant_pids() - before == set()
 
 
-def test_a_changed_environment_starts_engines_cold_and_renews_the_pool(monkeypatch):
+def changed_variable() -> str | None:
+    import os
+
+    return os.environ.get("COLAB_PAR_TEST_CHANGED")
+
+
+def test_a_changed_environment_renews_the_pool_before_a_start(monkeypatch):
     pool = warm_pool.shared_pool()
     assert pool.wait_ready()
     stale = _zygote("engine")
     monkeypatch.setenv("COLAB_PAR_TEST_CHANGED", "1")  # torch could have read it at import
     cluster = Cluster(n=1, backend="gloo", timeout=120.0, dashboard=False).start()
     try:
-        assert cluster.run(forked_from) == [None]  # started by the ordinary command
+        fresh = _zygote("engine")
+        assert fresh != stale
+        assert cluster.run(forked_from) == [str(fresh)]  # from a zygote that saw the variable
+        assert cluster.run(changed_variable) == ["1"]
     finally:
         cluster.stop()
-    assert _zygote("engine") != stale  # shared_pool() started a fresh zygote in its place
     monkeypatch.delenv("COLAB_PAR_TEST_CHANGED")
     warm_pool.stop_shared_pool()  # its environment has the variable; the next test's would not
 
