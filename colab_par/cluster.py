@@ -150,7 +150,8 @@ class Cluster:
                        config=self._launch_config(pool), controller_ip=self.launcher.controller_ip())
         # The hub registers an engine one to two heartbeats after it connects: ipyparallel's 3 s
         # period would add up to 6 s to every start, 0.1 s adds at most 0.2 s (for 1.5 % of one
-        # core more while idle than 0.5 s, benchmarks/RESULTS.md); 50 missed beats still take a dead remote engine for dead within 5 s.
+        # core more while idle than 0.5 s, benchmarks/RESULTS.md); 50 missed beats still take a
+        # dead remote engine for dead within 5 s.
         options["controller_args"] = [f"--HeartMonitor.period={_HEARTBEAT_MS}",
                                       f"--HeartMonitor.max_heartmonitor_misses={_DEAD_AFTER_BEATS}"]
         if self.launcher.name == "local":
