@@ -1,31 +1,37 @@
-"""Start-up of 2 engines vs torchrun, each until the first all_reduce, and a warm cell's round trip.
+"""Cold start, restart, warm round trip and edit-run loop: colab_par vs Monarch vs torchrun.
 
-Both arms end at the same point: **the launching process knows that a gloo all_reduce over the
-2 ranks has completed.** For `Cluster(n=2).start()` that is `cluster.run(all_reduce)` returning
-[2.0, 2.0] in this process; for `torchrun --nproc-per-node 2` it is this process reading rank 0's
-line "all_reduce done" from the pipe (printed and flushed right after the all_reduce returned on
-rank 0, which needs both ranks). That point, not teardown, is what a user waits for before the
-first real work: a notebook keeps its engines up, and a torchrun job's exit comes after its
-training. Teardown is printed separately (torchrun: line read to process exit; Cluster: stop()).
+Every sample runs in a fresh process; arms alternate round by round, so load from other jobs on a
+shared machine hits them alike; medians, min-max and ratios of medians are printed.
 
-Samples alternate (cluster, torchrun), (torchrun, cluster), ... so load from other jobs on a
-shared machine hits both arms alike; medians, min-max and the ratio of medians are printed.
-Phases, to see what stands in the way of ratio <= 1.0:
-- torchrun: launcher (interpreter + `import torch` in the agent, spawning workers), worker
-  `import torch`, rendezvous (init_process_group), the all_reduce, and the line reaching us;
-- Cluster: ipyparallel launching controller + engines, the client connecting to the controller,
-  engine registration, bootstrap (device binding, rendezvous, pushing rank variables), and the
-  first all_reduce's round trip; engines import torch meanwhile, during launch and registration;
-- a bare `python -c "import torch.distributed"` per round, the import both arms pay.
+Arms (2 workers, gloo, CPU):
+- **colab_par** (this project's venv): `Cluster(n=2).start()` then `cluster.run(all_reduce)`.
+  "script": a fresh process that nothing pre-started (`import colab_par; Cluster(...).start()`;
+  also with the pool off, `COLAB_PAR_WARM_POOL=0`, for reference);
+  "notebook": the same after `%load_ext colab_par` started the warm pool (the process waits until
+  the pool is ready, as a user's next cell would find it), so only `%colossal start` is timed.
+- **Monarch** (`torchmonarch==0.7.0`, installed by this script into its own virtual environment
+  under ~/.cache/colab_par, reused when present; never into the project's): `this_host()
+  .spawn_procs(per_host={"gpus": 2})`, `setup_torch_elastic_env`, an actor endpoint that joins the
+  gloo group and all_reduces.
+- **torchrun** `--nproc-per-node 2` of a script doing the same, until this process reads rank 0's
+  line (the existing figure).
 
-    python benchmarks/startup.py [--samples 5]
+Every arm ends at the same point: **the launching process holds the result of a gloo all_reduce
+over the 2 workers.** Cold start is reported from the moment the arm's process is launched and
+after the library import (what `%colossal start` costs once the kernel has loaded the extension).
+Restart: stop the workers, start fresh ones, all_reduce again (`Cluster.restart()`, which
+`%colossal restart` and automatic recovery call; Monarch: `procs.stop()` and a new proc mesh).
+Warm round trip: a no-op called on every worker, median of 50. Edit-run: a function shipped by
+value (as after an edit) that builds a small transformer, wraps it in DDP and trains one step,
+median of 10, against a torchrun relaunch of the same work; the ratio is relaunch / warm call.
+
+    python benchmarks/startup.py [--rounds 5]
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import inspect
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -33,128 +39,188 @@ import sys
 import tempfile
 import textwrap
 import time
+import venv
 from pathlib import Path
-from typing import Iterator
 
-import ipyparallel as ipp
-
-from colab_par import Cluster, magics
-
-TORCHRUN_SCRIPT = textwrap.dedent("""
-    import json, time
-    stamps = {"script": time.time()}
-    import torch, torch.distributed as dist
-    stamps["torch"] = time.time()
-    dist.init_process_group("gloo")
-    stamps["rendezvous"] = time.time()
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    assert t.item() == dist.get_world_size()
-    stamps["all_reduce"] = time.time()
-    if dist.get_rank() == 0:
-        print("all_reduce done", json.dumps(stamps), flush=True)
-    dist.destroy_process_group()
+MONARCH = "torchmonarch==0.7.0"
+MONARCH_VENV = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "colab_par" / "monarch-0.7.0"
+WORK = textwrap.dedent("""
+    def train_step():
+        import torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+        torch.manual_seed(0)
+        model = torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
+        ddp = DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        loss = ddp(torch.randn(4, 16, 64)).square().mean()
+        loss.backward()
+        optimizer.step()
+        return float(loss.detach())
 """)
 
 
-def all_reduce_once() -> float:
+def all_reduce() -> float:
     import torch
     import torch.distributed as dist
 
+    if not dist.is_initialized():  # Monarch's actors join here; colab_par's engines already did
+        dist.init_process_group("gloo")
     tensor = torch.ones(1)
     dist.all_reduce(tensor)
     return tensor.item()
 
 
-@contextlib.contextmanager
-def ipyparallel_phases(stamps: dict[str, float]) -> Iterator[None]:
-    """Record when the ipyparallel calls inside `Cluster.start()` return (public API only)."""
-    patched = [(ipp.Cluster, "start_cluster", "launched"), (ipp.Cluster, "connect_client", "connected"),
-               (ipp.Client, "wait_for_engines", "registered")]
-    originals = [getattr(owner, name) for owner, name, _ in patched]
-
-    def stamped(original, label):
-        if inspect.iscoroutinefunction(original):
-            async def call_async(*args, **kwargs):
-                result = await original(*args, **kwargs)
-                stamps[label] = time.perf_counter()
-                return result
-            return call_async
-
-        def call(*args, **kwargs):
-            result = original(*args, **kwargs)
-            stamps[label] = time.perf_counter()
-            return result
-        return call
-
-    for (owner, name, label), original in zip(patched, originals):
-        setattr(owner, name, stamped(original, label))
-    try:
-        yield
-    finally:
-        for (owner, name, _), original in zip(patched, originals):
-            setattr(owner, name, original)
+def noop() -> int:
+    return 1
 
 
-def sample_cluster() -> dict[str, float]:
-    stamps: dict[str, float] = {}
-    started = time.perf_counter()
-    with ipyparallel_phases(stamps):
-        cluster = Cluster(n=2, backend="gloo", dashboard=False).start()
-    stamps["bootstrapped"] = time.perf_counter()
-    assert cluster.run(all_reduce_once) == [2.0, 2.0]
-    done = time.perf_counter()
+def forked_from() -> str | None:
+    """The warm pool's zygote this engine was forked from, if it was (`colab_par.warm_pool`)."""
+    import os
+
+    return os.environ.get("COLAB_PAR_FORKED_FROM")
+
+
+def _median_ms(call, repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples) * 1000
+
+
+def _train_step_fn():
+    """A fresh function object each call, shipped by value: what an edited cell sends."""
+    namespace: dict = {}
+    exec(WORK, namespace)  # noqa: S102 - the fixed workload above
+    return namespace["train_step"]
+
+
+# ---- arms, each run in a fresh process: `python startup.py --arm NAME` prints one JSON line -----
+def arm_colab_par(notebook: bool) -> dict[str, float]:
+    stamps = {"process": time.time()}
+    from colab_par import Cluster, warm_pool
+    assert warm_pool.FORKED_ENV == "COLAB_PAR_FORKED_FROM"
+
+    stamps["imported"] = time.time()
+    if notebook:
+        warm_pool.prestart()  # what `%load_ext colab_par` does
+        assert warm_pool.shared_pool().wait_ready(), "the warm pool did not come up"
+        stamps["imported"] = time.time()
+    cluster = Cluster(n=2, backend="gloo", dashboard=False).start()
+    assert cluster.run(all_reduce) == [2.0, 2.0]
+    stamps["all_reduce"] = time.time()
+    forked = cluster.run(forked_from)
+    cluster.restart()
+    assert cluster.run(all_reduce) == [2.0, 2.0]
+    stamps["restarted"] = time.time()
+    stamps["warm_ms"] = _median_ms(lambda: cluster.run(noop), 50)
+    cluster.run(_train_step_fn())  # one-time imports (DDP, optim) on the engines
+    stamps["edit_run_ms"] = _median_ms(lambda: cluster.run(_train_step_fn()), 10)
+    stamps["forked"] = float(all(forked))
     cluster.stop()
-    order = ["launched", "connected", "registered", "bootstrapped"]
-    marks = [started] + [stamps[k] for k in order] + [done]
-    phases = dict(zip(["launch controller + engines", "client connects", "engine registration",
-                       "bootstrap: bind + rendezvous", "first all_reduce round trip"],
-                      (b - a for a, b in zip(marks, marks[1:]))))
-    return {"total": done - started, **phases, "teardown": time.perf_counter() - done}
+    return stamps
+
+
+def arm_monarch() -> dict[str, float]:
+    stamps = {"process": time.time()}
+    import cloudpickle
+    from monarch.actor import Actor, endpoint, this_host
+    from monarch.spmd import setup_torch_elastic_env
+
+    stamps["imported"] = time.time()
+
+    class Worker(Actor):
+        @endpoint
+        def call(self, blob: bytes):
+            return cloudpickle.loads(blob)()
+
+    def start():
+        procs = this_host().spawn_procs(per_host={"gpus": 2})
+        setup_torch_elastic_env(procs)
+        return procs, procs.spawn("worker", Worker)
+
+    def on_all(workers, fn):
+        return [value for _, value in workers.call.call(cloudpickle.dumps(fn)).get().items()]
+
+    procs, workers = start()
+    assert on_all(workers, all_reduce) == [2.0, 2.0]
+    stamps["all_reduce"] = time.time()
+    procs.stop().get()
+    procs, workers = start()
+    assert on_all(workers, all_reduce) == [2.0, 2.0]
+    stamps["restarted"] = time.time()
+    blob = cloudpickle.dumps(noop)
+    stamps["warm_ms"] = _median_ms(lambda: workers.call.call(blob).get(), 50)
+    on_all(workers, _train_step_fn())
+    stamps["edit_run_ms"] = _median_ms(lambda: on_all(workers, _train_step_fn()), 10)
+    procs.stop().get()
+    return stamps
+
+
+TORCHRUN_SCRIPT = WORK + textwrap.dedent("""
+    import json, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == dist.get_world_size()
+    stamps = {"all_reduce": time.time()}
+    train_step()
+    stamps["train_step"] = time.time()
+    if dist.get_rank() == 0:
+        print("done", json.dumps(stamps), flush=True)
+    dist.destroy_process_group()
+""")
 
 
 def sample_torchrun(script: Path) -> dict[str, float]:
+    """From launch to rank 0's line (after the all_reduce and one training step)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                "--master-port", str(_free_port()), str(script)]
-    launched_wall, started = time.time(), time.perf_counter()
+    launched = time.time()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = ""
-    while not line.startswith("all_reduce done"):
+    while not line.startswith("done"):
         line = process.stdout.readline()
         if not line:
             raise RuntimeError(f"torchrun exited ({process.wait()}) before rank 0 reported")
-    done, done_wall = time.perf_counter(), time.time()
+    stamps = json.loads(line.split(" ", 1)[1])
     process.stdout.read()
     if process.wait() != 0:
         raise RuntimeError(f"torchrun failed with exit status {process.returncode}")
-    stamps = json.loads(line.split(" ", 2)[2])
-    marks = [launched_wall, stamps["script"], stamps["torch"], stamps["rendezvous"],
-             stamps["all_reduce"], done_wall]
-    phases = dict(zip(["launcher: agent + spawn", "worker import torch", "rendezvous",
-                       "all_reduce", "line reaches us"], (b - a for a, b in zip(marks, marks[1:]))))
-    return {"total": done - started, **phases, "teardown": time.perf_counter() - done}
+    return {"cold_s": stamps["all_reduce"] - launched, "relaunch_s": stamps["train_step"] - launched}
 
 
-def sample_import() -> float:
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch.distributed"], check=True)
-    return time.perf_counter() - started
+def sample_arm(python: str, arm: str) -> dict[str, float]:
+    env = {**os.environ, **({"COLAB_PAR_WARM_POOL": "0"} if arm == "colab_par_nopool" else {})}
+    launched = time.time()
+    done = subprocess.run([python, __file__, "--arm", arm], capture_output=True, text=True, timeout=300,
+                          env=env)
+    if done.returncode:
+        raise RuntimeError(f"arm {arm} failed:\n{done.stderr[-3000:]}")
+    stamps = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"cold_s": stamps["all_reduce"] - launched,
+            "cold_after_import_s": stamps["all_reduce"] - stamps["imported"],
+            "restart_s": stamps["restarted"] - stamps["all_reduce"],
+            "warm_ms": stamps["warm_ms"], "edit_run_ms": stamps["edit_run_ms"],
+            **({"forked": stamps["forked"]} if "forked" in stamps else {})}
 
 
-def time_warm_cell(repeats: int = 30) -> float:
-    from IPython.testing.globalipapp import get_ipython
+def monarch_python() -> str:
+    """Monarch's interpreter, in its own venv (created and filled once, then reused). torch is
+    pinned to the project's version, so both arms import the same torch."""
+    python = MONARCH_VENV / "bin" / "python"
+    if not python.exists() or subprocess.run([python, "-c", "import monarch.actor"],
+                                             capture_output=True).returncode:
+        import torch
 
-    shell = get_ipython()
-    shell.run_line_magic("load_ext", "colab_par")
-    with Cluster(n=2, backend="gloo", dashboard=False) as cluster:
-        magics.use_cluster(cluster)
-        shell.run_cell_magic("colossal", "", "x = 1")  # first call pays one-time imports
-        samples = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            shell.run_cell_magic("colossal", "", "x = 1")
-            samples.append(time.perf_counter() - started)
-    return statistics.median(samples)
+        print(f"installing {MONARCH} into {MONARCH_VENV} (once)", file=sys.stderr)
+        venv.create(MONARCH_VENV, with_pip=True, clear=True)
+        subprocess.run([python, "-m", "pip", "install", "-q", MONARCH,
+                        f"torch=={torch.__version__.split('+')[0]}"], check=True)
+    return str(python)
 
 
 def _free_port() -> int:
@@ -163,44 +229,91 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} s (min-max {min(values):.2f}-{max(values):.2f})"
+def _spread(values: list[float], unit: str = "s", scale: float = 1.0) -> str:
+    values = [v * scale for v in values]
+    digits = 1 if unit == "ms" else 2
+    return (f"{statistics.median(values):.{digits}f} {unit} "
+            f"({min(values):.{digits}f}-{max(values):.{digits}f})")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=5, help="samples per arm (at least 5)")
+    parser.add_argument("--rounds", type=int, default=5, help="samples per arm (at least 3)")
+    parser.add_argument("--arm", help=argparse.SUPPRESS)  # one sample, in this fresh process
     args = parser.parse_args()
-    if args.samples < 5:
-        parser.error(f"--samples {args.samples}: take at least 5 for a median and a spread")
-    arms = ["cluster", "torchrun"]
+    if args.arm:
+        runs = {"colab_par": lambda: arm_colab_par(False), "colab_par_nopool": lambda: arm_colab_par(False),
+                "colab_par_notebook": lambda: arm_colab_par(True),
+                "monarch": arm_monarch}
+        print(json.dumps(runs[args.arm]()))
+        return
+    if args.rounds < 3:
+        parser.error(f"--rounds {args.rounds}: take at least 3 for a median and a spread")
+    pythons = {"colab_par": sys.executable, "colab_par_nopool": sys.executable,
+               "colab_par_notebook": sys.executable,
+               "monarch": monarch_python()}
+    arms = [*pythons, "torchrun"]
     samples: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
-    imports: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "allreduce.py"
+        script = Path(tmp) / "work.py"
         script.write_text(TORCHRUN_SCRIPT)
-        for index in range(args.samples):
-            for arm in (arms if index % 2 == 0 else arms[::-1]):
-                samples[arm].append(sample_torchrun(script) if arm == "torchrun" else sample_cluster())
-            imports.append(sample_import())
-    cell_s = time_warm_cell()
+        for index in range(args.rounds):
+            order = arms[index % len(arms):] + arms[:index % len(arms)]  # rotate who goes first
+            for arm in order:
+                samples[arm].append(sample_torchrun(script) if arm == "torchrun"
+                                    else sample_arm(pythons[arm], arm))
+            print(f"round {index + 1}/{args.rounds} done", file=sys.stderr)
+    report(samples, args.rounds)
 
-    totals = {arm: [s["total"] for s in runs] for arm, runs in samples.items()}
-    ratio = statistics.median(totals["cluster"]) / statistics.median(totals["torchrun"])
-    print(f"{args.samples} alternated samples per arm; end point: the launching process knows the "
-          "first all_reduce completed")
-    print("| measurement | median (min-max) |\n|---|---|")
-    print(f"| Cluster(n=2).start() + first all_reduce | {_spread(totals['cluster'])} |")
-    print(f"| torchrun --nproc-per-node 2 to first all_reduce | {_spread(totals['torchrun'])} |")
-    print(f"| ratio of medians Cluster / torchrun (goal <= 1.0) | **{ratio:.2f}** |")
-    print(f"| bare `python -c 'import torch.distributed'` | {_spread(imports)} |")
-    print(f"| warm %%colossal round trip, trivial cell, median of 30 (goal <= 0.1 s) | "
-          f"{cell_s * 1000:.1f} ms |")
-    for arm, runs in samples.items():
-        print(f"\nphases of {arm} (median s):")
-        for phase in runs[0]:
-            if phase != "total":
-                print(f"  {phase:<32} {statistics.median(run[phase] for run in runs):.3f}")
+
+def report(samples: dict[str, list[dict[str, float]]], rounds: int) -> None:
+    def column(arm: str, key: str) -> list[float]:
+        return [sample[key] for sample in samples[arm]]
+
+    def median(arm: str, key: str) -> float:
+        return statistics.median(column(arm, key))
+
+    print(f"{rounds} rounds, arms rotated; each sample a fresh process; median (min-max)")
+    print("| measurement | colab_par | colab_par, warm pool (notebook) | Monarch 0.7.0 | torchrun |")
+    print("|---|---|---|---|---|")
+    print(f"| cold: launch to first all_reduce | {_spread(column('colab_par', 'cold_s'))} | "
+          f"{_spread(column('colab_par_notebook', 'cold_s'))} | {_spread(column('monarch', 'cold_s'))} | "
+          f"{_spread(column('torchrun', 'cold_s'))} |")
+    print("| cold: after the library import (+ pool ready) | "
+          + " | ".join(_spread(column(arm, "cold_after_import_s")) for arm in
+                       ("colab_par", "colab_par_notebook", "monarch")) + " | - |")
+    print("| restart + all_reduce | " + " | ".join(_spread(column(arm, "restart_s")) for arm in
+                                                 ("colab_par", "colab_par_notebook", "monarch"))
+          + f" | {_spread(column('torchrun', 'cold_s'))} (relaunch) |")
+    print("| warm no-op on every worker | " + " | ".join(
+        _spread(column(arm, "warm_ms"), "ms") for arm in ("colab_par", "colab_par_notebook", "monarch"))
+          + " | - |")
+    print("| edit-run: build + DDP + one step | " + " | ".join(
+        _spread(column(arm, "edit_run_ms"), "ms") for arm in ("colab_par", "colab_par_notebook", "monarch"))
+          + f" | {_spread(column('torchrun', 'relaunch_s'))} (relaunch) |")
+    forked = all(s["forked"] == 1.0 for s in samples["colab_par_notebook"] + samples["colab_par"])
+    print(f"\nengines forked from the warm pool in every colab_par sample: {forked}; "
+          f"in none with COLAB_PAR_WARM_POOL=0: {not any(s['forked'] for s in samples['colab_par_nopool'])}")
+    print("without the pool (COLAB_PAR_WARM_POOL=0): " + "; ".join(
+        f"{key} {_spread(column('colab_par_nopool', key))}"
+        for key in ("cold_s", "cold_after_import_s", "restart_s")))
+    monarch = {key: median("monarch", key)
+               for key in ("cold_s", "cold_after_import_s", "restart_s", "warm_ms")}
+    print("\n| ratio (colab_par / Monarch; lower is better) | script | notebook |\n|---|---|---|")
+    for key, what, goal in (("cold_s", "cold, from launch", "<= 1.0"),
+                            ("cold_after_import_s", "cold, after import", "<= 1.0"),
+                            ("restart_s", "restart", "<= 1.0"), ("warm_ms", "warm round trip", "<= 2.0")):
+        print(f"| {what} (goal {goal}) | {median('colab_par', key) / monarch[key]:.2f} | "
+              f"{median('colab_par_notebook', key) / monarch[key]:.2f} |")
+    relaunch_ms = median("torchrun", "relaunch_s") * 1000
+    print(f"| cold from launch vs torchrun (colab_par / torchrun) | "
+          f"{median('colab_par', 'cold_s') / median('torchrun', 'cold_s'):.2f} | "
+          f"{median('colab_par_notebook', 'cold_s') / median('torchrun', 'cold_s'):.2f} |")
+    print(f"| edit-run: torchrun relaunch / warm call (goal >= 25) | "
+          f"{relaunch_ms / median('colab_par', 'edit_run_ms'):.0f}x | "
+          f"{relaunch_ms / median('colab_par_notebook', 'edit_run_ms'):.0f}x |")
+    print(f"| edit-run, Monarch for reference: relaunch / warm call | "
+          f"{relaunch_ms / median('monarch', 'edit_run_ms'):.0f}x | |")
 
 
 if __name__ == "__main__":

@@ -52,13 +52,18 @@ def __getattr__(name: str) -> Any:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext colab_par`` registers ``%colossal`` and ``%%colossal``."""
+    """``%load_ext colab_par`` registers ``%colossal`` and ``%%colossal``, and starts the warm pool
+    in the background, so that ``%colossal start`` forks engines whose imports are already done."""
+    from colab_par import warm_pool
     from colab_par.magics import ColossalMagics
 
     ipython.register_magics(ColossalMagics(ipython))
+    warm_pool.prestart()
 
 
 def unload_ipython_extension(ipython: Any) -> None:
+    from colab_par import warm_pool
     from colab_par.magics import shutdown_default_cluster
 
     shutdown_default_cluster()
+    warm_pool.stop_shared_pool()

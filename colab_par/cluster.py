@@ -21,7 +21,7 @@ import ipyparallel as ipp
 import psutil
 from traitlets.config import Config
 
-from colab_par import compat, debugger, engine, persist, postmortem, probe, recovery
+from colab_par import compat, debugger, engine, persist, postmortem, probe, recovery, warm_pool
 from colab_par import pull as pulled
 from colab_par.backend import BACKENDS, choose_backend, device_problems, local_ranks
 from colab_par.launchers import SSH, Launcher, Slurm, launcher_from, launcher_from_state, launcher_state
@@ -34,6 +34,7 @@ from colab_par.task_watch import TaskWatch
 __all__ = ["Cluster", "EngineError", "DeadEngineError", "RecoveryError"]
 
 _POLL_MAX_S = 0.25
+_HEARTBEAT_MS, _DEAD_AFTER_BEATS = 100, 50
 # A task where some ranks failed while others still run: after this long, the others are taken to
 # wait on the failed ones (in a collective they would wait for the whole process-group timeout).
 _FAILURE_GRACE_S = 1.0
@@ -146,12 +147,19 @@ class Cluster:
             return self
         n = self._resolve_n()
         self.launcher.check()
+        # on this host, controller and engines fork from the warm pool (started before `before`:
+        # it outlives this cluster); persisted engines must outlive the pool, which ends with this
+        # kernel, so they start cold
+        pool = warm_pool.shared_pool() if self.launcher.name == "local" and not self.persist else None
         before = descendant_pids()
         options = dict(n=n, engines=self.launcher.name, log_level=logging.ERROR, delay=0,
-                       config=self._launch_config(), controller_ip=self.launcher.controller_ip())
-        # The hub registers an engine at its first heartbeat: ipyparallel's 3 s period would add up
-        # to 3 s to every start, and 0.5 s also notices a dead remote engine within 5 s.
-        options["controller_args"] = ["--HeartMonitor.period=500"]
+                       config=self._launch_config(pool), controller_ip=self.launcher.controller_ip())
+        # The hub registers an engine one to two heartbeats after it connects: ipyparallel's 3 s
+        # period would add up to 6 s to every start, 0.1 s adds at most 0.2 s (for 1.5 % of one
+        # core more while idle than 0.5 s, benchmarks/RESULTS.md); 50 missed beats still take a
+        # dead remote engine for dead within 5 s.
+        options["controller_args"] = [f"--HeartMonitor.period={_HEARTBEAT_MS}",
+                                      f"--HeartMonitor.max_heartmonitor_misses={_DEAD_AFTER_BEATS}"]
         if self.launcher.name == "local":
             # Engines on this host read the controller's connection file as soon as it exists, so
             # they can start with the controller instead of waiting for its connection info.
@@ -597,9 +605,9 @@ class Cluster:
         gpus = engine.visible_gpus() if self._requested_backend != "gloo" else 0
         return gpus or 2
 
-    def _launch_config(self) -> Config:
+    def _launch_config(self, pool: warm_pool.WarmPool | None = None) -> Config:
         """Our engine command, the launcher's settings, then any ipyparallel `config=` given."""
-        config = _engine_config(nanny=self.launcher.nanny)
+        config = _engine_config(nanny=self.launcher.nanny, pool=pool)
         self.launcher.configure(config)
         if "config" in self._ipp_options:
             config.merge(self._ipp_options["config"])
@@ -968,7 +976,7 @@ def _ranked_by_host(ids: list[int], hosts: list[dict[str, Any]]) -> tuple[list[i
     return [ids[i] for i in order], [hosts[i] for i in order]
 
 
-def _engine_config(nanny: bool) -> Config:
+def _engine_config(nanny: bool, pool: warm_pool.WarmPool | None = None) -> Config:
     """Engines import torch while the controller is still starting, instead of after it.
 
     ipyparallel waits a fixed second between controller and engines and imports torch only when
@@ -976,12 +984,15 @@ def _engine_config(nanny: bool) -> Config:
     file) with torch preloaded takes both off the critical path. Importing torch does not touch CUDA,
     so binding each engine to its GPU still happens first. Engines on this host need no nanny
     process (its one job, remote signalling, is a plain `os.kill` here), and starting one sits inside
-    every engine's registration.
+    every engine's registration. With a warm `pool`, controller and engines are forked from it,
+    their imports already done (`colab_par.warm_pool`).
     """
     config = Config()
     config.EngineLauncher.engine_cmd = [
-        sys.executable, "-c", f"import torch.distributed; {compat.ENGINE_MAIN_CODE}",
+        *(pool.command("engine") if pool else warm_pool.cold_command("engine")),
         f"--IPEngine.enable_nanny={nanny}"]
+    if pool:
+        config.ControllerLauncher.controller_cmd = pool.command("controller")
     config.LocalEngineSetLauncher.delay = 0.0  # ranks come from sorted engine ids, not launch order
     return config
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from colab_par import SSH, Cluster, Slurm
+from colab_par import SSH, Cluster, Slurm, warm_pool
 from colab_par.backend import choose_backend, device_problems
 from colab_par.cluster import descendant_pids
 
@@ -90,6 +90,9 @@ def engine_environment():
 
 
 def wait_until_gone(pids):
+    """The cluster's processes are gone; the warm pool's (started with it, or renewed when the
+    environment changed) outlive every cluster by design (tests/test_warm_pool.py)."""
+    pids = pids - warm_pool.pool_pids()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and pids & descendant_pids():
         time.sleep(0.1)

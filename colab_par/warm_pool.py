@@ -1,0 +1,413 @@
+"""Engines and controller forked from processes that have already imported torch and ipyparallel.
+
+A fresh engine spends most of its start importing torch (about a second) and ipyparallel; the
+controller spends a third of a second importing ipyparallel. The warm pool is two long-lived
+processes ("zygotes": one with torch for engines, one without for controllers, which then start and
+exit light) that pay those imports once, before any cluster is asked for: `%load_ext colab_par`
+starts them in the background, and every `Cluster.start` on this host (including `restart` and
+automatic recovery) then forks its controller and engines from them in milliseconds. The engine
+zygote never touches CUDA (importing torch does not), so each forked engine still binds its own GPU
+first; nothing is shared between engines but copy-on-write memory.
+
+ipyparallel stays the engine layer and its launcher the owner of each process: the command it runs
+is a tiny proxy (`python -m colab_par.warm_pool launch ...`, which imports next to nothing) that
+hands its stdio, working directory, arguments and environment to the zygote, gets the forked child's
+pid, forwards the signals it receives to that child and exits with the child's status. When the
+zygote is not running, or was started with a different environment (a variable torch may read at
+import), the proxy `exec`s the ordinary cold command instead, so a start never depends on the pool.
+A zygote sleeps in `select` between requests: it costs no CPU while idle, about 240 MB (engines) and
+55 MB (controllers) of memory, shared copy-on-write with what it forks (`gc.freeze` keeps the
+collector from touching those pages, and forked processes from spending half a second tearing torch
+down at exit).
+
+Opt out with ``COLAB_PAR_WARM_POOL=0`` in the environment.
+"""
+from __future__ import annotations
+
+import atexit
+import gc
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from colab_par.compat import ENGINE_MAIN_CODE
+
+__all__ = ["WarmPool", "shared_pool", "pool_pids", "prestart", "stop_shared_pool", "enabled", "FORKED_ENV"]
+
+FORKED_ENV = "COLAB_PAR_FORKED_FROM"
+"""Set in every forked process to the zygote's pid: how a process (or a test) tells it came warm."""
+
+_TARGETS = {  # what each zygote imports, and what its forked children run
+    "engine": ("import torch.distributed, ipyparallel.engine.app, colab_par.engine, colab_par.probe",
+               ENGINE_MAIN_CODE),
+    "controller": ("import ipyparallel.controller.app",
+                   "from ipyparallel.controller.app import main; main()"),
+}
+_VOLATILE_PREFIXES = ("IPP_", "PYTEST_")  # set per cluster / per test, read by nothing at import
+_VOLATILE = {FORKED_ENV, "PWD", "OLDPWD", "COLUMNS", "LINES"}  # cwd and terminal size
+_CONNECT_WAIT_S = 30.0  # how long a proxy waits for a zygote that is still importing
+_HEADER = struct.Struct("!I")
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def enabled() -> bool:
+    return os.environ.get("COLAB_PAR_WARM_POOL", "1") not in ("0", "false", "no", "")
+
+
+def cold_command(target: str) -> list[str]:
+    """The ordinary command (a fresh interpreter) for `target`, what the proxy falls back to."""
+    preload, run = _TARGETS[target]
+    return [sys.executable, "-c", f"{preload}; {run}"]
+
+
+class WarmPool:
+    """Two zygotes on this host, one for engines (torch imported) and one for controllers (without
+    torch: a controller then starts and exits light), owned by this process: they exit with it."""
+
+    def __init__(self) -> None:
+        self._folder = tempfile.mkdtemp(prefix="colab_par-pool-")
+        self._processes: dict[str, subprocess.Popen] = {}
+        self.env: dict[str, str] = {}  # the environment the zygotes started with
+
+    def socket_path(self, target: str) -> str:
+        return os.path.join(self._folder, f"{target}.sock")
+
+    @property
+    def pids(self) -> set[int]:
+        return {process.pid for process in self._processes.values()}
+
+    @property
+    def running(self) -> bool:
+        return len(self._processes) == len(_TARGETS) and all(
+            process.poll() is None for process in self._processes.values())
+
+    def start(self) -> "WarmPool":
+        """Start the zygotes that are not running, in the background; each serves once its imports
+        are done."""
+        if not self._processes:
+            self.env = dict(os.environ)
+        for target in _TARGETS:
+            process = self._processes.get(target)
+            if process is None or process.poll() is not None:
+                # stdin is a pipe nobody writes: its end-of-file tells the zygote its owner is gone
+                self._processes[target] = subprocess.Popen(
+                    [sys.executable, "-m", "colab_par.warm_pool", "serve", self.socket_path(target),
+                     target], stdin=subprocess.PIPE, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout: float = _CONNECT_WAIT_S) -> bool:
+        """True once every zygote accepts requests (its imports are done)."""
+        deadline = time.monotonic() + timeout
+        while self.running and time.monotonic() < deadline:
+            if all(os.path.exists(self.socket_path(target)) for target in _TARGETS):
+                return True
+            time.sleep(0.01)
+        return False
+
+    def command(self, target: str) -> list[str]:
+        """What a launcher runs to get `target` ("engine" or "controller") forked from its zygote."""
+        return [sys.executable, "-m", "colab_par.warm_pool", "launch", self.socket_path(target),
+                str(self._processes[target].pid), target]
+
+    def stop(self) -> None:
+        """End the zygotes (processes forked from them are their launchers' and stay)."""
+        for process in self._processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self._processes.values():
+            try:
+                process.wait(5.0)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            process.stdin.close()
+        self._processes = {}
+        for target in _TARGETS:
+            if os.path.exists(self.socket_path(target)):
+                os.remove(self.socket_path(target))
+
+
+_SHARED: WarmPool | None = None
+
+
+def shared_pool() -> WarmPool | None:
+    """This process's zygote, started if it is not running; None when the pool is switched off."""
+    global _SHARED
+    if not enabled():
+        return None
+    if _SHARED is not None and _SHARED.running and (changed := _env_changes(dict(os.environ), _SHARED.env)):
+        print(f"colab_par: the environment changed since the warm pool started ({', '.join(changed)}); "
+              "renewing it", file=sys.stderr)
+        stop_shared_pool()
+    if _SHARED is None:
+        _SHARED = WarmPool()
+    return _SHARED.start()
+
+
+def pool_pids() -> set[int]:
+    """The processes of this process's warm pool (none started here): they outlive every cluster."""
+    return _SHARED.pids if _SHARED is not None else set()
+
+
+def prestart() -> None:
+    """Start the zygote now, in the background, so the first `Cluster.start` finds it warm."""
+    shared_pool()
+
+
+def stop_shared_pool() -> None:
+    global _SHARED
+    if _SHARED is not None:
+        _SHARED.stop()
+        _SHARED = None
+
+
+atexit.register(stop_shared_pool)
+
+
+# ---- the zygote ---------------------------------------------------------------------------------
+def _serve(path: str, target: str) -> dict[str, Any] | None:
+    """Import what `target` needs, then fork one child per request; return, in a forked child
+    only, the request it is to run. The zygote itself returns None when its owner is gone (its
+    stdin closed) or on SIGTERM."""
+    exec(_TARGETS[target][0])  # noqa: S102 - fixed import lines, the whole point of the zygote
+    gc.collect()
+    gc.freeze()  # what was imported stays out of every collection: no copy-on-write, fast exits
+    own_env = dict(os.environ)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the notebook
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    listener.listen(64)
+    os.rename(path + ".tmp", path)  # the path appears only once requests can be served
+    children: dict[int, socket.socket] = {}  # pid -> its proxy's connection
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "accept")
+    selector.register(wake_read, selectors.EVENT_READ, "signal")
+    selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "owner")
+    while not stopping:
+        for key, _ in selector.select():
+            if key.data == "accept":
+                connection, _ = listener.accept()
+                request = _receive_request(connection)
+                if request is None:
+                    connection.close()
+                    continue
+                if changed := _env_changes(request["env"], own_env):
+                    print(f"colab_par: the environment changed since the warm pool started "
+                          f"({', '.join(changed)}); starting {target}s the ordinary way, and a "
+                          "fresh pool for the next start", file=sys.stderr)
+                    connection.sendall(_HEADER.pack(0))  # stale: the proxy starts cold instead
+                    connection.close()
+                    _close_fds(request["fds"])
+                    stopping.append(True)  # the next pool, started fresh, will match
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    os.setsid()
+                    for signum in (signal.SIGCHLD, signal.SIGTERM):
+                        signal.signal(signum, signal.SIG_DFL)
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                    signal.set_wakeup_fd(-1)
+                    selector.close()
+                    for other in (listener, *children.values(), connection):
+                        other.close()
+                    for fd in (wake_read, wake_write):
+                        os.close(fd)
+                    return request
+                _close_fds(request["fds"])
+                children[pid] = connection
+                selector.register(connection, selectors.EVENT_READ, pid)
+                connection.sendall(_HEADER.pack(pid))
+            elif key.data == "signal":
+                os.read(wake_read, 4096)
+                _reap(children, selector)
+            elif key.data == "owner":
+                if not os.read(sys.stdin.fileno(), 4096):
+                    stopping.append(True)
+            else:  # a proxy closed its connection: it was killed, so its child goes too
+                pid = key.data
+                selector.unregister(key.fileobj)
+                key.fileobj.close()
+                children.pop(pid, None)
+                _forward(pid, signal.SIGKILL)
+    listener.close()
+    os.remove(path)
+    return None
+
+
+def _reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) -> None:
+    """Collect exited children and tell each one's proxy how it ended."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        connection = children.pop(pid, None)
+        if connection is not None:
+            selector.unregister(connection)
+            try:
+                connection.sendall(_HEADER.pack(status))
+            except OSError:
+                pass
+            connection.close()
+
+
+def _receive_request(connection: socket.socket) -> dict[str, Any] | None:
+    try:
+        head, fds, _, _ = socket.recv_fds(connection, _HEADER.size, 3)
+        if len(head) < _HEADER.size:
+            _close_fds(fds)
+            return None
+        (size,) = _HEADER.unpack(head)
+        body = b""
+        while len(body) < size:
+            chunk = connection.recv(size - len(body))
+            if not chunk:
+                _close_fds(fds)
+                return None
+            body += chunk
+    except OSError:
+        return None
+    return {**json.loads(body), "fds": fds}
+
+
+def _env_changes(env: dict[str, str], own: dict[str, str]) -> list[str]:
+    """The variables that differ and that torch or a library it loads may have read at import (any
+    but ipyparallel's own and those that change by themselves): a fork would not match a fresh start."""
+    def kept(values: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in values.items() if not k.startswith(_VOLATILE_PREFIXES)
+                and k not in _VOLATILE}
+
+    env, own = kept(env), kept(own)
+    return sorted(k for k in env.keys() | own.keys() if env.get(k) != own.get(k))
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _run_forked(request: dict[str, Any]) -> None:
+    """In the forked child: become the process the proxy's command would have started."""
+    for target_fd, fd in enumerate(request["fds"]):
+        os.dup2(fd, target_fd)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.environ[FORKED_ENV] = str(os.getppid())
+    sys.argv = ["-c", *request["args"]]
+    sys.path[0] = ""  # as under `python -c`: the working directory, whatever it is now
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own stdio, never closed
+    sys.stdout = open(1, "w", closefd=False, buffering=1)  # noqa: SIM115
+    sys.stderr = open(2, "w", closefd=False, buffering=1)  # noqa: SIM115
+    exec(_TARGETS[request["target"]][1], {"__name__": "__main__"})  # noqa: S102 - fixed entry points
+
+
+# ---- the proxy a launcher runs ------------------------------------------------------------------
+def _launch(path: str, zygote: int, target: str, args: list[str]) -> int:
+    """Have the zygote fork `target`, then stand for it: forward signals, exit with its status.
+    Falls back to exec'ing the cold command when no zygote answers or it declines."""
+    connection = _connect(path, zygote)
+    if connection is not None:
+        body = json.dumps({"target": target, "args": args, "cwd": os.getcwd(),
+                           "env": dict(os.environ)}).encode()
+        try:
+            socket.send_fds(connection, [_HEADER.pack(len(body))], [0, 1, 2])
+            connection.sendall(body)
+            reply = _read_exactly(connection, _HEADER.size)
+        except OSError:
+            reply = b""
+        pid = _HEADER.unpack(reply)[0] if len(reply) == _HEADER.size else 0
+        if pid:
+            for signum in _FORWARDED:
+                signal.signal(signum, lambda signum, _, pid=pid: _forward(pid, signum))
+            status = _read_exactly(connection, _HEADER.size)
+            if len(status) < _HEADER.size:
+                return 1
+            code = os.waitstatus_to_exitcode(_HEADER.unpack(status)[0])
+            if code < 0:  # the child died of a signal: so does its stand-in
+                signal.signal(-code, signal.SIG_DFL)
+                os.kill(os.getpid(), -code)
+            return code
+        connection.close()
+    command = cold_command(target)
+    os.execv(command[0], command + args)
+    return 1  # not reached
+
+
+def _connect(path: str, zygote: int) -> socket.socket | None:
+    """The zygote's socket, waiting while it (process `zygote`) is still importing."""
+    deadline = time.monotonic() + _CONNECT_WAIT_S
+    while True:
+        if os.path.exists(path):
+            try:
+                connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                connection.connect(path)
+                return connection
+            except OSError:
+                connection.close()
+                return None
+        if not _alive(zygote) or time.monotonic() > deadline:
+            return None
+        time.sleep(0.005)
+
+
+def _read_exactly(connection: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        try:
+            chunk = connection.recv(size - len(data))
+        except InterruptedError:
+            continue
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _forward(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _main(argv: list[str]) -> int:
+    role, path, *rest = argv
+    if role == "launch":
+        return _launch(path, int(rest[0]), rest[1], rest[2:])
+    request = _serve(path, rest[0])
+    if request is not None:
+        _run_forked(request)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

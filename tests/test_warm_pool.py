@@ -1,0 +1,73 @@
+"""The warm pool (`colab_par.warm_pool`): engines and controller come forked from zygotes that
+already imported torch and ipyparallel, the zygotes outlive every cluster, nothing a cluster
+started outlives its stop, and a pool that no longer matches the environment is renewed first."""
+from __future__ import annotations
+
+from colab_par import Cluster, warm_pool
+from colab_par.cluster import descendant_pids
+
+
+def forked_from() -> str | None:
+    import os
+
+    return os.environ.get("COLAB_PAR_FORKED_FROM")
+
+
+def _zygote(target: str) -> int:
+    pool = warm_pool.shared_pool()
+    return int(pool.command(target)[-2])  # the zygote pid its proxies connect to
+
+
+def test_engines_and_controller_are_forked_from_the_warm_pool(cluster2):
+    engine_zygote = str(_zygote("engine"))
+    assert cluster2.run(forked_from) == [engine_zygote, engine_zygote]
+    # the controller (not its proxy, which ipyparallel holds) is the controller zygote's child
+    controller_children = descendant_pids(_zygote("controller"))
+    assert controller_children & cluster2.pids, "no controller forked from the controller zygote"
+
+
+def test_the_pool_outlives_a_cluster_and_keeps_none_of_its_processes():
+    pool = warm_pool.shared_pool()
+    assert pool.wait_ready()
+    zygotes = pool.pids
+    before = descendant_pids()
+    forked_before = set().union(*map(descendant_pids, zygotes))  # other modules' clusters
+    cluster = Cluster(n=2, backend="gloo", timeout=120.0, dashboard=False).start()
+    try:
+        assert not zygotes & cluster.pids  # stop() must never kill the pool
+        assert cluster.run(forked_from) == [str(_zygote("engine"))] * 2
+        cluster.restart()  # fresh engines, forked again from the same zygote
+        assert cluster.run(forked_from) == [str(_zygote("engine"))] * 2
+    finally:
+        cluster.stop()
+    assert pool.running and pool.pids == zygotes
+    assert set().union(*map(descendant_pids, zygotes)) == forked_before  # all it forked are gone
+    assert descendant_pids() - before == set()
+
+
+def changed_variable() -> str | None:
+    import os
+
+    return os.environ.get("COLAB_PAR_TEST_CHANGED")
+
+
+def test_a_changed_environment_renews_the_pool_before_a_start(monkeypatch):
+    pool = warm_pool.shared_pool()
+    assert pool.wait_ready()
+    stale = _zygote("engine")
+    monkeypatch.setenv("COLAB_PAR_TEST_CHANGED", "1")  # torch could have read it at import
+    cluster = Cluster(n=1, backend="gloo", timeout=120.0, dashboard=False).start()
+    try:
+        fresh = _zygote("engine")
+        assert fresh != stale
+        assert cluster.run(forked_from) == [str(fresh)]  # from a zygote that saw the variable
+        assert cluster.run(changed_variable) == ["1"]
+    finally:
+        cluster.stop()
+    monkeypatch.delenv("COLAB_PAR_TEST_CHANGED")
+    warm_pool.stop_shared_pool()  # its environment has the variable; the next test's would not
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("COLAB_PAR_WARM_POOL", "0")
+    assert warm_pool.shared_pool() is None
