@@ -21,7 +21,7 @@ from colab_par.flops import ModelSpec, flops_per_token
 
 __all__ = ["METRICS_KEY", "StepClock", "ActivationMeter", "Publisher", "metrics_data",
            "device_peak_flops", "model_flops_per_token", "memory_sample", "grad_bytes",
-           "pipeline_bubble"]
+           "pipeline_bubble", "ExpertLoad", "expert_row_key"]
 
 METRICS_KEY = "colab_par.metrics"
 ROWS_KEY = METRICS_KEY + ".rows."
@@ -160,6 +160,37 @@ def grad_bytes(pm: Any) -> int:
     """Bytes of gradients this rank holds now (call before the optimizer step frees them)."""
     from colab_par.parallel import memory_report
     return memory_report(pm)["grads"]
+
+
+def expert_row_key(layer: int, expert: int) -> str:
+    """The row column of the tokens routed to `expert` of the `layer`-th MoE layer in a step."""
+    return f"expert_tokens.{layer}.{expert}"
+
+
+class ExpertLoad:
+    """Tokens each expert of each MoE layer got in one step (all micro-steps), summed over the ranks
+    sharing the global batch: the load imbalance a MoE user needs to see first. Counted from the
+    routers' own choices (`MoE.last_counts`), read after each micro-step's forward and backward (a
+    recomputed forward repeats the same counts, so activation checkpointing counts once)."""
+
+    def __init__(self, layers: list[Any]):
+        self.layers = layers
+        self.counts: torch.Tensor | None = None
+
+    def start_step(self) -> None:
+        self.counts = None
+
+    def add_micro_step(self) -> None:
+        counts = torch.stack([layer.last_counts for layer in self.layers])
+        self.counts = counts if self.counts is None else self.counts + counts
+
+    def row(self) -> dict[str, float]:
+        """The step's counts as row columns (a collective over the data-parallel ranks)."""
+        counts, group = self.counts, self.layers[0].stats_group
+        if group is not None:
+            torch.distributed.all_reduce(counts, group=group)
+        return {expert_row_key(layer, expert): float(n)
+                for layer, per_expert in enumerate(counts.tolist()) for expert, n in enumerate(per_expert)}
 
 
 def pipeline_bubble(pm: Any) -> float | None:
