@@ -32,10 +32,12 @@ def test_two_engine_moe_trains_like_single_process(cluster2, layout: str, kind: 
     assert_parity(cluster2.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
 
 
-@pytest.mark.parametrize("kind", ["gpt-moe", "gpt-moe-aux"])
-def test_four_engine_moe_trains_like_single_process(cluster4, kind: str) -> None:
-    """dp4 ep2: two ep groups; each expert's gradient is summed over its two replicas, over dp."""
-    assert_parity(cluster4.run(engine_run, "dp4 ep2", kind, STEPS), reference_run(kind, STEPS))
+@pytest.mark.parametrize("layout, kind", [("dp4 ep2", "gpt-moe"), ("dp4 ep2", "gpt-moe-aux"),
+                                          ("dp4 ep2 zero3", "gpt-moe-aux")])
+def test_four_engine_moe_trains_like_single_process(cluster4, layout: str, kind: str) -> None:
+    """Two ep groups: each expert's gradient is summed over its two replicas and divided by dp
+    (zero3: FSDP shards the experts over those replicas, on top of their ep split)."""
+    assert_parity(cluster4.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
 
 
 # ---- each rank holds its n_experts/ep experts -----------------------------------------------------

@@ -10,8 +10,9 @@ Forward, a rank sends each routed token to the rank holding its expert and gets 
 Gradients: the non-expert parameters are averaged over dp as usual. An expert's gradient already
 sums the contributions of every token of its ep group that reached it, so it is SUMMED over the
 ranks holding the same expert ("edp", dp/ep of them) and divided by dp, not by dp/ep: zero=0 with
-one flat all-reduce (`GradientAverager`), zero=2/3 with the experts fully_shard'ed over edp and
-FSDP's gradient divide factor set to dp. The routers' balance-loss statistics are summed over all
+one flat all-reduce (`GradientAverager`), zero=2/3 with the experts fully_shard'ed over edp
+(FSDP divides by dp/ep) and their sharded gradients then scaled by 1/ep (`ScaleGradients`: FSDP's
+own `set_gradient_divide_factor` reduces with PREMUL_SUM, which gloo lacks). The routers' balance-loss statistics are summed over all
 ranks sharing the global batch (`MoE.stats_group`), with or without ep.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from colab_par.models.moe import Experts, MoE, inverse_permutation
 from colab_par.parallel.data_parallel import GradientAverager, fsdp_options
 from colab_par.parallel.mesh import build_expert_mesh
 
-__all__ = ["moe_layers", "apply_expert_parallel", "AllToAllDispatch"]
+__all__ = ["moe_layers", "apply_expert_parallel", "AllToAllDispatch", "ScaleGradients"]
 
 
 def moe_layers(modules: nn.Module | list[nn.Module]) -> list[MoE]:
@@ -76,11 +77,24 @@ class AllToAllDispatch:
         return _AllToAll.apply(out, receive, send, self.group)
 
 
+class ScaleGradients:
+    """Multiply the gradients of `params` by `factor`, after they were reduced (an averager's role)."""
+
+    def __init__(self, params: list[nn.Parameter], factor: float):
+        self.params, self.factor = params, factor
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        for param in self.params:
+            if param.grad is not None:
+                param.grad.mul_(self.factor)
+
+
 def apply_expert_parallel(model: nn.Module, layout: Layout, device: torch.device,
-                          data_group: dist.ProcessGroup | None) -> GradientAverager | None:
+                          data_group: dist.ProcessGroup | None) -> GradientAverager | ScaleGradients | None:
     """Give the MoE layers their balance-statistics group (`data_group`, the ranks sharing the
     global batch) and, for ep > 1, keep this rank's experts, route tokens by all-to-all and set up
-    the experts' gradient reduction. Returns the experts' gradient averager (zero=0), else None."""
+    the experts' gradient reduction: returns what completes it after backward (None without ep)."""
     layers = moe_layers(model)
     for layer in layers:
         layer.stats_group = data_group
@@ -96,11 +110,10 @@ def apply_expert_parallel(model: nn.Module, layout: Layout, device: torch.device
             mine = weight.detach().chunk(layout.ep)[ep_mesh.get_local_rank()].clone()
             sharded = nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False))
             experts.register_parameter(name, sharded)
-            params.append(sharded)
         layer.dispatch = dispatch
         if layout.zero >= 2:
             fully_shard(experts, mesh=replicas, **fsdp_options(layout))
-            experts.set_gradient_divide_factor(float(layout.dp))
+        params += experts.parameters()  # FSDP's own, where it replaced them
     if layout.zero >= 2:
-        return None
+        return ScaleGradients(params, 1.0 / layout.ep)
     return GradientAverager(params, replicas.get_group(), divisor=layout.dp)
