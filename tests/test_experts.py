@@ -136,7 +136,11 @@ def test_ep_is_a_layout_token_and_enumerated_only_when_asked() -> None:
     assert (layout.ep, layout.world_size, str(layout)) == (2, 4, "dp4 ep2 zero3")
     moe = GPTConfig(**MOE_SIZES)
     assert {l.ep for l in valid_layouts(4, moe)} == {1}
-    assert {l.ep for l in valid_layouts(4, moe, ep=(1, 2, 4))} == {1, 2, 4}
+    asked = set(valid_layouts(4, moe, ep=(1, 2, 4), zero=(0, 1, 3), checkpointing=("none", "full")))
+    assert {l.ep for l in asked} == {1, 2, 4}
+    for layout in asked:  # exactly what validate accepts (ep's rules run inside the enumeration)
+        layout.validate(4, moe)
+        assert layout.ep == 1 or (layout.zero != 1 and layout.checkpointing == "none" and layout.dp == 4)
 
 
 def _refusal(layout: str, kind: str, source: str) -> str | None:
