@@ -88,7 +88,8 @@ def grouped_mm(tokens: Any, weights: Any, ends: Any) -> Any:
     import torch
 
     grouped = getattr(torch, "_grouped_mm", None)
-    aligned = all(size * tokens.element_size() % 16 == 0 for size in (tokens.shape[1], weights.shape[2]))
+    aligned = all(size * tokens.element_size() % 16 == 0
+                  for size in (tokens.shape[1], weights.shape[2]))
     if grouped is not None and aligned and str(tokens.dtype).removeprefix("torch.") in _GROUPED_DTYPES \
             and tokens.dtype == weights.dtype:
         out = grouped(tokens.contiguous(), weights.contiguous(), offs=ends)
@@ -96,7 +97,8 @@ def grouped_mm(tokens: Any, weights: Any, ends: Any) -> Any:
             out.register_hook(lambda grad: grad.contiguous())
         return out
     starts = [0, *ends.tolist()]
-    return torch.cat([tokens[start:end] @ weights[e] for e, (start, end) in enumerate(zip(starts, starts[1:]))])
+    return torch.cat([tokens[start:end] @ weights[expert]
+                      for expert, (start, end) in enumerate(zip(starts, starts[1:]))])
 
 
 # ---- torch.distributed.pipelining ------------------------------------------------------------------

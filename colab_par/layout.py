@@ -27,8 +27,8 @@ PRECISIONS = ("fp32", "bf16")
 CHECKPOINTING = ("none", "selective", "full")
 _MULTI_STAGE = ("interleaved", "zbv")
 # Field order of the enumeration: a field comes after those its choices or its default depend on.
-FIELDS = ("tp", "tp_mode", "tp_depth", "cp", "pp", "dp", "ep", "pp_schedule", "virtual_stages", "microbatches",
-          "zero", "sequence_parallel", "cp_mode", "offload", "precision", "checkpointing")
+FIELDS = ("tp", "tp_mode", "tp_depth", "cp", "pp", "dp", "ep", "pp_schedule", "virtual_stages",
+          "microbatches", "zero", "sequence_parallel", "cp_mode", "offload", "precision", "checkpointing")
 _NAMED = {"zero": ZERO_LEVELS, "tp_mode": TP_MODES, "cp_mode": CP_MODES, "pp_schedule": PP_SCHEDULES,
           "precision": PRECISIONS, "checkpointing": CHECKPOINTING}
 

@@ -8,6 +8,7 @@ pace (about every 0.25 s) still draws complete curves.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from typing import Any, Callable, Iterable, Iterator
@@ -48,12 +49,17 @@ def device_peak_flops(device: torch.device | str, precision: str = "fp32") -> fl
 def model_flops_per_token(model: nn.Module, num_params: int, seq_len: int) -> float:
     """Training FLOPs per token without recomputation (what MFU counts): the decoder formula
     (`flops.flops_per_token`: 6·matmul-params + 12·layers·d_model·seq) when the model has known
-    sizes, else 6·params."""
+    sizes, else 6·params. The MoE GPT counts what a token runs: top_k experts and the router."""
     try:
         spec = ModelSpec.of(model)
     except (ValueError, TypeError, AttributeError):
         return 6.0 * num_params
-    return float(flops_per_token(spec, seq_len, "none"))
+    config = getattr(model, "config", None)
+    experts, top_k = getattr(config, "n_experts", 0), getattr(config, "top_k", 0)
+    if not experts:
+        return float(flops_per_token(spec, seq_len, "none"))
+    active = dataclasses.replace(spec, ffn_hidden=top_k * spec.ffn_hidden)
+    return float(flops_per_token(active, seq_len, "none")) + 6.0 * spec.n_layer * spec.d_model * experts
 
 
 def _synchronize(device: torch.device) -> None:
@@ -190,7 +196,8 @@ class ExpertLoad:
         if group is not None:
             torch.distributed.all_reduce(counts, group=group)
         return {expert_row_key(layer, expert): float(n)
-                for layer, per_expert in enumerate(counts.tolist()) for expert, n in enumerate(per_expert)}
+                for layer, per_expert in enumerate(counts.tolist())
+                for expert, n in enumerate(per_expert)}
 
 
 def pipeline_bubble(pm: Any) -> float | None:

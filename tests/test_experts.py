@@ -18,8 +18,8 @@ import torch
 from colab_par.layout import Layout, LayoutError, valid_layouts
 from colab_par.models import GPTConfig
 from colab_par.telemetry import expert_row_key
-from parity import (GPT_SIZES, LR, MOE_SIZES, SEED, assert_parity, build_model, engine_model, engine_run,
-                    reference_run)
+from parity import (GPT_SIZES, LR, MOE_SIZES, SEED, assert_parity, batches, build_model, engine_model,
+                    engine_run, reference_run)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 
@@ -157,3 +157,20 @@ def _refusal(layout: str, kind: str, source: str) -> str | None:
     ("gpt", "module", "this model has none"), ("gpt-moe", "factory", "not a factory or a meta model")])
 def test_parallelize_refuses_ep_before_building(cluster2, kind: str, source: str, message: str) -> None:
     assert all(message in (error or "") for error in cluster2.run(_refusal, "dp2 ep2", kind, source))
+
+
+def test_flops_per_token_count_the_experts_a_token_runs() -> None:
+    """MFU's formula for the MoE GPT (top_k experts and the router per token) equals torch's FLOP
+    counter on its matmuls (float64: the matmul loop the counter sees; torch's counter has no
+    formula for _grouped_mm), attention's 12·layers·d·seq aside (SDPA, which it does not count here)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from colab_par.telemetry import model_flops_per_token
+
+    model = build_model("gpt-moe", SEED).double()
+    inputs, targets = batches(MOE_SIZES["vocab_size"], MOE_SIZES["seq_len"], 1)[0]
+    with FlopCounterMode(display=False) as counter:
+        model.loss_fn(model(inputs), targets).backward()
+    seq = MOE_SIZES["seq_len"]
+    attention = 12 * MOE_SIZES["n_layer"] * MOE_SIZES["d_model"] * seq
+    assert model_flops_per_token(model, 0, seq) - attention == counter.get_total_flops() / inputs.numel()

@@ -12,8 +12,9 @@ sums the contributions of every token of its ep group that reached it, so it is 
 ranks holding the same expert ("edp", dp/ep of them) and divided by dp, not by dp/ep: zero=0 with
 one flat all-reduce (`GradientAverager`), zero=2/3 with the experts fully_shard'ed over edp
 (FSDP divides by dp/ep) and their sharded gradients then scaled by 1/ep (`ScaleGradients`: FSDP's
-own `set_gradient_divide_factor` reduces with PREMUL_SUM, which gloo lacks). The routers' balance-loss statistics are summed over all
-ranks sharing the global batch (`MoE.stats_group`), with or without ep.
+own `set_gradient_divide_factor` reduces with PREMUL_SUM, which gloo lacks). The routers'
+balance-loss statistics are summed over all ranks sharing the global batch (`MoE.stats_group`),
+with or without ep.
 """
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from colab_par.compat import flatten_mesh, unflatten_mesh
 from colab_par.layout import Layout, tensor_grid
 
-__all__ = ["MESH_DIMS", "GRID_DIMS", "build_mesh", "build_grid_mesh", "build_expert_mesh", "broadcast_from_rank0",
+__all__ = ["MESH_DIMS", "GRID_DIMS", "build_mesh", "build_grid_mesh", "build_expert_mesh",
+           "broadcast_from_rank0",
            "default_device"]
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
