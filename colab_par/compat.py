@@ -23,7 +23,7 @@ __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_pat
            "torch_dispatch_mode", "device_constructors", "op_schema", "storage_key", "module_reset",
            "triton_interpreted", "tree_flatten", "tree_unflatten", "tree_map", "tree_leaves",
            "hf_token_losses", "answer_control_requests", "send_control_requests", "group_sequence",
-           "process_groups", "compile_seconds"]
+           "process_groups", "compile_seconds", "grouped_mm"]
 
 SUPPORTED = {"torch": "torch>=2.6,<3", "ipyparallel": "ipyparallel>=9",
              "transformers": "transformers>=5.9", "triton": "triton>=3.0"}
@@ -74,6 +74,31 @@ def unflatten_mesh(mesh: Any, dim: str, sizes: tuple[int, ...], names: tuple[str
     if unflatten is None:
         raise _missing("torch", "DeviceMesh._unflatten")
     return unflatten(dim, sizes, names)
+
+
+# ---- torch grouped matmul --------------------------------------------------------------------------
+_GROUPED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def grouped_mm(tokens: Any, weights: Any, ends: Any) -> Any:
+    """Rows of `tokens` grouped by expert (group g ends at row ends[g]) times that expert's matrix
+    of `weights` (experts, in, out): one `torch._grouped_mm` (private, no public equivalent yet)
+    where it takes the inputs (float32/bf16/fp16, rows of whole 16-byte multiples, CPU included),
+    a loop of matmuls otherwise (float64 references, odd widths, a torch without it)."""
+    import torch
+
+    grouped = getattr(torch, "_grouped_mm", None)
+    aligned = all(size * tokens.element_size() % 16 == 0
+                  for size in (tokens.shape[1], weights.shape[2]))
+    if grouped is not None and aligned and str(tokens.dtype).removeprefix("torch.") in _GROUPED_DTYPES \
+            and tokens.dtype == weights.dtype:
+        out = grouped(tokens.contiguous(), weights.contiguous(), offs=ends)
+        if out.requires_grad:  # its CPU backward needs a dense gradient (not an expanded one)
+            out.register_hook(lambda grad: grad.contiguous())
+        return out
+    starts = [0, *ends.tolist()]
+    return torch.cat([tokens[start:end] @ weights[expert]
+                      for expert, (start, end) in enumerate(zip(starts, starts[1:]))])
 
 
 # ---- torch.distributed.pipelining ------------------------------------------------------------------

@@ -27,8 +27,9 @@ PRECISIONS = ("fp32", "bf16")
 CHECKPOINTING = ("none", "selective", "full")
 _MULTI_STAGE = ("interleaved", "zbv")
 # Field order of the enumeration: a field comes after those its choices or its default depend on.
-FIELDS = ("tp", "tp_mode", "tp_depth", "cp", "pp", "dp", "pp_schedule", "virtual_stages", "microbatches",
-          "zero", "sequence_parallel", "cp_mode", "offload", "precision", "checkpointing", "compile")
+FIELDS = ("tp", "tp_mode", "tp_depth", "cp", "pp", "dp", "ep", "pp_schedule", "virtual_stages",
+          "microbatches", "zero", "sequence_parallel", "cp_mode", "offload", "precision", "checkpointing",
+          "compile")
 _NAMED = {"zero": ZERO_LEVELS, "tp_mode": TP_MODES, "cp_mode": CP_MODES, "pp_schedule": PP_SCHEDULES,
           "precision": PRECISIONS, "checkpointing": CHECKPOINTING}
 
@@ -66,12 +67,16 @@ class Layout:
     multi-GPU node they share the fastest links. `tp_mode` arranges the tp ranks: "1d" (Megatron)
     in a line, "2d" / "2.5d" / "3d" in a q×q / q×q×tp_depth / q×q×q grid (Colossal-AI's
     multi-dimensional tensor parallelism, which partitions activations as well as weights).
+    `ep` (expert parallel) splits each mixture-of-experts layer's experts over groups of `ep`
+    data-parallel ranks (drawn from dp, as torchtitan does: it adds no ranks to the world); a
+    rank's expert weights are shared with the dp/ep ranks holding the same experts.
     ``microbatches=None`` (the default) becomes `default_microbatches`, so every layout string
     trains as written. `compile` runs each repeated block through ``torch.compile`` (torchtitan's
     per-block placement: after activation checkpointing, before FSDP).
     """
 
     dp: int = 1
+    ep: int = 1
     tp: int = 1
     pp: int = 1
     tp_mode: str = "1d"
@@ -105,6 +110,8 @@ class Layout:
         parts = [f"{name}{getattr(self, name)}" for name in DEGREES if getattr(self, name) != 1]
         if not parts:
             parts = ["dp1"]
+        if self.ep != 1:
+            parts.append(f"ep{self.ep}")
         if self.tp_mode != "1d":
             parts.append(self.tp_mode)
         if self.tp_depth != 1:
@@ -216,7 +223,8 @@ def _default_choices(world: int, sizes: dict[str, int]) -> dict[str, Choices]:
     bound of its own: virtual stages divide the layers (1 or 2 without a model), microbatch counts
     divide the global batch (only the default count without a batch)."""
     layers, batch = sizes.get("n_layer"), sizes.get("global_batch")
-    return {**{name: _divisors(world) for name in DEGREES}, **_NAMED,
+    # ep only where asked for (ep=(1, 2)): the planner and the picker do not cost experts yet
+    return {**{name: _divisors(world) for name in DEGREES}, **_NAMED, "ep": (1,),
             "offload": (False, True), "sequence_parallel": (False, True), "compile": (False, True),
             "tp_depth": [d for d in _divisors(world) if d < world],
             "virtual_stages": _divisors(layers) if layers else (1, 2),
@@ -282,7 +290,7 @@ def field_options(world_size: int, model_config: Any = None, *, device: str | No
 
 # ---- parsing helpers ---------------------------------------------------------------------------
 _TOKEN_PATTERNS: list[tuple[str, Any]] = [
-    (r"(dp|tp|pp|cp)(\d+)", lambda m: {m[1]: int(m[2])}),
+    (r"(dp|ep|tp|pp|cp)(\d+)", lambda m: {m[1]: int(m[2])}),
     (r"zero(\d+)", lambda m: {"zero": int(m[1])}),
     (r"(1d|2d|2\.5d|3d)", lambda m: {"tp_mode": m[1]}),
     (r"d(\d+)", lambda m: {"tp_depth": int(m[1])}),
@@ -304,7 +312,7 @@ def _parse_token(token: str) -> dict[str, Any]:
         if match:
             return build(match)
     raise LayoutError(
-        f"unknown layout token {token!r}; use degrees like 'dp2 tp2 pp2 cp2', 'zero0'..'zero3', "
+        f"unknown layout token {token!r}; use degrees like 'dp2 tp2 pp2 cp2', 'ep2', 'zero0'..'zero3', "
         "'1d'/'2d'/'2.5d'/'3d' with 'd2' (2.5d depth), "
         "'offload', 'sp', 'ring'/'ulysses', 'gpipe'/'1f1b'/'interleaved'/'zbv', 'mb4', 'v2', "
         "'fp32'/'bf16', 'ac-selective'/'ac-full', 'compile'")
@@ -324,6 +332,8 @@ _SIZE_NAMES = {
     "n_blocks": ("n_blocks",),
     "generic_model": ("generic_model",),
     "tp_plan": ("tp_plan",),
+    # experts per mixture-of-experts layer (the kit's GPT, Qwen-MoE, Mixtral, DeepSeek spellings)
+    "n_experts": ("n_experts", "num_experts", "num_local_experts", "n_routed_experts"),
 }
 
 
@@ -386,6 +396,54 @@ def _check_zero_needs_dp(layout: Any, world: int | None, sizes: dict, device: st
     if layout.zero > 0 and layout.dp == 1:
         raise LayoutError(f"zero={layout.zero} shards over data parallel ranks but dp=1; "
                           "set dp>1 or zero=0")
+
+
+@_rule("ep", "dp")
+def _check_experts_split(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    if layout.ep == 1:
+        return
+    if layout.dp % layout.ep:
+        raise LayoutError(f"ep={layout.ep} groups data-parallel ranks (expert parallel adds no ranks) "
+                          f"and must divide dp={layout.dp}; {_suggest(layout.dp, 'ep')}")
+    experts = sizes.get("n_experts")
+    if not experts and any(key in sizes for key in ("n_layer", "d_model", "n_blocks")):
+        raise LayoutError("ep splits the experts of mixture-of-experts layers and this model has none "
+                          "(no n_experts in its config); use ep=1")
+    if experts and experts % layout.ep:
+        raise LayoutError(f"ep={layout.ep} does not divide the {experts} experts of each layer; "
+                          f"{_suggest(experts, 'ep')}")
+    if sizes.get("hugging_face") or sizes.get("generic_model"):
+        raise LayoutError("expert parallel is built for the kit's MoE GPT (GPTConfig(n_experts=...)) "
+                          "so far; train this model with ep=1 (plain dp / zero)")
+
+
+@_rule("ep", "tp", "pp", "cp", "zero", "checkpointing", "compile")
+def _check_experts_compose(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    if layout.ep == 1:
+        return
+    others = [f"{name}={getattr(layout, name)}" for name in ("tp", "pp", "cp") if getattr(layout, name) > 1]
+    if others:
+        raise LayoutError(f"ep composes with dp and zero so far, not with {', '.join(others)}; "
+                          f"use e.g. 'dp{layout.dp} ep{layout.ep}' or drop ep")
+    if layout.zero == 1:
+        raise LayoutError("zero=1 (ZeroRedundancyOptimizer) would mix the different experts dp ranks "
+                          "hold; with ep use zero=0, zero=2 or zero=3")
+    if layout.checkpointing != "none":
+        raise LayoutError("activation checkpointing would repeat the experts' all-to-all in backward, "
+                          "which is not built yet; with ep use checkpointing='none'")
+    if layout.compile:
+        raise LayoutError("compile is not proven with the experts' all-to-all (its token counts change "
+                          "every step); with ep drop 'compile'")
+
+
+@_rule("tp", "pp", "cp")
+def _check_moe_gpt(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    if not sizes.get("n_experts") or sizes.get("hugging_face") or sizes.get("generic_model"):
+        return
+    others = [f"{name}={getattr(layout, name)}" for name in ("tp", "pp", "cp") if getattr(layout, name) > 1]
+    if others:
+        raise LayoutError(f"the MoE GPT trains under dp, zero and ep so far, not {', '.join(others)}; "
+                          "use e.g. 'dp2 ep2' or 'dp2 zero3'")
 
 
 @_rule("offload", "zero")

@@ -8,6 +8,7 @@ pace (about every 0.25 s) still draws complete curves.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from typing import Any, Callable, Iterable, Iterator
@@ -21,7 +22,7 @@ from colab_par.flops import ModelSpec, flops_per_token
 
 __all__ = ["METRICS_KEY", "StepClock", "ActivationMeter", "Publisher", "metrics_data",
            "device_peak_flops", "model_flops_per_token", "memory_sample", "grad_bytes",
-           "pipeline_bubble"]
+           "pipeline_bubble", "ExpertLoad", "expert_row_key"]
 
 METRICS_KEY = "colab_par.metrics"
 ROWS_KEY = METRICS_KEY + ".rows."
@@ -48,12 +49,17 @@ def device_peak_flops(device: torch.device | str, precision: str = "fp32") -> fl
 def model_flops_per_token(model: nn.Module, num_params: int, seq_len: int) -> float:
     """Training FLOPs per token without recomputation (what MFU counts): the decoder formula
     (`flops.flops_per_token`: 6·matmul-params + 12·layers·d_model·seq) when the model has known
-    sizes, else 6·params."""
+    sizes, else 6·params. The MoE GPT counts what a token runs: top_k experts and the router."""
     try:
         spec = ModelSpec.of(model)
     except (ValueError, TypeError, AttributeError):
         return 6.0 * num_params
-    return float(flops_per_token(spec, seq_len, "none"))
+    config = getattr(model, "config", None)
+    experts, top_k = getattr(config, "n_experts", 0), getattr(config, "top_k", 0)
+    if not experts:
+        return float(flops_per_token(spec, seq_len, "none"))
+    active = dataclasses.replace(spec, ffn_hidden=top_k * spec.ffn_hidden)
+    return float(flops_per_token(active, seq_len, "none")) + 6.0 * spec.n_layer * spec.d_model * experts
 
 
 def _synchronize(device: torch.device) -> None:
@@ -160,6 +166,38 @@ def grad_bytes(pm: Any) -> int:
     """Bytes of gradients this rank holds now (call before the optimizer step frees them)."""
     from colab_par.parallel import memory_report
     return memory_report(pm)["grads"]
+
+
+def expert_row_key(layer: int, expert: int) -> str:
+    """The row column of the tokens routed to `expert` of the `layer`-th MoE layer in a step."""
+    return f"expert_tokens.{layer}.{expert}"
+
+
+class ExpertLoad:
+    """Tokens each expert of each MoE layer got in one step (all micro-steps), summed over the ranks
+    sharing the global batch: the load imbalance a MoE user needs to see first. Counted from the
+    routers' own choices (`MoE.last_counts`), read after each micro-step's forward and backward (a
+    recomputed forward repeats the same counts, so activation checkpointing counts once)."""
+
+    def __init__(self, layers: list[Any]):
+        self.layers = layers
+        self.counts: torch.Tensor | None = None
+
+    def start_step(self) -> None:
+        self.counts = None
+
+    def add_micro_step(self) -> None:
+        counts = torch.stack([layer.last_counts for layer in self.layers])
+        self.counts = counts if self.counts is None else self.counts + counts
+
+    def row(self) -> dict[str, float]:
+        """The step's counts as row columns (a collective over the data-parallel ranks)."""
+        counts, group = self.counts, self.layers[0].stats_group
+        if group is not None:
+            torch.distributed.all_reduce(counts, group=group)
+        return {expert_row_key(layer, expert): float(n)
+                for layer, per_expert in enumerate(counts.tolist())
+                for expert, n in enumerate(per_expert)}
 
 
 def pipeline_bubble(pm: Any) -> float | None:

@@ -141,6 +141,7 @@ class Trainer:
         self.history: list[dict] = []
         self._logs = RunLogs.build(log_dir, loggers, dist.get_rank() if dist.is_initialized() else 0)
         self._data_place: tuple[Any, DataPlace] | None = None  # (pm, where it reads data)
+        self._expert_load: tuple[Any, telem.ExpertLoad | None] | None = None  # (pm, its MoE layers' load)
         self.base_lrs = [group.get("initial_lr", group["lr"]) for group in pm.optimizer.param_groups]
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         torch.manual_seed(seed * 1_000_003 + self.rank)
@@ -196,6 +197,9 @@ class Trainer:
         compiled_before = compile_seconds() if pm.layout.compile else 0.0
         start = time.perf_counter()
         losses, bubbles, samples, tokens = [], [], 0, 0
+        experts = self._experts()
+        if experts is not None:
+            experts.start_step()
         for micro in range(self.grad_accum):
             with clock.phase("data"):
                 batch = self._next_batch()
@@ -208,6 +212,8 @@ class Trainer:
                 else:
                     losses.append(pm.forward_backward(batch, local=isinstance(self.data, DataSource),
                                                       **options))
+            if experts is not None:
+                experts.add_micro_step()
             samples, tokens = (a + b for a, b in zip((samples, tokens), _counts(batch, self.data)))
             bubbles.append(telem.pipeline_bubble(pm) if measure else None)
         lr = self._apply_lr()
@@ -234,6 +240,8 @@ class Trainer:
                **{f"time_{name}": seconds for name, seconds in clock.phases.items()}}
         if self._compile_s:  # the first step (and any new shape): how long of step_time compiled
             row["compile_s"], self._compile_s = self._compile_s, 0.0
+        if experts is not None:
+            row.update(experts.row())
         if measure:
             self._add_telemetry(row, grads, bubbles, samples, tokens)
         self.history.append(row)
@@ -275,6 +283,15 @@ class Trainer:
             batch = self.data.global_batch(self.data_position)
         self.data_position += 1
         return batch
+
+    def _experts(self) -> telem.ExpertLoad | None:
+        """The token counter of the model's MoE layers (None for a dense model), per model."""
+        if self._expert_load is None or self._expert_load[0] is not self.pm:  # a relayout changes it
+            from colab_par.parallel.experts import moe_layers
+
+            layers = moe_layers(self.pm.model_parts)
+            self._expert_load = (self.pm, telem.ExpertLoad(layers) if layers else None)
+        return self._expert_load[1]
 
     @contextlib.contextmanager
     def _count_flops(self) -> Any:

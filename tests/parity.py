@@ -30,7 +30,11 @@ GPT_SIZES = dict(vocab_size=64, seq_len=16, n_layer=4, n_head=4, n_kv_head=2, d_
 # The kit's GPT by kind; "gpt-odd-vocab" has a vocabulary no tp degree of the tests divides (as
 # GPT-2's 50,257 tokens), so tensor parallel splits it unevenly.
 ODD_VOCAB = 101
-GPT_KINDS = {"gpt": GPT_SIZES, "gpt-odd-vocab": {**GPT_SIZES, "vocab_size": ODD_VOCAB}}
+# The MoE GPT (tests/test_experts.py): 2 layers of 4 experts, 2 per token; "-aux" adds the
+# load-balancing loss with a weight large enough that per-rank statistics would show.
+MOE_SIZES = {**GPT_SIZES, "n_layer": 2, "n_experts": 4, "top_k": 2}
+GPT_KINDS = {"gpt": GPT_SIZES, "gpt-odd-vocab": {**GPT_SIZES, "vocab_size": ODD_VOCAB},
+             "gpt-moe": MOE_SIZES, "gpt-moe-aux": {**MOE_SIZES, "aux_loss_coef": 0.1}}
 LLAMA_SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, head_dim=8)
 HF_TOKENS = dict(pad_token_id=None, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary

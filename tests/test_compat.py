@@ -508,3 +508,21 @@ def test_compile_seconds_count_each_compiled_frame_and_lazy_backward_but_not_reu
     backward = compat.compile_seconds()
     function(x).backward()
     assert start < forward < backward == compat.compile_seconds()
+
+
+# ---- torch grouped matmul --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_grouped_mm_equals_a_matmul_per_group(dtype):
+    """float32 takes torch._grouped_mm (when torch has it), float64 the loop; both equal one matmul
+    per expert, an empty group included, in value and gradient (a summed loss: expanded gradient)."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randn(10, 8, dtype=dtype, generator=generator, requires_grad=True)
+    weights = torch.randn(3, 8, 12, dtype=dtype, generator=generator, requires_grad=True)
+    ends = torch.tensor([3, 3, 10], dtype=torch.int32)
+    out = compat.grouped_mm(tokens, weights, ends)
+    expected = torch.cat([tokens[:3] @ weights[0], tokens[3:3] @ weights[1], tokens[3:] @ weights[2]])
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), (tokens, weights)),
+                               torch.autograd.grad(expected.sum(), (tokens, weights)))
+    if dtype == torch.float32:
+        assert "GroupedMm" in type(out.grad_fn).__name__, "float32 should run torch's grouped matmul"

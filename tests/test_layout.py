@@ -434,7 +434,7 @@ def test_valid_layouts_are_exactly_those_validate_accepts(world: int, context: d
                                                           every_option: bool) -> None:
     config = {"n_layer": 4, "n_head": 4, "n_kv_head": 2, "seq_len": 12, "ffn_hidden": 48}
     divisors = [d for d in range(1, world + 1) if world % d == 0]
-    grid = dict(tp=divisors, tp_mode=TP_MODES, tp_depth=(1, 2), cp=divisors, pp=divisors, dp=divisors,
+    grid = dict(tp=divisors, tp_mode=TP_MODES, tp_depth=(1, 2), cp=divisors, pp=divisors, dp=divisors, ep=(1,),
                 pp_schedule=PP_SCHEDULES,
                 virtual_stages=(1, 2), microbatches=(None, 1, 2, 4), zero=ZERO_LEVELS,
                 sequence_parallel=(False, True), cp_mode=CP_MODES,

@@ -362,7 +362,7 @@ def _accepted_in_search_space(spec: ModelSpec, world: int, global_batch: int, se
     each value and `validate` accepts the layout."""
     space = search_space(global_batch, bf16=bf16)
     divisors = [d for d in range(1, world + 1) if world % d == 0]
-    domains = {**{name: divisors for name in ("dp", "tp", "pp", "cp")},
+    domains = {**{name: divisors for name in ("dp", "tp", "pp", "cp")}, "ep": (1,),
                "zero": ZERO_LEVELS, "sequence_parallel": (False, True), "cp_mode": CP_MODES,
                "tp_mode": TP_MODES, "tp_depth": (1, 2), "pp_schedule": PP_SCHEDULES, "virtual_stages": (1, 2, 3),
                "microbatches": range(1, global_batch + 1), "offload": (False, True),

@@ -10,7 +10,10 @@ Written so every parallelism can reach into it without patches:
 - ``layers`` is a ModuleDict keyed by layer index and the embedding / head may be ``None``, so a
   pipeline stage is the same class with the other stages' modules deleted;
 - ``forward(..., cache=KVCache(...))`` is generation's path: keys and values of past tokens are kept,
-  so a new token costs one position's forward, and left padding is masked out.
+  so a new token costs one position's forward, and left padding is masked out;
+- ``n_experts > 0`` makes every feed-forward a mixture of ``n_experts`` SwiGLU experts of width
+  ``ffn_hidden``, ``top_k`` of them per token (`moe.py`); ``aux_loss_coef`` adds their
+  load-balancing loss to `loss_fn`.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from colab_par.models.moe import MoE
 
 __all__ = ["GPTConfig", "GPT", "KVCache", "causal_attention", "rope_cos_sin"]
 
@@ -38,6 +43,10 @@ class GPTConfig:
     norm_eps: float = 1e-6
     init_std: float = 0.02
     kernels: str = "auto"  # "torch" | "triton" | "auto" (triton on CUDA, torch elsewhere)
+    n_experts: int = 0  # 0: dense feed-forward; else a mixture of experts (moe.py)
+    top_k: int = 2
+    norm_topk_prob: bool = True
+    aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -54,6 +63,9 @@ class GPTConfig:
             raise ValueError("head_dim = d_model/n_head must be even for rotary embeddings")
         if self.kernels not in ("torch", "triton", "auto"):
             raise ValueError(f"kernels={self.kernels!r}; choose 'torch', 'triton' or 'auto'")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} experts per token out of n_experts={self.n_experts}; "
+                             f"use 1 <= top_k <= {self.n_experts}")
 
     @property
     def head_dim(self) -> int:
@@ -63,7 +75,7 @@ class GPTConfig:
         """Parameter count from the sizes alone (embedding and head untied)."""
         d, h, kv = self.d_model, self.n_head, self.n_kv_head
         attn = d * d + 2 * d * (d // h) * kv + d * d
-        ffn = 3 * d * self.ffn_hidden
+        ffn = 3 * d * self.ffn_hidden * max(self.n_experts, 1) + d * self.n_experts
         return 2 * self.vocab_size * d + self.n_layer * (attn + ffn + 2 * d) + d
 
 
@@ -204,7 +216,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(config.d_model, config.norm_eps, config)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, config)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = MoE(config) if config.n_experts else FeedForward(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None = None) -> torch.Tensor:
@@ -229,7 +241,7 @@ class GPT(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 nn.init.ones_(param)
-            elif name.endswith(("wo.weight", "w2.weight")):
+            elif name.endswith(("wo.weight", "w2.weight", "experts.w2")):
                 nn.init.normal_(param, 0.0, std / math.sqrt(2 * self.config.n_layer))
             else:
                 nn.init.normal_(param, 0.0, std)
@@ -248,9 +260,14 @@ class GPT(nn.Module):
         return self.output(h) if self.output is not None else h
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy; the fused Triton kernel when kernels are on."""
+        """Mean next-token cross-entropy (the fused Triton kernel when kernels are on), plus the
+        experts' load-balancing losses of the last forward (taken: a model holds no graph after)."""
         flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
         if _use_triton(self.config, logits):
             from colab_par.kernels import cross_entropy
-            return cross_entropy(flat_logits, flat_targets)
-        return F.cross_entropy(flat_logits.float(), flat_targets)
+            loss = cross_entropy(flat_logits, flat_targets)
+        else:
+            loss = F.cross_entropy(flat_logits.float(), flat_targets)
+        balance = [m.take_aux_loss() for m in self.modules() if isinstance(m, MoE)]
+        balance = [term for term in balance if term is not None]
+        return loss + sum(balance) if balance else loss

@@ -1,9 +1,10 @@
 """``parallelize(model, layout)``: one call that spreads a model over the ranks of a Layout.
 
 Runs on every engine (torch.distributed already initialised). The order is the one torchtitan uses,
-and each step is a file of its own: mesh -> tensor (+ sequence) parallel -> context parallel ->
-activation checkpointing -> per-block compile -> FSDP / ZeRO / DDP -> pipeline split and schedule
-(for pipeline parallel the model is split first and every step is applied to each local stage).
+and each step is a file of its own: mesh -> experts (expert parallel) -> tensor (+ sequence)
+parallel -> context parallel -> activation checkpointing -> per-block compile -> FSDP / ZeRO / DDP
+-> pipeline split and schedule (for pipeline parallel the model is split first and every step is
+applied to each local stage module).
 The returned `ParallelModel` trains on the GLOBAL batch: it takes this rank's data- and
 context-parallel slice itself, so a training loop is the same for every layout.
 """
@@ -33,6 +34,7 @@ from colab_par.parallel.compile import apply_compile, check_compiler
 from colab_par.parallel.context import apply_context_parallel, sequence_positions, shard_sequence
 from colab_par.parallel.data_parallel import (GradientAverager, apply_ddp, apply_fsdp, build_optimizer,
                                               needs_gradient_averager)
+from colab_par.parallel.experts import apply_expert_parallel
 from colab_par.parallel.memory import memory_report
 from colab_par.parallel.init_record import InitRecord, record_build, record_reset
 from colab_par.parallel.materialize import WeightSource, broadcast_rng_state, is_meta_model, materialize
@@ -328,6 +330,9 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
     factory = model if not isinstance(model, nn.Module) else None
     built_on_meta = factory is None and is_meta_model(model)
     layout.validate(dist.get_world_size(), getattr(model, "config", None))  # before building anything
+    if layout.ep > 1 and (factory is not None or built_on_meta):
+        raise ValueError("ep slices the experts of a built model (shard-first init of experts is not "
+                         "built yet); pass the model built on the CPU, not a factory or a meta model")
     model, record = _shard_first_model(model, layout, weights, example_batch)
     model, adapters, weights = attach_adapters(model, record, weights, layout, tp_plan=tp_plan,
                                                built_on_meta=built_on_meta)
@@ -354,6 +359,9 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
     fill = (lambda part: None) if record is None else functools.partial(
         materialize, record=record, device=device, weights=weights)
 
+    data_group = dp_cp_mesh.get_group() if layout.dp * layout.cp > 1 else None
+    expert_averager = apply_expert_parallel(model, layout, device, data_group)  # before FSDP / DDP
+
     parts, names = [model], _state_names(model) if layout.pp > 1 else {}
     if layout.pp > 1:
         example = None if example_batch is None else _first_microbatch(example_batch, layout, mesh)
@@ -364,8 +372,10 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
 
     params = [p for part in parts for p in part.parameters() if p.requires_grad]  # frozen ones get no state
     optimizer = build_optimizer(params, optimizer_fn, layout, mesh["dp"].get_group())
-    averager = (GradientAverager(params, dp_cp_mesh.get_group())
-                if needs_gradient_averager(parts[0], layout) else None)
+    experts = set(map(id, expert_averager.params)) if expert_averager else set()
+    averager = (GradientAverager([p for p in params if id(p) not in experts], dp_cp_mesh.get_group(),
+                                 then=expert_averager)
+                if needs_gradient_averager(parts[0], layout) else expert_averager)
     runner = None
     if layout.pp > 1:
         runner = PipelineRunner(parts, layout, mesh["pp"].get_group(), token_loss, device,

@@ -28,17 +28,21 @@ from colab_par.layout import Layout
 from colab_par.parallel.blocks import Block
 
 __all__ = ["apply_fsdp", "apply_ddp", "GradientAverager", "build_optimizer",
-           "needs_gradient_averager"]
+           "needs_gradient_averager", "fsdp_options"]
+
+
+def fsdp_options(layout: Layout) -> dict:
+    """fully_shard's settings for a layout (all but the mesh): resharding, precision, offload."""
+    mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+             if layout.precision == "bf16" else MixedPrecisionPolicy())
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if layout.offload else OffloadPolicy()
+    return dict(reshard_after_forward=layout.zero == 3, mp_policy=mixed, offload_policy=offload)
 
 
 def apply_fsdp(module: nn.Module, layout: Layout, dp_mesh: DeviceMesh, blocks: list[Block]) -> nn.Module:
     """fully_shard each of `blocks` (see `blocks.py`), then the root (whatever is left: embeddings,
     norms, heads; the whole model when it has no repeated blocks)."""
-    mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-             if layout.precision == "bf16" else MixedPrecisionPolicy())
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if layout.offload else OffloadPolicy()
-    options = dict(mesh=dp_mesh, reshard_after_forward=layout.zero == 3, mp_policy=mixed,
-                   offload_policy=offload)
+    options = dict(mesh=dp_mesh, **fsdp_options(layout))
     for _, _, block in blocks:
         fully_shard(block, **options)
     fully_shard(module, **options)
@@ -59,15 +63,21 @@ class GradientAverager:
     """Average the local gradients of `params` over `group` with one flat all-reduce.
 
     Used only where DDP cannot wrap the module (DTensor parameters, pipeline stages): every rank of
-    the group holds the same shard layout, so the local pieces line up element by element.
+    the group holds the same shard layout, so the local pieces line up element by element. The sum
+    is divided by `divisor` (default: the group's size; experts under ep divide by dp), and `then`
+    (another averager, of other parameters over another group) runs after it.
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup):
+    def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, *,
+                 divisor: int | None = None, then: "GradientAverager | None" = None):
         self.params, self.group = [p for p in params if p.requires_grad], group
-        self.size = dist.get_world_size(group)
+        self.size = divisor or dist.get_world_size(group)
+        self.then = then
 
     @torch.no_grad()
     def __call__(self) -> None:
+        if self.then is not None:
+            self.then()
         grads = [_local(p.grad) for p in self.params if p.grad is not None]
         if not grads:
             return

@@ -14,7 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from colab_par.compat import flatten_mesh, unflatten_mesh
 from colab_par.layout import Layout, tensor_grid
 
-__all__ = ["MESH_DIMS", "GRID_DIMS", "build_mesh", "build_grid_mesh", "broadcast_from_rank0",
+__all__ = ["MESH_DIMS", "GRID_DIMS", "build_mesh", "build_grid_mesh", "build_expert_mesh",
+           "broadcast_from_rank0",
            "default_device"]
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
@@ -34,7 +35,7 @@ def default_device() -> torch.device:
 # group per dim (a gloo group is three threads and its sockets) that lives as long as the world,
 # so a session that parallelizes again and again reuses them instead of growing without bound.
 _MESHES: dict[tuple[str, tuple[int, ...]], tuple[DeviceMesh, DeviceMesh]] = {}
-_GRIDS: dict[tuple[str, tuple[int, ...], str, int], DeviceMesh] = {}
+_GRIDS: dict[tuple, DeviceMesh] = {}
 _MESHES_WORLD: list[object] = [None]  # the default group they were built in
 
 
@@ -67,6 +68,17 @@ def build_grid_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
     key = (device.type, tuple(getattr(layout, name) for name in MESH_DIMS), layout.tp_mode, depth)
     if key not in _GRIDS:
         _GRIDS[key] = unflatten_mesh(mesh, "tp", sizes, names)[names]
+    return _GRIDS[key]
+
+
+def build_expert_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
+    """The dp ranks of `build_mesh` as an ("edp", "ep") mesh: neighbouring dp ranks form an ep group
+    (they split the experts); ranks at the same place of different ep groups ("edp") hold the same
+    experts. Sliced from the same root, so FSDP over edp composes with experts sharded over ep."""
+    mesh, _ = build_mesh(layout, device)
+    key = (device.type, tuple(getattr(layout, name) for name in MESH_DIMS), "ep", layout.ep)
+    if key not in _GRIDS:
+        _GRIDS[key] = unflatten_mesh(mesh, "dp", (layout.dp // layout.ep, layout.ep), ("edp", "ep"))
     return _GRIDS[key]
 
 

@@ -1,0 +1,111 @@
+"""The reference GPT's mixture-of-experts feed-forward: a top-k router over SwiGLU experts.
+
+- Routing: softmax over the experts in float32 (at least), the top k kept and (``norm_topk_prob``, as Mixtral
+  and Qwen3-MoE do) renormalised to sum to one.
+- Dropless dispatch: every routed token is computed, however uneven the load (no capacity factor,
+  no dropped tokens), so the layer computes the same function on one rank or spread over many and
+  parity with one-process training is exact; the price is uneven work per expert, which the
+  per-expert counts (`last_counts`) let a user see.
+- Experts' weights are stacked per layer, (experts, in, out), and run as one grouped matmul
+  (`compat.grouped_mm`: torch's ``_grouped_mm`` where it takes the dtype, a loop of matmuls else).
+- ``dispatch`` is a plain attribute holding how grouped tokens reach the experts and come back:
+  here they are all local; expert parallel (`colab_par.parallel.experts`) swaps in an all-to-all.
+- The auxiliary load-balancing loss (Switch Transformer's E·Σ f_e·P_e, per layer) counts the
+  tokens of the whole global batch: with ``stats_group`` set, the per-expert counts are summed over
+  that data-parallel group first, so the mean of the ranks' losses equals the one-process loss.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from colab_par.compat import grouped_mm
+
+__all__ = ["MoE", "Experts", "local_dispatch", "inverse_permutation"]
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a weight expert parallel made a DTensor (sharded by expert)."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+class Experts(nn.Module):
+    """`count` SwiGLU MLPs; forward takes tokens grouped by expert and each expert's row count."""
+
+    def __init__(self, count: int, d_model: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(count, d_model, hidden))  # gate
+        self.w3 = nn.Parameter(torch.empty(count, d_model, hidden))  # up
+        self.w2 = nn.Parameter(torch.empty(count, hidden, d_model))  # down
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ends = counts.cumsum(0).to(torch.int32)
+        gate = grouped_mm(tokens, _local(self.w1), ends)
+        up = grouped_mm(tokens, _local(self.w3), ends)
+        return grouped_mm(F.silu(gate) * up, _local(self.w2), ends)
+
+
+Dispatch = Callable[[torch.Tensor, torch.Tensor, Experts], torch.Tensor]
+
+
+def local_dispatch(tokens: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """Every expert on this rank: compute them in place."""
+    return experts(tokens, counts)
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
+
+
+class MoE(nn.Module):
+    def __init__(self, config: Any):
+        super().__init__()
+        self.n_experts, self.top_k = config.n_experts, config.top_k
+        self.norm_topk_prob, self.aux_loss_coef = config.norm_topk_prob, config.aux_loss_coef
+        self.router = nn.Linear(config.d_model, config.n_experts, bias=False)
+        self.experts = Experts(config.n_experts, config.d_model, config.ffn_hidden)
+        self.dispatch: Dispatch = local_dispatch
+        self.stats_group: dist.ProcessGroup | None = None  # the ranks that share the global batch
+        self.last_counts: torch.Tensor | None = None  # tokens routed to each expert, last forward
+        self.aux_loss: torch.Tensor | None = None  # this layer's balance loss, last forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        logits = self.router(flat)
+        probs = F.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        chosen = chosen.reshape(-1)  # (token, choice) pairs, token-major
+        order = chosen.argsort(stable=True)  # grouped by expert, tokens in order within each
+        counts = torch.bincount(chosen, minlength=self.n_experts)
+        self.last_counts = counts.detach()
+        out = self.dispatch(flat[order // self.top_k], counts, self.experts)[inverse_permutation(order)]
+        mixed = (out.view(-1, self.top_k, out.shape[-1]) * weights.unsqueeze(-1).to(out.dtype)).sum(1)
+        self.aux_loss = self._balance_loss(probs, counts) if self.aux_loss_coef else None
+        return mixed.view(x.shape)
+
+    def take_aux_loss(self) -> torch.Tensor | None:
+        """The balance loss of the last forward, once (so no graph outlives the step)."""
+        loss, self.aux_loss = self.aux_loss, None
+        return loss
+
+    def _balance_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """coef · E · Σ_e f_e · P_e over the global batch: f_e the share of routed (token, choice)
+        pairs expert e got, P_e its mean router probability. Only the counts cross ranks: each rank
+        contributes its own probabilities scaled so the ranks' mean loss is the global one."""
+        totals = torch.cat([counts, counts.new_tensor([probs.shape[0]])])
+        ranks = 1
+        if self.stats_group is not None:
+            dist.all_reduce(totals, group=self.stats_group)
+            ranks = dist.get_world_size(self.stats_group)
+        tokens = totals[-1].to(probs.dtype)
+        share = totals[:-1].to(probs.dtype) / (tokens * self.top_k)
+        return self.aux_loss_coef * self.n_experts * ranks * (share * probs.sum(0)).sum() / tokens

@@ -1,0 +1,120 @@
+"""Expert parallel: each rank holds n_experts/ep experts of every MoE layer; tokens travel to them.
+
+The ep ranks are drawn from the data-parallel ranks (`mesh.build_expert_mesh`): a group of ep
+neighbouring dp ranks splits every layer's experts, so each rank's expert weights are a DTensor
+sharded by expert over that group (full state dicts and gradient norms gather them as any DTensor).
+Forward, a rank sends each routed token to the rank holding its expert and gets the outputs back
+(`AllToAllDispatch`: the uneven per-expert counts are exchanged first, then the tokens, both with
+`all_to_all_single`; backward runs the same exchanges reversed).
+
+Gradients: the non-expert parameters are averaged over dp as usual. An expert's gradient already
+sums the contributions of every token of its ep group that reached it, so it is SUMMED over the
+ranks holding the same expert ("edp", dp/ep of them) and divided by dp, not by dp/ep: zero=0 with
+one flat all-reduce (`GradientAverager`), zero=2/3 with the experts fully_shard'ed over edp
+(FSDP divides by dp/ep) and their sharded gradients then scaled by 1/ep (`ScaleGradients`: FSDP's
+own `set_gradient_divide_factor` reduces with PREMUL_SUM, which gloo lacks). The routers'
+balance-loss statistics are summed over all ranks sharing the global batch (`MoE.stats_group`),
+with or without ep.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from colab_par.layout import Layout
+from colab_par.models.moe import Experts, MoE, inverse_permutation
+from colab_par.parallel.data_parallel import GradientAverager, fsdp_options
+from colab_par.parallel.mesh import build_expert_mesh
+
+__all__ = ["moe_layers", "apply_expert_parallel", "AllToAllDispatch", "ScaleGradients"]
+
+
+def moe_layers(modules: nn.Module | list[nn.Module]) -> list[MoE]:
+    """The mixture-of-experts layers of a model (or of its pipeline parts), in order."""
+    parts = modules if isinstance(modules, list) else [modules]
+    return [m for part in parts for m in part.modules() if isinstance(m, MoE)]
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single of rows with uneven splits; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, send: list[int], receive: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.send, ctx.receive, ctx.group = send, receive, group
+        out = rows.new_empty((sum(receive), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), receive, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.receive, group=ctx.group)
+        return back, None, None, None
+
+
+class AllToAllDispatch:
+    """`MoE.dispatch` under expert parallel: rows grouped by global expert go to the ranks holding
+    those experts, run there grouped by local expert, and come back in the order they left."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group, self.size = group, dist.get_world_size(group)
+
+    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+        from_each = torch.empty_like(counts)  # (source rank, local expert) row counts
+        dist.all_to_all_single(from_each, counts, group=self.group)
+        from_each = from_each.view(self.size, -1)
+        send = counts.view(self.size, -1).sum(1).tolist()
+        receive = from_each.sum(1).tolist()
+        arrived = _AllToAll.apply(tokens, send, receive, self.group)  # by source, then expert
+        local = torch.arange(from_each.shape[1], device=counts.device).repeat(self.size)
+        order = torch.repeat_interleave(local, from_each.reshape(-1)).argsort(stable=True)
+        out = experts(arrived[order], from_each.sum(0))[inverse_permutation(order)]
+        return _AllToAll.apply(out, receive, send, self.group)
+
+
+class ScaleGradients:
+    """Multiply the gradients of `params` by `factor`, after they were reduced (an averager's role)."""
+
+    def __init__(self, params: list[nn.Parameter], factor: float):
+        self.params, self.factor = params, factor
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        for param in self.params:
+            if param.grad is not None:
+                param.grad.mul_(self.factor)
+
+
+def apply_expert_parallel(model: nn.Module, layout: Layout, device: torch.device,
+                          data_group: dist.ProcessGroup | None) -> GradientAverager | ScaleGradients | None:
+    """Give the MoE layers their balance-statistics group (`data_group`, the ranks sharing the
+    global batch) and, for ep > 1, keep this rank's experts, route tokens by all-to-all and set up
+    the experts' gradient reduction: returns what completes it after backward (None without ep)."""
+    layers = moe_layers(model)
+    for layer in layers:
+        layer.stats_group = data_group
+    if layout.ep == 1 or not layers:
+        return None
+    mesh = build_expert_mesh(layout, device)
+    ep_mesh, replicas = mesh["ep"], mesh["edp"]
+    dispatch = AllToAllDispatch(ep_mesh.get_group())
+    params: list[nn.Parameter] = []
+    for layer in layers:
+        experts = layer.experts
+        for name, weight in list(experts.named_parameters(recurse=False)):
+            mine = weight.detach().chunk(layout.ep)[ep_mesh.get_local_rank()].clone()
+            sharded = nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False))
+            experts.register_parameter(name, sharded)
+        layer.dispatch = dispatch
+        if layout.zero >= 2:
+            fully_shard(experts, mesh=replicas, **fsdp_options(layout))
+        params += experts.parameters()  # FSDP's own, where it replaced them
+    if layout.zero >= 2:
+        return ScaleGradients(params, 1.0 / layout.ep)
+    return GradientAverager(params, replicas.get_group(), divisor=layout.dp)

@@ -1,0 +1,177 @@
+"""Mixture of experts: the MoE GPT under expert parallel trains like one process (real engines).
+
+10 AdamW steps of a 2-layer GPT with 4 experts (2 per token) on learnable data: losses and gradient
+norms within 1e-5 relative of the one-process reference, every parameter within Adam's tolerance
+(`parity.assert_parity`), with and without the load-balancing loss (computed from global-batch
+counts). Plus: each rank holds n_experts/ep experts, the Trainer's per-expert token counts equal a
+one-process count of the router's choices, and impossible ep layouts are refused before any work.
+"""
+from __future__ import annotations
+
+import re
+import sys
+
+import cloudpickle
+import pytest
+import torch
+
+from colab_par.layout import Layout, LayoutError, valid_layouts
+from colab_par.models import GPTConfig
+from colab_par.telemetry import expert_row_key
+from parity import (GPT_SIZES, LR, MOE_SIZES, SEED, assert_parity, batches, build_model, engine_model,
+                    engine_run, reference_run)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
+
+STEPS = 10
+
+
+@pytest.mark.parametrize("kind", ["gpt-moe", "gpt-moe-aux"])
+@pytest.mark.parametrize("layout", ["dp2 ep2", "dp2 ep2 zero3", "dp2"])
+def test_two_engine_moe_trains_like_single_process(cluster2, layout: str, kind: str) -> None:
+    assert_parity(cluster2.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
+
+
+@pytest.mark.parametrize("layout, kind", [("dp4 ep2", "gpt-moe"), ("dp4 ep2", "gpt-moe-aux"),
+                                          ("dp4 ep2 zero3", "gpt-moe-aux")])
+def test_four_engine_moe_trains_like_single_process(cluster4, layout: str, kind: str) -> None:
+    """Two ep groups: each expert's gradient is summed over its two replicas and divided by dp
+    (zero3: FSDP shards the experts over those replicas, on top of their ep split)."""
+    assert_parity(cluster4.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
+
+
+# ---- each rank holds its n_experts/ep experts -----------------------------------------------------
+def _expert_pieces(layout: str) -> tuple[int, dict[str, torch.Tensor]]:
+    """Engine side: this rank and its local pieces of every expert weight, after parallelize."""
+    import torch.distributed as dist
+
+    from colab_par import parallelize
+
+    pm = parallelize(engine_model("gpt-moe", "module"), layout)
+    return dist.get_rank(), {name: param.to_local().detach().clone()
+                             for name, param in pm.model.named_parameters() if ".experts." in name}
+
+
+@pytest.mark.parametrize("cluster, layout", [("cluster2", "dp2 ep2"), ("cluster4", "dp4 ep2")])
+def test_each_rank_holds_its_share_of_the_experts(request, cluster: str, layout: str) -> None:
+    """Neighbouring dp ranks form an ep group: rank r holds experts [r % ep · E/ep, ...) of rank 0's
+    model, and nothing of the others."""
+    ep, experts = Layout.parse(layout).ep, MOE_SIZES["n_experts"]
+    whole = build_model("gpt-moe", SEED).state_dict()
+    for rank, pieces in request.getfixturevalue(cluster).run(_expert_pieces, layout):
+        assert len(pieces) == 3 * MOE_SIZES["n_layer"]
+        for name, piece in pieces.items():
+            mine = experts // ep
+            assert piece.shape[0] == mine, f"rank {rank} holds {piece.shape[0]} experts of {name}"
+            first = rank % ep * mine
+            torch.testing.assert_close(piece, whole[name][first:first + mine], rtol=0, atol=0)
+
+
+# ---- the Trainer's per-expert token counts ------------------------------------------------------
+COUNT_STEPS, GRAD_ACCUM = 3, 2
+DATA = dict(vocab_size=MOE_SIZES["vocab_size"], seq_len=MOE_SIZES["seq_len"], batch_size=4, seed=5)
+
+
+def _trainer_rows(layout: str) -> list[dict]:
+    from colab_par import parallelize
+    from colab_par.data import SyntheticDataset
+    from colab_par.train import Trainer
+
+    pm = parallelize(engine_model("gpt-moe-aux", "module"), layout,
+                     optimizer_fn=lambda p: torch.optim.AdamW(p, lr=LR))
+    trainer = Trainer(pm, SyntheticDataset(**DATA), steps=COUNT_STEPS, grad_accum=GRAD_ACCUM)
+    trainer.fit()
+    return trainer.history
+
+
+def _one_process_counts() -> list[torch.Tensor]:
+    """Per step, (layer, expert) counts of the routers' choices training in one process."""
+    from colab_par.data import SyntheticDataset
+    from colab_par.parallel.experts import moe_layers
+
+    model, data = build_model("gpt-moe-aux", SEED), SyntheticDataset(**DATA)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    per_step = []
+    for step in range(COUNT_STEPS):
+        counts = 0
+        for micro in range(GRAD_ACCUM):
+            inputs, targets = data.batch(step * GRAD_ACCUM + micro)
+            (model.loss_fn(model(inputs), targets) / GRAD_ACCUM).backward()
+            counts = counts + torch.stack([layer.last_counts for layer in moe_layers(model)])
+        optimizer.step()
+        optimizer.zero_grad()
+        per_step.append(counts)
+    return per_step
+
+
+def test_trainer_rows_count_the_tokens_each_expert_got(cluster2) -> None:
+    expected = _one_process_counts()
+    tokens = GRAD_ACCUM * DATA["batch_size"] * DATA["seq_len"] * MOE_SIZES["top_k"]
+    for history in cluster2.run(_trainer_rows, "dp2 ep2"):
+        assert [row["step"] for row in history] == list(range(1, COUNT_STEPS + 1))
+        for row, counts in zip(history, expected):
+            assert counts.sum(1).tolist() == [tokens] * MOE_SIZES["n_layer"]
+            got = [[row[expert_row_key(layer, e)] for e in range(MOE_SIZES["n_experts"])]
+                   for layer in range(MOE_SIZES["n_layer"])]
+            assert got == counts.tolist(), f"step {row['step']}"
+
+
+# ---- refused before any work --------------------------------------------------------------------
+@pytest.mark.parametrize("layout, config, message", [
+    ("dp3 ep2", MOE_SIZES, "must divide dp=3"),
+    ("dp8 ep8", MOE_SIZES, "does not divide the 4 experts"),
+    ("dp2 ep2", GPT_SIZES, "this model has none"),
+    ("dp2 ep2 tp2", MOE_SIZES, "not with tp=2"),
+    ("dp2 ep2 zero1", MOE_SIZES, "use zero=0, zero=2 or zero=3"),
+    ("dp2 ep2 ac-full", MOE_SIZES, "checkpointing='none'"),
+    ("dp2 ep2 compile", MOE_SIZES, "with ep drop 'compile'"),
+    ("pp2", MOE_SIZES, "not pp=2"),
+])
+def test_impossible_expert_layouts_are_refused(layout: str, config: dict, message: str) -> None:
+    with pytest.raises(LayoutError, match=re.escape(message)):
+        Layout.parse(layout).validate(None, GPTConfig(**config))
+
+
+def test_ep_is_a_layout_token_and_enumerated_only_when_asked() -> None:
+    layout = Layout.parse("dp4 ep2 zero3")
+    assert (layout.ep, layout.world_size, str(layout)) == (2, 4, "dp4 ep2 zero3")
+    moe = GPTConfig(**MOE_SIZES)
+    assert {l.ep for l in valid_layouts(4, moe)} == {1}
+    asked = set(valid_layouts(4, moe, ep=(1, 2, 4), zero=(0, 1, 3), checkpointing=("none", "full")))
+    assert {l.ep for l in asked} == {1, 2, 4}
+    for layout in asked:  # exactly what validate accepts (ep's rules run inside the enumeration)
+        layout.validate(4, moe)
+        assert layout.ep == 1 or (layout.zero != 1 and layout.checkpointing == "none" and layout.dp == 4)
+
+
+def _refusal(layout: str, kind: str, source: str) -> str | None:
+    from colab_par import parallelize
+
+    try:
+        parallelize(engine_model(kind, source), layout)
+    except ValueError as error:  # LayoutError is one
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("kind, source, message", [
+    ("gpt", "module", "this model has none"), ("gpt-moe", "factory", "not a factory or a meta model")])
+def test_parallelize_refuses_ep_before_building(cluster2, kind: str, source: str, message: str) -> None:
+    assert all(message in (error or "") for error in cluster2.run(_refusal, "dp2 ep2", kind, source))
+
+
+def test_flops_per_token_count_the_experts_a_token_runs() -> None:
+    """MFU's formula for the MoE GPT (top_k experts and the router per token) equals torch's FLOP
+    counter on its matmuls (float64: the matmul loop the counter sees; torch's counter has no
+    formula for _grouped_mm), attention's 12·layers·d·seq aside (SDPA, which it does not count here)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from colab_par.telemetry import model_flops_per_token
+
+    model = build_model("gpt-moe", SEED).double()
+    inputs, targets = batches(MOE_SIZES["vocab_size"], MOE_SIZES["seq_len"], 1)[0]
+    with FlopCounterMode(display=False) as counter:
+        model.loss_fn(model(inputs), targets).backward()
+    seq = MOE_SIZES["seq_len"]
+    attention = 12 * MOE_SIZES["n_layer"] * MOE_SIZES["d_model"] * seq
+    assert model_flops_per_token(model, 0, seq) - attention == counter.get_total_flops() / inputs.numel()
