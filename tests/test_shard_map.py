@@ -26,8 +26,9 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 GPT_SIZES = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, kernels="torch")
 
 
-def build(layout: str, vocab_size: int = 64, n_layer: int = 2) -> None:
-    """On every engine: the test GPT as `layout` in the engine variable `pm`."""
+def build(layout: str, vocab_size: int = 64, n_layer: int = 2, n_experts: int = 0) -> None:
+    """On every engine: the test GPT (a mixture of experts with `n_experts`) as `layout` in the
+    engine variable `pm`."""
     import torch
     from IPython import get_ipython
 
@@ -35,7 +36,8 @@ def build(layout: str, vocab_size: int = 64, n_layer: int = 2) -> None:
     from colab_par.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    pm = parallelize(GPT(GPTConfig(**{**GPT_SIZES, "vocab_size": vocab_size, "n_layer": n_layer})), layout)
+    config = GPTConfig(**{**GPT_SIZES, "vocab_size": vocab_size, "n_layer": n_layer, "n_experts": n_experts})
+    pm = parallelize(GPT(config), layout)
     get_ipython().user_ns["pm"] = pm
 
 
@@ -97,9 +99,9 @@ def colour_pixels(png: bytes, colour: str) -> int:
     return int((np.abs(image - rgb).max(axis=-1) < 0.03).sum())
 
 
-@pytest.mark.parametrize("layout", ["dp2 zero3", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["dp2 zero3", "tp2", "pp2", "dp2 ep2"])
 def test_map_of_two_ranks_matches_what_they_hold(cluster2, layout):
-    cluster2.run(build, layout)
+    cluster2.run(build, layout, n_experts=4 if "ep" in layout else 0)
     shard_map = check_map(cluster2.run(map_and_measure))
     rows = {row.name: row for row in shard_map.parameters()}
     wq, wo, norm = (rows[f"layers.0.{name}.weight"] for name in ("attention.wq", "attention.wo", "attention_norm"))
@@ -110,6 +112,10 @@ def test_map_of_two_ranks_matches_what_they_hold(cluster2, layout):
         assert [wq.slices[r] for r in (0, 1)] == [((0, 16), (0, 32)), ((16, 32), (0, 32))]
         assert [wo.slices[r] for r in (0, 1)] == [((0, 32), (0, 16)), ((0, 32), (16, 32))]
         assert norm.cell(0) == norm.cell(1) == "all"
+    elif layout == "dp2 ep2":  # each rank two whole experts of four; everything else whole
+        experts = rows["layers.0.feed_forward.experts.w1"]
+        assert [experts.slices[r][0] for r in (0, 1)] == [(0, 2), (2, 4)]
+        assert wq.cell(0) == wq.cell(1) == "all"
     else:  # pipeline stages: each layer on one rank only
         assert set(rows["layers.0.attention.wq.weight"].held) == {0}
         assert set(rows["layers.1.attention.wq.weight"].held) == {1}
