@@ -11,7 +11,7 @@ import base64
 import importlib
 from typing import Any, Callable
 
-__all__ = ["VIEW_MIME", "mimebundle", "local_view", "on_engine", "engine_kernel"]
+__all__ = ["VIEW_MIME", "View", "mimebundle", "local_view", "on_engine", "engine_kernel"]
 
 VIEW_MIME = "application/vnd.colab_par.view+json"
 _VIEWS = {"timeline": ("colab_par.profiling.timeline", "Timeline"),
@@ -45,6 +45,27 @@ def mimebundle(kind: str, data: Callable[[], dict[str, Any]], png: Callable[[], 
     if on_engine():
         return {VIEW_MIME: {"kind": kind, "data": data()}, "text/plain": text}
     return {"image/png": base64.b64encode(png()).decode("ascii"), "text/plain": text}
+
+
+class View:
+    """What a view shares: `kind` (a key of `_VIEWS`), `png()`, `to_json()`; shown as `mimebundle`
+    says, and saved as a PNG file."""
+
+    kind = ""
+
+    def png(self) -> bytes:
+        raise NotImplementedError
+
+    def to_json(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def save(self, path: str) -> None:
+        """Write the picture as a PNG file."""
+        with open(path, "wb") as handle:
+            handle.write(self.png())
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict:
+        return mimebundle(self.kind, self.to_json, self.png, str(self))
 
 
 def local_view(bundle: dict[str, Any]) -> Any:

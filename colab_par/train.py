@@ -192,9 +192,9 @@ class Trainer:
         measure = self.telemetry and log
         if self._profile is not None:
             self._profile.before_step(self.step + 1)
-        mark = recorder.open_mark(self.step + 1)
-        clock = telem.StepClock(torch.device(pm.device), mark=mark is not None)
+        clock = telem.StepClock(torch.device(pm.device), mark=recorder.is_recording())
         compiled_before = compile_seconds() if pm.layout.compile else 0.0
+        mark = recorder.open_mark(self.step + 1)  # brackets exactly what step_time measures
         start = time.perf_counter()
         losses, bubbles, samples, tokens = [], [], 0, 0
         experts = self._experts()

@@ -73,3 +73,28 @@ def captured():
     shell.display_pub = CapturingDisplayPublisher()
     yield shell.display_pub.outputs
     shell.display_pub = previous
+
+
+@pytest.fixture(scope="module")
+def shell():
+    """This process's one IPython shell, with the colab_par extension loaded."""
+    ip = InteractiveShell.instance()  # the one shell of this process, whoever made it first
+    ip.run_line_magic("load_ext", "colab_par")
+    return ip
+
+
+@pytest.fixture
+def on_cluster(shell, cluster2):
+    """The shell's magics talking to the shared two-engine cluster; its last errors cleared after."""
+    from colab_par import magics
+
+    magics.use_cluster(cluster2)
+    yield shell
+    cluster2.clear_errors()
+    magics._default = None  # the cluster2 fixture owns the cluster's lifetime
+
+
+@pytest.fixture
+def shell_on(on_cluster, captured):
+    """`on_cluster` with display messages recorded (`captured`)."""
+    return on_cluster

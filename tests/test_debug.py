@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
-from IPython.core.interactiveshell import InteractiveShell
-
-from colab_par import magics
 from colab_par.cluster import EngineError
 
 FUNCTION = ("def scale(x, r):\n"
@@ -27,21 +23,6 @@ HOLDS = ("import weakref, torch\n"
          "        raise RuntimeError('out of luck')\n"
          "refs = []\n"
          "hold(rank)\n")
-
-
-@pytest.fixture(scope="module")
-def shell():
-    ip = InteractiveShell.instance()  # the one shell of this process, whoever made it first
-    ip.run_line_magic("load_ext", "colab_par")
-    return ip
-
-
-@pytest.fixture
-def on_cluster(shell, cluster2):
-    magics.use_cluster(cluster2)
-    yield shell
-    cluster2.clear_errors()
-    magics._default = None  # the cluster2 fixture owns the cluster's lifetime
 
 
 def engine_values(*names):

@@ -3,24 +3,9 @@ from __future__ import annotations
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 
 from colab_par import magics
 from colab_par.cluster import EngineError
-
-
-@pytest.fixture(scope="module")
-def shell():
-    ip = InteractiveShell.instance()  # the one shell of this process, whoever made it first
-    ip.run_line_magic("load_ext", "colab_par")
-    return ip
-
-
-@pytest.fixture
-def on_cluster(shell, cluster2):
-    magics.use_cluster(cluster2)
-    yield shell
-    magics._default = None  # the cluster2 fixture owns the cluster's lifetime
 
 
 def test_cell_before_start_says_how_to_start(shell):

@@ -16,9 +16,7 @@ import sys
 
 import cloudpickle
 import pytest
-from IPython.core.interactiveshell import InteractiveShell
 
-from colab_par import magics
 from colab_par.profiling import ProfileSteps
 from colab_par.profiling.events import reduce_trace
 from colab_par.profiling.timeline import Timeline
@@ -96,15 +94,6 @@ def test_profile_shows_the_layouts_collectives_and_adds_up(cluster2, layout, tmp
     assert_lanes_add_up(timeline, cluster2.run(engine_value, "trainer.history"), list(range(1, STEPS + 1)))
     assert_raw_traces(timeline, tmp_path)
     assert f"traces (Perfetto, TensorBoard) in {tmp_path}" in str(timeline)
-
-
-@pytest.fixture
-def shell_on(cluster2, captured):
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "colab_par")
-    magics.use_cluster(cluster2)
-    yield shell
-    magics._default = None  # the cluster2 fixture owns the cluster's lifetime
 
 
 def test_profile_flag_draws_the_timeline_in_the_notebook(cluster2, shell_on, captured, tmp_path):

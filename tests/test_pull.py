@@ -8,9 +8,7 @@ import sys
 import cloudpickle
 import pytest
 import torch
-from IPython.core.interactiveshell import InteractiveShell
 
-from colab_par import magics
 from parity import SEED, build_model, engine_model
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -21,20 +19,6 @@ SHARDED = ("import torch\n"
            "mesh = init_device_mesh('cpu', (2,))\n"
            "rows = distribute_tensor(torch.arange(24.0).reshape(6, 4) * 1.5, mesh, [Shard(0)])\n"
            "columns = distribute_tensor(torch.arange(24.0).reshape(6, 4) - 7, mesh, [Shard(1)])\n")
-
-
-@pytest.fixture(scope="module")
-def shell():
-    ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "colab_par")
-    return ip
-
-
-@pytest.fixture
-def on_cluster(shell, cluster2):
-    magics.use_cluster(cluster2)
-    yield shell
-    magics._default = None
 
 
 def local_shape(name):

@@ -14,10 +14,8 @@ import sys
 import cloudpickle
 import numpy as np
 import pytest
-from IPython.core.interactiveshell import InteractiveShell
 from matplotlib.image import imread
 
-from colab_par import magics
 from colab_par.shard_map.picture import SLICE, WHOLE
 from colab_par.shard_map.view import ShardMap
 
@@ -156,15 +154,6 @@ def test_map_of_composite_layouts(cluster4, layout):
     if layout.startswith("pp"):
         holders = {tuple(sorted(row.held)) for row in shard_map.parameters() if row.name.startswith("layers.")}
         assert len(holders) == 2, f"the layers live on two dp pairs, not {holders}"
-
-
-@pytest.fixture
-def shell_on(cluster2, captured):
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "colab_par")
-    magics.use_cluster(cluster2)
-    yield shell
-    magics._default = None  # the cluster2 fixture owns the cluster's lifetime
 
 
 def test_show_as_the_value_of_a_cell_draws_in_the_notebook(cluster2, shell_on, captured, capsys):

@@ -18,13 +18,15 @@ __all__ = ["Timeline"]
 _COLUMNS = {"communication": "comm", "optimizer": "optim", "waiting": "wait"}
 
 
-class Timeline:
+class Timeline(remote_view.View):
     """Per-rank lanes of one torch.profiler recording (see `colab_par.profiling`).
 
     Times are microseconds on one clock for every rank: the ranks' own clock when they share a
     host, else each rank's shifted so that all leave the recording's opening barrier together.
     `folder` holds the raw traces, one ``rank<N>.pt.trace.json`` per rank (Perfetto, TensorBoard).
     """
+
+    kind = "timeline"
 
     def __init__(self, records: list[dict[str, Any]], folder: str | None = None):
         if not records:
@@ -98,14 +100,6 @@ class Timeline:
     def png(self, **options: Any) -> bytes:
         """The picture (`picture.draw` options: width in inches, dpi)."""
         return draw(self, **options)
-
-    def save(self, path: str) -> None:
-        """Write the picture as a PNG file."""
-        with open(path, "wb") as handle:
-            handle.write(self.png())
-
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict:
-        return remote_view.mimebundle("timeline", self.to_json, self.png, str(self))
 
     # ---- travelling ------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:

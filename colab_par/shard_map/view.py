@@ -47,8 +47,10 @@ class Row:
         return "[" + ", ".join(dims) + "]"
 
 
-class ShardMap:
+class ShardMap(remote_view.View):
     """Which rank holds which slice of each parameter of a ParallelModel (see `colab_par.show`)."""
+
+    kind = "shard_map"
 
     def __init__(self, ranks: list[dict[str, Any]]):
         if not ranks:
@@ -140,13 +142,6 @@ class ShardMap:
     def png(self, **options: Any) -> bytes:
         """The picture (`picture.draw`)."""
         return draw(self, **options)
-
-    def save(self, path: str) -> None:
-        with open(path, "wb") as handle:
-            handle.write(self.png())
-
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict:
-        return remote_view.mimebundle("shard_map", self.to_json, self.png, str(self))
 
     def to_json(self) -> dict[str, Any]:
         return {"ranks": self.descriptions}
