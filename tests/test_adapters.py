@@ -397,20 +397,19 @@ def test_prompt_learning_is_refused_with_the_tuners_that_work(llama_dir) -> None
 def test_an_adapter_for_another_base_is_refused_naming_the_tensor(hf_dirs, llama_dir, tmp_path) -> None:
     from colab_par import from_pretrained
 
-    wider = _hf_dir(tmp_path / "wider", hidden_size=64)
-    saved = tmp_path / "wider-adapter"
-    peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(wider),
-                        peft_config("lora", "llama")).save_pretrained(saved)
+    def adapter_of(base: Path, family: str = "llama") -> Path:
+        """A LoRA adapter directory peft writes for `base`."""
+        saved = base.with_name(f"{base.name}-adapter")
+        peft.get_peft_model(_base(base), peft_config("lora", family)).save_pretrained(saved)
+        return saved
+
+    saved = adapter_of(_hf_dir(tmp_path / "wider", hidden_size=64))
     with pytest.raises(ValueError, match=r"lora_A.weight is \[4, 64\] there but this base needs \[4, 32\]"):
         from_pretrained(llama_dir, "dp2", adapter=saved)
-    deeper = _hf_dir(tmp_path / "deeper", num_hidden_layers=3)
-    saved = tmp_path / "deeper-adapter"
-    peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(deeper),
-                        peft_config("lora", "llama")).save_pretrained(saved)
+    saved = adapter_of(_hf_dir(tmp_path / "deeper", num_hidden_layers=3))
     with pytest.raises(ValueError, match=r"layers\.2\..*which this base has no place for"):
         from_pretrained(llama_dir, "dp2", adapter=saved)
-    saved = tmp_path / "gpt2-adapter"
-    peft.get_peft_model(_base(hf_dirs["gpt2"]), peft_config("lora", "gpt2")).save_pretrained(saved)
+    saved = adapter_of(hf_dirs["gpt2"], "gpt2")
     gpt2_base = re.escape(str(hf_dirs["gpt2"]))
     with pytest.raises(ValueError, match=rf"trained for {gpt2_base}, .*transformer\.h\.0\.attn\.c_attn.* "
                                          r"match none of this model's layers; load it onto the base"):
