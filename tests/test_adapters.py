@@ -93,6 +93,14 @@ def test_lora_trains_under_data_and_tensor_parallel_together(cluster4, kind: str
     assert_parity(cluster4.run(engine_run, "dp2 tp2", kind, STEPS, lr=LR), reference_run(kind, STEPS, lr=LR))
 
 
+def test_lora_trains_on_a_tensor_grid(cluster4) -> None:
+    """The kit's GPT on the 2d grid (q=2: batch and weights split two ways each): the adapters add
+    their update to each rank's weight piece, their gradients summed over the pieces."""
+    reference = reference_run("gpt+lora", STEPS, lr=LR)
+    _learns(reference)
+    assert_parity(cluster4.run(engine_run, "tp4 2d", "gpt+lora", STEPS, lr=LR), reference)
+
+
 # ---- what trains ------------------------------------------------------------------------------------
 def _shapes_and_training(layout: str) -> dict:
     """Engine side: local/global shapes of layer 0's adapters, the state before and after 3 steps,

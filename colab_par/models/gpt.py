@@ -137,6 +137,14 @@ class KVCache:
         self.keep, self.start = keep.bool(), 0
         self._slots: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def rows(self, keep: torch.Tensor) -> "KVCache":
+        """This cache for a piece of the batch, `keep` being its rows (a tensor grid's attention
+        holds its batch piece): the same slots per module (allocated at the piece's size) and the
+        current `start`."""
+        piece = KVCache(keep)
+        piece.start, piece._slots = self.start, self._slots
+        return piece
+
     def attend(self, owner: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of (batch, seq, heads, head_dim) queries over `owner`'s cached slots."""
         b, s = q.shape[:2]

@@ -25,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from colab_par.layout import Layout
 from colab_par.models.hf import causal_lm_logits, is_hf_model
-from colab_par.parallel.adapters import Adapters, adapter_tp_plan, attach_adapters, wraps_output_layer
+from colab_par.parallel.adapters import (Adapters, adapt_to_grid, adapter_tp_plan, attach_adapters, base_layer_of,
+                                        wraps_output_layer)
 from colab_par.parallel.batch import (LabelMean, batch_to, call_model, check_batch, counted_labels,
                                       default_loss, labels_of, slice_batch)
 from colab_par.parallel.blocks import find_blocks
@@ -503,7 +504,9 @@ def _parallelize_part(part: nn.Module, layout: Layout, mesh: Any, dp_cp_mesh: An
     `fill` gives a meta part its local shards: after FSDP has sharded it, before DDP (which
     broadcasts real parameters). A PEFT model's adapters split with their base layers."""
     if layout.tp_mode != "1d":
-        apply_tensor_grid(part, layout, build_grid_mesh(layout, device))
+        grid = apply_tensor_grid(part, layout, build_grid_mesh(layout, device), unwrap=base_layer_of)
+        if adapters is not None:
+            adapt_to_grid(part, grid)
     elif layout.tp > 1:
         plan = tp_plan_for(part, tp_plan, hf=hf, sequence_parallel=layout.sequence_parallel)
         apply_tensor_parallel(part, mesh["tp"], plan if adapters is None else adapter_tp_plan(part, plan))

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -38,9 +38,9 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 
 from colab_par.layout import Layout
 from colab_par.parallel.collectives import (Split, all_reduce_sum, gather, gather_all, gather_replicas,
-                                            reduce_scatter_all, sum_grad_over)
+                                            piece_sizes, reduce_scatter_all, sum_grad_over)
 
-__all__ = ["apply_tensor_grid", "GridPlan", "grid_plan"]
+__all__ = ["apply_tensor_grid", "Grid", "GridPlan", "WeightSpec", "grid_plan", "grid_linear_names"]
 
 Along = tuple[tuple[str, int], ...]  # (grid dim, tensor dim) pairs, innermost split first
 
@@ -69,6 +69,7 @@ class GridPlan:
     norm: WeightSpec
     norm_dim: str  # the grid dim splitting layout A's hidden
     batch_dims: tuple[str, ...]  # the dims splitting layout A's batch, outermost first
+    attention_batch_dims: tuple[str, ...]  # the dims splitting layout B's batch (attention's), outermost first
     logits_gathers: Along  # layout B logits -> whole
 
 
@@ -80,13 +81,14 @@ def grid_plan(mode: str) -> GridPlan:
         return GridPlan(("x", "y", "z"), into, out,
                         embedding=WeightSpec({"x": 1, "y": 0, "z": 1}, (("x", 1), ("y", 0))),
                         norm=WeightSpec({"x": 0, "z": 0}, (("x", 0),), ("y",)), norm_dim="z",
-                        batch_dims=("x", "y"), logits_gathers=(("y", -1), ("z", 0), ("x", 0)))
+                        batch_dims=("x", "y"), attention_batch_dims=("x", "z"),
+                        logits_gathers=(("y", -1), ("z", 0), ("x", 0)))
     depth: tuple[str, ...] = ("depth",) if mode == "2.5d" else ()
     linear = LinearSpec(WeightSpec({"row": 1, "col": 0}, (("row", 1),), depth), (("col", -1),))
     return GridPlan((*depth, "row", "col"), linear, linear,
                     embedding=WeightSpec({"row": 0, "col": 1}, (("row", 0),), depth),
                     norm=WeightSpec({"col": 0}, (), ("row", *depth)), norm_dim="col",
-                    batch_dims=(*depth, "row"),
+                    batch_dims=(*depth, "row"), attention_batch_dims=(*depth, "row"),
                     logits_gathers=(("col", -1), ("row", 0), *((d, 0) for d in depth)))
 
 
@@ -98,6 +100,9 @@ class Grid:
         self.groups = {name: mesh[name].get_group() for name in plan.dims}
         self.coords = {name: mesh[name].get_local_rank() for name in plan.dims}
         self.sizes = {name: mesh[name].size() for name in plan.dims}
+        self.placed: dict[nn.Module, WeightSpec] = {}  # every module whose weight the grid placed
+        # A module's weight update, added to its local piece before use (LoRA: `adapters/grid.py`).
+        self.updates: dict[nn.Module, Callable[[], torch.Tensor | None]] = {}
 
     def splits(self, along: Along, full: dict[int, int] | None = None) -> tuple[Split, ...]:
         """The collectives' splits for `along`; `full` names the full size of dims whose pieces
@@ -110,18 +115,38 @@ class Grid:
         return tuple(Shard(spec.shards[name]) if name in spec.shards else Replicate()
                      for name in self.plan.dims)
 
-    def local_weight(self, param: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
-        """This rank's piece of `param`, its gradient summed over the dims that saw other tokens."""
+    def piece_bounds(self, spec: WeightSpec, shape: torch.Size) -> list[tuple[int, int]]:
+        """(start, size) of this rank's piece along every dim of a tensor of `shape` placed by
+        `spec`: DTensor's, each grid dim (outermost first) splitting what the ones before left."""
+        bounds = [(0, size) for size in shape]
+        for name in self.plan.dims:
+            if name in spec.shards:
+                dim = spec.shards[name]
+                start, size = bounds[dim]
+                sizes, coord = piece_sizes(size, self.sizes[name]), self.coords[name]
+                bounds[dim] = (start + sum(sizes[:coord]), sizes[coord])
+        return bounds
+
+    def local_weight(self, param: torch.Tensor, spec: WeightSpec, update: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's piece of `param` (plus `update`, a tensor of the piece's shape), its gradient
+        summed over the dims that saw other tokens."""
         local = param.to_local() if isinstance(param, DTensor) else param
+        if update is not None:
+            local = local + update
         for name in spec.grad_sums:
             if self.sizes[name] > 1:
                 local = sum_grad_over(local, self.groups[name])
         return local
 
-    def batch_piece(self, batch: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of a (micro)batch in layout A."""
+    def module_weight(self, module: nn.Module, spec: WeightSpec) -> torch.Tensor:
+        """`local_weight` of `module.weight` with the update registered for the module, if any."""
+        update = self.updates.get(module)
+        return self.local_weight(module.weight, spec, None if update is None else update())
+
+    def batch_piece(self, batch: torch.Tensor, dims: tuple[str, ...] | None = None) -> torch.Tensor:
+        """This rank's piece of a (micro)batch split over `dims` (default: layout A's batch dims)."""
         pieces, index = 1, 0
-        for name in self.plan.batch_dims:
+        for name in self.plan.batch_dims if dims is None else dims:
             pieces, index = pieces * self.sizes[name], index * self.sizes[name] + self.coords[name]
         if batch.shape[0] % pieces:
             raise ValueError(f"{'×'.join(self.plan.dims)} tensor parallel splits each batch into "
@@ -164,7 +189,7 @@ def _to(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 # ---- the GPT's modules on the grid ------------------------------------------------------------------
 def _linear_forward(module: nn.Linear, grid: Grid, x: torch.Tensor, *, spec: LinearSpec) -> torch.Tensor:
-    weight = grid.local_weight(module.weight, spec.weight)
+    weight = grid.module_weight(module, spec.weight)
     return _GridLinear.apply(x, weight, grid.splits(spec.x_gathers), grid.splits(spec.weight.gathers),
                              grid.splits(spec.y_scatters))
 
@@ -190,12 +215,34 @@ def _norm_forward(module: nn.Module, grid: Grid, x: torch.Tensor) -> torch.Tenso
     return (wide * scale).to(x.dtype) * weight
 
 
+def _attention_forward(attend: Callable[..., torch.Tensor], grid: Grid, x: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, cache: Any = None) -> torch.Tensor:
+    """Attention on its layout-B batch piece. Per-row rotary tables and a KV cache (generation)
+    cover the whole batch, so this rank takes its rows of them; the cache then holds only its rows'
+    keys and values, of its heads."""
+    dims = grid.plan.attention_batch_dims
+    if cos.dim() == 3:
+        cos, sin = grid.batch_piece(cos, dims), grid.batch_piece(sin, dims)
+    if cache is not None:
+        cache = cache.rows(grid.batch_piece(cache.keep, dims))
+    return attend(x, cos, sin, cache=cache)
+
+
 _INTO_BLOCK = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
 _OUT_OF_BLOCK = ("attention.wo", "feed_forward.w2")
 
 
-def apply_tensor_grid(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> None:
-    """Place the GPT's parameters on the grid `mesh` and run its layers on their pieces."""
+def grid_linear_names(model: nn.Module) -> list[str]:
+    """The names of the GPT's linear layers the grid runs as grid linears (the head included)."""
+    blocks = [f"layers.{index}.{name}" for index in getattr(model, "layers", {}) for name in _INTO_BLOCK + _OUT_OF_BLOCK]
+    return blocks + (["output"] if getattr(model, "output", None) is not None else [])
+
+
+def apply_tensor_grid(model: nn.Module, layout: Layout, mesh: DeviceMesh, *,
+                      unwrap: Callable[[nn.Module], nn.Module] = lambda module: module) -> Grid:
+    """Place the GPT's parameters on the grid `mesh` and run its layers on their pieces. `unwrap`
+    gives the layer a module stands for (peft's tuner layer: its base layer, whose adapters
+    `adapters/grid.py` adds), which is placed instead."""
     from colab_par.models.gpt import GPT
 
     if not isinstance(model, GPT):
@@ -210,12 +257,14 @@ def apply_tensor_grid(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> Non
             _place(norm, grid, plan.norm, _norm_forward)
         for name in _INTO_BLOCK + _OUT_OF_BLOCK:
             spec = plan.into_block if name in _INTO_BLOCK else plan.out_of_block
-            _place(block.get_submodule(name), grid, spec.weight,
+            _place(unwrap(block.get_submodule(name)), grid, spec.weight,
                    functools.partial(_linear_forward, spec=spec))
+        block.attention.forward = functools.partial(_attention_forward, block.attention.forward, grid)
     if model.norm is not None:
         _place(model.norm, grid, plan.norm, _norm_forward)
     if model.output is not None:
-        _place(model.output, grid, plan.into_block.weight, _head_forward)
+        _place(unwrap(model.output), grid, plan.into_block.weight, _head_forward)
+    return grid
 
 
 def _place(module: nn.Module, grid: Grid, spec: WeightSpec, forward: Any) -> None:
@@ -224,3 +273,4 @@ def _place(module: nn.Module, grid: Grid, spec: WeightSpec, forward: Any) -> Non
     module.weight = nn.Parameter(distribute_tensor(weight.data, grid.mesh, grid.placements(spec)),
                                  requires_grad=weight.requires_grad)
     module.forward = functools.partial(forward, module, grid)
+    grid.placed[module] = spec

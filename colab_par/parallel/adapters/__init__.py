@@ -4,7 +4,7 @@ A model from ``peft.get_peft_model`` is recognised by what it is (a ``PeftModel`
 the rest of `parallelize` its inner model, peft's tuner layers in place, so data parallel, ZeRO,
 pipeline stages, recompute and bf16 treat it as any other model; only the parameters peft left
 trainable get gradients and optimizer state. Tensor parallel splits each adapter with its base layer
-(`tensor_split.py`); adapter files go out and in in peft's format (`files.py`); what is kept for
+(`tensor_split.py`); the 2d/2.5d/3d grids add LoRA to their weight pieces (`grid.py`); adapter files go out and in in peft's format (`files.py`); what is kept for
 that and for rebuilding under another layout is `Adapters` (`model.py`).
 """
 from __future__ import annotations
@@ -16,12 +16,15 @@ from torch import nn
 from colab_par.layout import Layout
 from colab_par.models.hf import is_hf_model
 from colab_par.parallel.adapters.files import PeftWeights
-from colab_par.parallel.adapters.model import Adapters, is_auxiliary_wrapper, is_peft_model, is_tuner_layer
+from colab_par.parallel.adapters.grid import adapt_to_grid, refuse_off_grid
+from colab_par.parallel.adapters.model import (Adapters, base_layer_of, is_auxiliary_wrapper, is_peft_model,
+                                               is_tuner_layer)
 from colab_par.parallel.adapters.tensor_split import adapter_tp_plan, refuse_unsplittable
 from colab_par.parallel.init_record import InitRecord
 from colab_par.parallel.tensor_parallel import hf_tp_plan, tp_plan_for
 
-__all__ = ["Adapters", "attach_adapters", "adapter_tp_plan", "is_peft_model", "wraps_output_layer"]
+__all__ = ["Adapters", "attach_adapters", "adapter_tp_plan", "adapt_to_grid", "base_layer_of", "is_peft_model",
+           "wraps_output_layer"]
 
 
 def attach_adapters(model: nn.Module, record: InitRecord | None, weights: Any, layout: Layout, *,
@@ -31,8 +34,8 @@ def attach_adapters(model: nn.Module, record: InitRecord | None, weights: Any, l
     For a PEFT model: its inner model, the init record and `weights` renamed to the inner model's
     names (peft's ``...q_proj.base_layer.weight`` is the base's ``...q_proj.weight``). Refused before
     any work: a PeftModel built on meta by the user (peft's adapter init is no ``reset_parameters``,
-    so it cannot be replayed; a factory can), multi-dimensional tensor parallel, and adapters the tp
-    plan would split without a rule for them."""
+    so it cannot be replayed; a factory can), and adapters the tp plan (1d) or the tensor grid
+    (2d/2.5d/3d, `grid.py`) would split without a rule for them."""
     if not is_peft_model(model):
         return model, None, weights
     if built_on_meta:
@@ -40,12 +43,11 @@ def attach_adapters(model: nn.Module, record: InitRecord | None, weights: Any, l
                          "its adapters; pass a factory instead, e.g. parallelize(lambda: "
                          "get_peft_model(MyModel(config), lora_config), layout), or use "
                          "colab_par.from_pretrained(path, layout, lora=lora_config)")
-    if layout.tp > 1 and layout.tp_mode != "1d":
-        raise ValueError(f"tp_mode={layout.tp_mode!r} partitions colab_par's GPT layer by layer and has no "
-                         "place for adapters; use tp_mode='1d' (Megatron tensor parallel) with PEFT models")
     adapters = Adapters.of(model)
     inner = model.get_base_model()
-    if layout.tp > 1:
+    if layout.tp_mode != "1d":
+        refuse_off_grid(inner, layout.tp_mode)
+    elif layout.tp > 1:
         hf = is_hf_model(inner)
         raw = tp_plan if tp_plan is not None else hf_tp_plan(inner) if hf else {}
         refuse_unsplittable(inner, list(raw))  # with peft's layer named, before the plan's own checks

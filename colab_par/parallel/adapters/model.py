@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 from torch import nn
 
-__all__ = ["Adapters", "is_peft_model", "is_tuner_layer", "is_auxiliary_wrapper", "base_name",
+__all__ = ["Adapters", "is_peft_model", "is_tuner_layer", "is_auxiliary_wrapper", "base_layer_of", "base_name",
            "peft_model_of", "layer_names"]
 
 
@@ -39,6 +39,11 @@ def is_tuner_layer(module: nn.Module) -> bool:
         return False
     from peft.tuners.tuners_utils import BaseTunerLayer
     return isinstance(module, BaseTunerLayer)
+
+
+def base_layer_of(module: nn.Module) -> nn.Module:
+    """The layer `module` stands for: a tuner layer's base layer, any other module itself."""
+    return module.get_base_layer() if is_tuner_layer(module) else module
 
 
 def is_auxiliary_wrapper(module: nn.Module) -> bool:

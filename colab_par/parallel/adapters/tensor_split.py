@@ -36,7 +36,8 @@ from colab_par.parallel.collectives import regroup_blocks, sum_grad_over
 from colab_par.parallel.hf_plans import Conv1DColwise, Conv1DRowwise
 from colab_par.parallel.tensor_parallel import ReplicatedGradSum, is_whole, modules_matching
 
-__all__ = ["adapter_tp_plan", "refuse_unsplittable", "AdapterInput", "ColumnBlocks", "WHAT_SPLITS"]
+__all__ = ["adapter_tp_plan", "refuse_unsplittable", "is_plain_lora", "adapter_kind", "AdapterInput", "ColumnBlocks",
+           "WHAT_SPLITS"]
 
 WHAT_SPLITS = ("LoRA on linear layers (nn.Linear, transformers' Conv1D) splits with its base under tensor "
                "parallel; every adapter type trains under dp, zero1-3, offload and pp")
@@ -68,8 +69,8 @@ def refuse_unsplittable(model: nn.Module, patterns: list[str]) -> None:
 
 
 def _refuse_unless_plain_lora(name: str, module: nn.Module) -> None:
-    if not _is_plain_lora(module):
-        raise ValueError(f"tensor parallel splits {name} ({_kind(module)}), and the kit has no rule to split "
+    if not is_plain_lora(module):
+        raise ValueError(f"tensor parallel splits {name} ({adapter_kind(module)}), and the kit has no rule to split "
                          f"that adapter with its base; leave {name.rpartition('.')[2]!r} out of the "
                          f"adapter's target_modules or use a layout without tp ({WHAT_SPLITS})")
 
@@ -129,12 +130,12 @@ def _trained_copies(name: str, wrapper: nn.Module, style: ParallelStyle) -> dict
     """``modules_to_save``: the original and each trained copy are the same module, split alike."""
     copies = dict(wrapper.named_children()).get("modules_to_save")
     if copies is None:
-        raise ValueError(f"tensor parallel splits {name} ({_kind(wrapper)}), which trains single rows of a "
+        raise ValueError(f"tensor parallel splits {name} ({adapter_kind(wrapper)}), which trains single rows of a "
                          "split tensor; leave it out of the plan or use a layout without tp")
     return {f"{name}.original_module": style, **{f"{name}.modules_to_save.{adapter}": style for adapter in copies}}
 
 
-def _is_plain_lora(module: nn.Module) -> bool:
+def is_plain_lora(module: nn.Module) -> bool:
     """peft's LoRA on a linear layer with no variant (DoRA and the like change the arithmetic)."""
     from peft.tuners.lora import LoraLayer
 
@@ -143,7 +144,7 @@ def _is_plain_lora(module: nn.Module) -> bool:
             and all(isinstance(m, nn.Linear) for m in (*module.lora_A.values(), *module.lora_B.values())))
 
 
-def _kind(module: nn.Module) -> str:
+def adapter_kind(module: nn.Module) -> str:
     """The adapter type, as peft names it ("LoRA with DoRA", "IA3", ...)."""
     from peft.tuners.lora import LoraLayer
 
