@@ -19,8 +19,11 @@ Sequence parallel needs a multiple of tp tokens per forward: prompts get extra l
 each step re-feeds the last tp tokens, whose cache slots are simply written again (the GPT only).
 One rank (the first of the last stage) chooses the next tokens (`sampling.py`) and broadcasts
 them: every rank returns the same tokens, runs the same number of steps and stops with the others
-once every row has produced an end-of-sequence token. Refused: the 2d/2.5d/3d tensor grids (their
-activations split the batch) and stages traced by torch's pipeline() (fixed shapes).
+once every row has produced an end-of-sequence token. The 2d/2.5d/3d tensor grids (the GPT only)
+split every activation by batch as well as by hidden: each rank's attention keeps the KV cache of
+its batch rows and heads, and a batch the grid's batch split does not divide is padded with copies
+of its last row, dropped from the logits. Refused: stages traced by torch's pipeline() (fixed
+shapes).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from colab_par.inference import bare_module, training_state_kept
+from colab_par.layout import tensor_grid
 from colab_par.models.gpt import GPT, KVCache
 from colab_par.models.hf import decode_keywords, is_hf_model, shifts_labels
 from colab_par.parallel.pipeline.decode import StageChain
@@ -190,6 +194,32 @@ class _GPTDecoder(_Decoder):
         return part(x, positions, cache=self.cache)
 
 
+class _GridGPTDecoder(_GPTDecoder):
+    """The GPT on a 2d/2.5d/3d tensor grid, whose layers split the batch into q·depth pieces
+    (`tensor_grid.py`; per-row positions and the cache are split there too): the batch is padded to
+    a multiple of them with copies of its last row, which the logits drop."""
+
+    def __init__(self, pm: Any, use_cache: bool):
+        super().__init__(pm, use_cache)
+        side, depth = tensor_grid(pm.layout.tp, pm.layout.tp_mode, pm.layout.tp_depth)
+        self.pieces = side * depth
+
+    def start(self, keep: torch.Tensor) -> None:
+        self.rows = keep.shape[0]
+        super().start(self._padded(keep))
+
+    def call(self, part: nn.Module, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+             start: int) -> torch.Tensor:
+        if part.tok_embeddings is not None:  # tokens in (a later stage gets its grid pieces)
+            x = self._padded(x)
+        out = super().call(part, x, self._padded(positions), mask, start)
+        return out[:self.rows] if part.output is not None else out
+
+    def _padded(self, rows: torch.Tensor) -> torch.Tensor:
+        extra = -rows.shape[0] % self.pieces
+        return torch.cat([rows, rows[-1:].expand(extra, *rows.shape[1:])]) if extra else rows
+
+
 class _HFDecoder(_Decoder):
     @staticmethod
     def sizes(model: nn.Module) -> tuple[int, int | None]:
@@ -240,16 +270,12 @@ class _PlainDecoder(_Decoder):
 def _decoder_class(pm: Any) -> type[_Decoder]:
     """What decodes this model (module docstring); refuses the rest before any work."""
     layout, model = pm.layout, bare_module(pm.model_parts[0])
-    if layout.tp_mode != "1d":
-        raise ValueError(f"generate runs under 1d tensor parallel, not tp_mode={layout.tp_mode!r} (its grid "
-                         "splits every activation by batch); move the model to a 1d layout first, e.g. "
-                         f"%colossal relayout tp{layout.tp}")
     if getattr(model, "pipeline_io", None) is not None:
         raise ValueError(f"{type(model).__name__}'s pipeline stages were traced by torch's pipeline() with "
                          "fixed shapes, which a growing sequence cannot pass; generate under pp=1 (relayout)")
     name = type(model).__name__
     if isinstance(model, GPT):
-        return _GPTDecoder
+        return _GridGPTDecoder if layout.tp_mode != "1d" else _GPTDecoder
     if layout.sequence_parallel:
         raise ValueError(f"generate under sequence parallel feeds tp tokens per step, which only colab_par's "
                          f"GPT cache takes; generate from {name} under a layout without 'sp'")

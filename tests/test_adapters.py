@@ -355,6 +355,13 @@ def test_checkpoint_of_a_lora_model_loads_under_another_layout(cluster2, tmp_pat
     assert_parity(results, reference_run(LLAMA_LORA, STEPS))
 
 
+@pytest.mark.parametrize("first,second", [("tp4 2d", "dp2 tp2"), ("dp4 zero3", "tp4 2d")])
+def test_checkpoint_of_a_lora_model_moves_to_and_from_a_tensor_grid(cluster4, tmp_path, first, second) -> None:
+    """The grid's replicated adapters and split bases load under 1d tp and ZeRO-3, and back."""
+    results = cluster4.run(engine_run_moved, first, second, str(tmp_path), "gpt+lora", STEPS)
+    assert_parity(results, reference_run("gpt+lora", STEPS))
+
+
 def _resume_and_relayout(folder: str) -> dict:
     """Engine side: 2 steps, save, 2 steps (the uninterrupted run); a fresh model loads the save and
     takes the same 2 steps; then the live model moves from dp2 zero3 to tp2 and trains on."""

@@ -103,22 +103,28 @@ GPT_CALLS = [{}, SAMPLED, {"use_cache": False}]
                                     "cp2 ulysses"])
 def test_gpt_generates_like_one_process(cluster2, layout: str) -> None:
     calls = GPT_CALLS if "sp" not in layout else GPT_CALLS[:2]  # sequence parallel: cached only
-    greedy, sampled, *uncached = (new_tokens(r) for r in zip(*cluster2.run(
-        engine_generate, "gpt", layout, trained_state("gpt"), calls)))
-    rows = prompts()[2]
-    expected = reference_generate("gpt", False, rows)
-    assert torch.equal(greedy, expected)
-    assert all(torch.equal(tokens, expected) for tokens in uncached)
-    assert torch.equal(sampled, reference_generate("gpt", True, rows))
-    assert not torch.equal(sampled, expected)  # the draw did something
+    check_gpt_generation(cluster2.run(engine_generate, "gpt", layout, trained_state("gpt"), calls), calls)
 
 
 def test_gpt_generates_under_tensor_and_data_parallel_together(cluster4) -> None:
-    greedy, sampled = (new_tokens(r) for r in zip(*cluster4.run(
-        engine_generate, "gpt", "dp2 tp2", trained_state("gpt"), GPT_CALLS[:2])))
+    calls = GPT_CALLS[:2]
+    check_gpt_generation(cluster4.run(engine_generate, "gpt", "dp2 tp2", trained_state("gpt"), calls), calls)
+
+
+def test_gpt_generates_on_a_tensor_grid(cluster4) -> None:
+    """The 2d grid splits the batch in two: the three prompts get a copy of the last, dropped after."""
+    check_gpt_generation(cluster4.run(engine_generate, "gpt", "tp4 2d", trained_state("gpt"), GPT_CALLS), GPT_CALLS)
+
+
+def check_gpt_generation(results: list[list[torch.Tensor]], calls: list[dict]) -> None:
+    """Greedy (cached and, where called, re-forwarded) equals the one-process loop; sampling too."""
+    greedy, sampled, *uncached = (new_tokens(r) for r in zip(*results))
     rows = prompts()[2]
-    assert torch.equal(greedy, reference_generate("gpt", False, rows))
+    expected = reference_generate("gpt", False, rows)
+    assert torch.equal(greedy, expected)
+    assert len(uncached) == len(calls) - 2 and all(torch.equal(tokens, expected) for tokens in uncached)
     assert torch.equal(sampled, reference_generate("gpt", True, rows))
+    assert not torch.equal(sampled, expected)  # the draw did something
 
 
 def test_trained_continuation_is_the_pattern() -> None:
@@ -312,18 +318,3 @@ def test_refused_before_any_work(cluster2) -> None:
                 "different prompts": "different prompts", "works after": "(3, 7)"}
     for name, fragment in expected.items():
         assert fragment in errors[name], (name, errors[name])
-
-
-def engine_generate_on_grid() -> str:
-    from colab_par import parallelize
-
-    pm = parallelize(build("gpt"), "tp4 2d")
-    try:
-        pm.generate(prompts()[0], 2)
-    except ValueError as error:
-        return str(error)
-    return "no error"
-
-
-def test_tensor_grid_is_refused(cluster4) -> None:
-    assert all("1d tensor parallel" in message for message in cluster4.run(engine_generate_on_grid))
