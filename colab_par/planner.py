@@ -263,16 +263,17 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
     shard = layout.dp * layout.cp if layout.zero >= 2 else layout.dp
     grid = layout.tp_mode != "1d"
     local, layer_params = grid_local_params(spec, layout) if grid else _local_params(spec, layout)
+    local, trainable = _with_whole_adapters(spec, local) if grid else (local, spec.trainable)
 
     # model state: the ZeRO accounting; zero=2 is FSDP with reshard_after_forward=False, which keeps
     # the gathered parameters from forward to backward (peak = ZeRO-2) and reshards after backward
     # (at rest = ZeRO-3).
     state_precision = "mixed" if precision == "bf16" else "fp32"
     state = model_state_bytes(local, zero=layout.zero, dp=shard, precision=state_precision,
-                              optimizer=optimizer, offload=layout.offload, trainable=spec.trainable)
+                              optimizer=optimizer, offload=layout.offload, trainable=trainable)
     resting = model_state_bytes(local, zero=3 if layout.zero == 2 else layout.zero, dp=shard,
                                 precision=state_precision, optimizer=optimizer, offload=layout.offload,
-                                trainable=spec.trainable)
+                                trainable=trainable)
     # FSDP (zero 2/3): the root unit (embedding, head, final norm) stays gathered from forward to
     # the end of backward, with the current and the prefetched layer; a unit's reduce-scatter
     # holds its unsharded gradients and the flat fp32 input they are copied into (on gloo: the
@@ -310,7 +311,7 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
                              init_bytes, dev.process_memory)
 
     times = _step_times(spec, layout, dev, precision, global_batch, seq_len, gpus_per_node,
-                        local, act_bytes, resting)
+                        local, act_bytes, resting, trainable)
     step = sum(times.values())
     tokens = global_batch * seq_len
     model_flops = tokens * flops_per_token(spec, seq_len, "none")
@@ -378,6 +379,16 @@ def _estimate_module(spec: ModuleSpec, layout: Layout, dev: DeviceSpec, *, globa
                 resting, times, samples_per_s=global_batch / step, init=init)
 
 
+def _with_whole_adapters(spec: ModelSpec, local: float) -> tuple[float, float]:
+    """(parameters on a grid rank, the share of them that train): a tensor grid splits the base
+    model but keeps LoRA's adapters, `spec.trainable` of all parameters, whole on every rank
+    (`parallel/adapters/grid.py`)."""
+    if spec.trainable >= 1.0:
+        return local, 1.0
+    adapters = spec.n_params * spec.trainable / (1.0 - spec.trainable)  # n_params: the base's sizes
+    return local + adapters, adapters / (local + adapters)
+
+
 def _microbatches_in_flight(layout: Layout) -> float:
     p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
     if p == 1:
@@ -391,8 +402,9 @@ def _microbatches_in_flight(layout: Layout) -> float:
 
 def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str, global_batch: int,
                 seq_len: int, gpus_per_node: int, local_params: float, act_bytes: int,
-                resting: MemoryBreakdown) -> dict[str, float]:
-    """Seconds per step: compute, pipeline bubble, exposed communication, optimizer, offload."""
+                resting: MemoryBreakdown, trainable: float) -> dict[str, float]:
+    """Seconds per step: compute, pipeline bubble, exposed communication, optimizer, offload
+    (`trainable`: the share of `local_params` that train)."""
     t, p, c, dp, m = layout.tp, layout.pp, layout.cp, layout.dp, layout.microbatches
     micro = global_batch // dp // m
     s_local = seq_len // c
@@ -449,7 +461,7 @@ def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str
     # (data_parallel.GradientAverager), which nothing hides.
     if dp * c > 1:
         times["dp"] = _data_parallel_seconds(layout, local_params, layers + 1, act_bytes, compute, dev,
-                                             bandwidth(t, dp * c), spec.trainable)
+                                             bandwidth(t, dp * c), trainable)
     # pipeline: each microbatch crosses each of this rank's stage boundaries forward and backward
     if p > 1:
         # the boundary activation is split over tp with SP, and in every grid mode (batch × hidden)

@@ -180,13 +180,13 @@ def test_dropout_on_a_whole_input_draws_one_mask_for_the_tensor_parallel_group(c
 
 
 # ---- the planner counts state for what trains ---------------------------------------------------------
-def _measured(layout: str) -> dict:
+def _measured(layout: str, kind: str = LLAMA_LORA) -> dict:
     import torch.distributed as dist
 
     from colab_par import memory_report, parallelize
 
-    pm = parallelize(build_model(LLAMA_LORA, SEED + dist.get_rank()), layout, optimizer_fn=_adamw)
-    (x, y), = training_batches(LLAMA_LORA, 1)
+    pm = parallelize(build_model(kind, SEED + dist.get_rank()), layout, optimizer_fn=_adamw)
+    (x, y), = training_batches(kind, 1)
     pm.forward_backward(x, y)
     backward = memory_report(pm)
     pm.optimizer_step()
@@ -209,6 +209,21 @@ def test_planner_counts_gradients_and_optimizer_state_for_trainable_parameters_o
     for report in cluster2.run(_measured, layout):
         assert report["backward"]["params"] == pytest.approx(option.resting.params, rel=1e-12)
         assert report["backward"]["grads"] == pytest.approx(option.memory.grads, rel=1e-12)
+        assert report["step"]["optimizer"] == pytest.approx(option.resting.optimizer, rel=1e-12)
+
+
+def test_planner_counts_whole_adapters_on_every_rank_of_a_tensor_grid(cluster4) -> None:
+    """The grid splits the base four ways and keeps the adapters whole: the planner's gradients and
+    optimizer state are the adapters' own, as each rank holds them."""
+    from colab_par.planner import ModelSpec, estimate
+
+    model = build_model("gpt+lora", SEED)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    option = estimate(ModelSpec.of(model), "tp4 2d", device="cpu", global_batch=4, seq_len=16)
+    assert option.memory.grads == pytest.approx(4 * adapters, rel=1e-12)
+    for report in cluster4.run(_measured, "tp4 2d", "gpt+lora"):
+        assert report["backward"]["grads"] == pytest.approx(option.memory.grads, rel=1e-12)
+        assert report["backward"]["params"] == pytest.approx(option.resting.params, rel=1e-12)
         assert report["step"]["optimizer"] == pytest.approx(option.resting.optimizer, rel=1e-12)
 
 
