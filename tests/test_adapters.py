@@ -448,14 +448,15 @@ def test_an_adapter_for_another_base_is_refused_naming_the_tensor(hf_dirs, llama
         from_pretrained(llama_dir, "dp2", adapter=llama_dir)
 
 
-def _parallelize_refused(kind: str, layout: str, targets) -> str:
+def _parallelize_refused(kind: str, layout: str, targets, **changes) -> str:
     import torch.distributed as dist
 
     from colab_par import parallelize
 
     torch.manual_seed(SEED + dist.get_rank())
     base_kind, adapter = kind.split("+")
-    model = peft.get_peft_model(build_model(base_kind, None), peft_config(adapter, base_kind, target_modules=targets))
+    model = peft.get_peft_model(build_model(base_kind, None),
+                                peft_config(adapter, base_kind, target_modules=targets, **changes))
     try:
         parallelize(model, layout)
     except ValueError as error:
@@ -472,3 +473,22 @@ def test_an_adapter_tensor_parallel_cannot_split_is_refused_naming_what_works(cl
         assert message != "accepted"
         assert re.search(named, message), message
         assert "every adapter type trains under dp, zero1-3, offload and pp" in message
+
+
+GRID_REFUSALS = [  # what the 2d grid cannot add to its weight pieces: (kind, targets, config changes, error)
+    ("gpt+lora", ["tok_embeddings", "wq"], {}, r"tok_embeddings is LoRA on an embedding"),
+    ("gpt+dora", ["wq"], {}, r"layers\.0\.attention\.wq is LoRA with DoraLinearVariant"),
+    ("gpt+lora", ["wq"], {"lora_dropout": 0.1}, r"lora_dropout=0\.1.*use lora_dropout=0\.0"),
+    ("gpt+lora", ["wq"], {"modules_to_save": ["output"]}, r"output, which peft trains whole"),
+]
+
+
+def _grid_refusals() -> list[str]:
+    return [_parallelize_refused(kind, "tp4 2d", targets, **changes) for kind, targets, changes, _ in GRID_REFUSALS]
+
+
+def test_an_adapter_the_tensor_grid_cannot_add_is_refused_naming_what_works(cluster4) -> None:
+    for messages in cluster4.run(_grid_refusals):
+        for (*_, named), message in zip(GRID_REFUSALS, messages):
+            assert re.search(named, message), message
+            assert "tp_mode='1d'" in message, message
