@@ -93,12 +93,14 @@ def test_lora_trains_under_data_and_tensor_parallel_together(cluster4, kind: str
     assert_parity(cluster4.run(engine_run, "dp2 tp2", kind, STEPS, lr=LR), reference_run(kind, STEPS, lr=LR))
 
 
-def test_lora_trains_on_a_tensor_grid(cluster4) -> None:
+@pytest.mark.parametrize("source", ["module", "factory"])
+def test_lora_trains_on_a_tensor_grid(cluster4, source: str) -> None:
     """The kit's GPT on the 2d grid (q=2: batch and weights split two ways each): the adapters add
-    their update to each rank's weight piece, their gradients summed over the pieces."""
+    their update to each rank's weight piece, their gradients summed over the pieces; built whole
+    or shard-first from a factory."""
     reference = reference_run("gpt+lora", STEPS, lr=LR)
     _learns(reference)
-    assert_parity(cluster4.run(engine_run, "tp4 2d", "gpt+lora", STEPS, lr=LR), reference)
+    assert_parity(cluster4.run(engine_run, "tp4 2d", "gpt+lora", STEPS, source, lr=LR), reference)
 
 
 # ---- what trains ------------------------------------------------------------------------------------

@@ -234,7 +234,8 @@ _OUT_OF_BLOCK = ("attention.wo", "feed_forward.w2")
 
 def grid_linear_names(model: nn.Module) -> list[str]:
     """The names of the GPT's linear layers the grid runs as grid linears (the head included)."""
-    blocks = [f"layers.{index}.{name}" for index in getattr(model, "layers", {}) for name in _INTO_BLOCK + _OUT_OF_BLOCK]
+    blocks = [f"layers.{index}.{name}" for index in getattr(model, "layers", {})
+              for name in _INTO_BLOCK + _OUT_OF_BLOCK]
     return blocks + (["output"] if getattr(model, "output", None) is not None else [])
 
 

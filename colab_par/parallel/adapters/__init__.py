@@ -4,8 +4,9 @@ A model from ``peft.get_peft_model`` is recognised by what it is (a ``PeftModel`
 the rest of `parallelize` its inner model, peft's tuner layers in place, so data parallel, ZeRO,
 pipeline stages, recompute and bf16 treat it as any other model; only the parameters peft left
 trainable get gradients and optimizer state. Tensor parallel splits each adapter with its base layer
-(`tensor_split.py`); the 2d/2.5d/3d grids add LoRA to their weight pieces (`grid.py`); adapter files go out and in in peft's format (`files.py`); what is kept for
-that and for rebuilding under another layout is `Adapters` (`model.py`).
+(`tensor_split.py`), the 2d/2.5d/3d grids add LoRA to their weight pieces (`grid.py`); adapter
+files go out and in in peft's format (`files.py`); what is kept for that and for rebuilding under
+another layout is `Adapters` (`model.py`).
 """
 from __future__ import annotations
 

@@ -35,7 +35,6 @@ __all__ = ["refuse_off_grid", "adapt_to_grid"]
 def refuse_off_grid(model: nn.Module, tp_mode: str) -> None:
     """Refuse, naming the layer, any peft layer of `model` (a PEFT model's inner model) that the
     weight-side LoRA above cannot run under `tp_mode`'s grid."""
-
     linears = set(grid_linear_names(model))
     way_out = "or use tp_mode='1d' (Megatron tensor parallel), where every adapter type trains"
     for name, module in model.named_modules():
@@ -45,10 +44,11 @@ def refuse_off_grid(model: nn.Module, tp_mode: str) -> None:
         if not is_tuner_layer(module):
             continue
         if not is_plain_lora(module) or name not in linears:
+            short = name.rpartition(".")[2]
             raise ValueError(f"the {tp_mode} grid adds LoRA to the weights of its linear layers "
                              f"({', '.join(sorted({n.rpartition('.')[2] for n in linears}))}); {name} is "
-                             f"{adapter_kind(module)}: leave {name.rpartition('.')[2]!r} out of target_modules {way_out}")
-        for adapter, dropout in module.lora_dropout.items():
+                             f"{adapter_kind(module)}: leave {short!r} out of target_modules {way_out}")
+        for dropout in module.lora_dropout.values():
             if isinstance(dropout, nn.Dropout) and dropout.p > 0:
                 raise ValueError(f"{name} has lora_dropout={dropout.p}, which masks the layer's input, and the "
                                  f"{tp_mode} grid never holds a token's whole input; use lora_dropout=0.0 "
