@@ -2,13 +2,14 @@
 length: with the KV cache a new token costs one position's forward whatever came before it; a
 re-forward (`use_cache=False`) pays for the whole prefix at every step.
 
-On a running `Cluster(n=2)` a tiny GPT is parallelized (`--layout`, dp2 by default) and every rank
+On a running `Cluster(n=--engines)` (2 by default; 4 for a 2d grid) a tiny GPT is parallelized
+(`--layout`, dp2 by default) and every rank
 times `pm.generate` of one prompt with 1 and with 1 + `--new` new tokens; the difference over
 `--new` is the time of one decode step (the prefill cancels). Rounds alternate the order of the
 arms (cached, re-forward), then reversed, and go through the prompt lengths in each; the median and
 min-max over rounds of the slower rank's figure are printed, with the ratio re-forward / cached.
 
-    python benchmarks/generate.py [--rounds 5] [--new 32] [--lengths 16,64,256,1024] [--layout dp2]
+    python benchmarks/generate.py [--rounds 5] [--new 32] [--lengths 16,64,256,1024] [--layout dp2] [--engines 2]
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--lengths", default="16,64,256,1024")
     parser.add_argument("--layout", default="dp2")
+    parser.add_argument("--engines", type=int, default=2)
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     if max(lengths) + 1 + args.new > MODEL["seq_len"]:
@@ -64,7 +66,7 @@ def main() -> None:
     arms = {"cached": True, "re-forward": False}
     per_token: dict[tuple[str, int], list[float]] = {(arm, n): [] for arm in arms for n in lengths}
     load = []
-    with Cluster(n=2, backend="gloo") as cluster:
+    with Cluster(n=args.engines, backend="gloo") as cluster:
         cluster.run(time_steps, args.layout, lengths[0], True, 2, 1)  # warm-up: build, first calls
         for round_ in range(args.rounds):
             for arm in (list(arms) if round_ % 2 == 0 else list(arms)[::-1]):
@@ -72,7 +74,7 @@ def main() -> None:
                     ranks = cluster.run(time_steps, args.layout, length, arms[arm], args.new, args.repeats)
                     per_token[(arm, length)].append(max(ranks))
             load.append(os.getloadavg()[0])
-    print(f"GPT {MODEL}, layout {args.layout} on 2 gloo engines, one prompt, {args.new} new tokens "
+    print(f"GPT {MODEL}, layout {args.layout} on {args.engines} gloo engines, one prompt, {args.new} new tokens "
           f"(per-step time = (t(1+{args.new}) - t(1)) / {args.new}, best of {args.repeats}), "
           f"{args.rounds} rounds (arms alternated), {os.cpu_count()} CPUs "
           f"({platform.processor() or platform.machine()}), "

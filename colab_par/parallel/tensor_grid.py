@@ -24,6 +24,9 @@ so activation memory stays partitioned. Norm statistics are summed over the hidd
 head's logits are gathered whole (like the 1d plan) so any loss function scores them unchanged.
 A vocabulary the grid side does not divide is split unevenly, as DTensor shards it; the embedding
 table and the logits are gathered from those pieces (`collectives.py` pads and trims them).
+A layer peft wrapped is placed through its base layer, whose weight piece gets LoRA's update
+added (`adapters/grid.py`). For generation, attention takes its batch rows of per-row rotary
+tables and of the KV cache, so each rank caches the keys and values of its rows and heads.
 """
 from __future__ import annotations
 
