@@ -58,10 +58,7 @@ def save(pm: Any, path: str | os.PathLike, *, trainer: Any = None, keep: int = 2
     token = shared_random_id()
     step = int(trainer.step) if trainer is not None else 0
     staging = root / f".tmp-{token:016x}"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        staging.mkdir()
-    _refuse_unshared(staging)
+    _make_staging(root, staging)
     dcp.save(tensors, checkpoint_id=str(staging))
     _write_json(staging / f"rng-rank{rank}.json", _rng_state())
     if trainer is not None:
@@ -104,10 +101,21 @@ def _savable_state(pm: Any) -> tuple[dict[str, dict], dict[str, Any]]:
     return tensors, merged
 
 
-def _refuse_unshared(staging: Path) -> None:
-    """Every rank must see the folder rank 0 just made; a folder local to one host would otherwise
-    fail deep inside DCP on the others."""
-    _barrier()
+def _make_staging(root: Path, staging: Path) -> None:
+    """Rank 0 makes the staging folder and every rank must then see it. Rank 0's failure to make it
+    (no permission, a file in the way, a full disk) is every rank's error, so no rank waits for it
+    at a barrier; a folder local to one host would otherwise fail deep inside DCP on the others."""
+    failure = None
+    if _rank() == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            staging.mkdir()
+        except OSError as error:
+            failure = f"{type(error).__name__}: {error}"
+    failure = _gathered(failure)[0]
+    if failure is not None:
+        raise CheckpointError(f"rank 0 cannot create the checkpoint folder {root} ({failure}); save to a "
+                              "folder every rank can write, e.g. one under your home directory")
     seen = _gathered((staging.is_dir(), socket.gethostname()))
     unseen = [rank for rank, (visible, _) in enumerate(seen) if not visible]
     if not unseen:

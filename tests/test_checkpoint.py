@@ -285,6 +285,23 @@ def test_a_setting_json_cannot_hold_is_refused_before_any_folder(cluster2, tmp_p
     assert not (tmp_path / "root").exists()
 
 
+def save_fresh(layout: str, root: str) -> None:
+    from colab_par import save
+
+    save(build_trainer(layout, STEPS).pm, root)
+
+
+def test_a_folder_rank_0_cannot_create_fails_on_every_rank(cluster2, tmp_path):
+    """Rank 0 alone makes the folder; its failure must reach rank 1, which would otherwise wait at
+    a barrier for a folder that never comes."""
+    (tmp_path / "blocker").write_text("a file where the checkpoint's parent folder should be")
+    with pytest.raises(EngineError) as info:
+        cluster2.run(save_fresh, "dp2", str(tmp_path / "blocker" / "root"))
+    first = _first_line(info.value)
+    assert first.startswith(f"CheckpointError: rank 0 cannot create the checkpoint folder {tmp_path}/blocker/root")
+    assert "NotADirectoryError" in first or "FileExistsError" in first
+
+
 def test_a_format_1_checkpoint_is_refused_with_the_reason(saved, tmp_path):
     ckpt, _ = saved
     old = tmp_path / "old"
