@@ -8,7 +8,6 @@ pace (about every 0.25 s) still draws complete curves.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import time
 from typing import Any, Callable, Iterable, Iterator
@@ -49,17 +48,13 @@ def device_peak_flops(device: torch.device | str, precision: str = "fp32") -> fl
 def model_flops_per_token(model: nn.Module, num_params: int, seq_len: int) -> float:
     """Training FLOPs per token without recomputation (what MFU counts): the decoder formula
     (`flops.flops_per_token`: 6·matmul-params + 12·layers·d_model·seq) when the model has known
-    sizes, else 6·params. The MoE GPT counts what a token runs: top_k experts and the router."""
+    sizes, else 6·params. A MoE model counts what a token runs: top_k experts and the router
+    (`ModelSpec.matmul_params`)."""
     try:
         spec = ModelSpec.of(model)
     except (ValueError, TypeError, AttributeError):
         return 6.0 * num_params
-    config = getattr(model, "config", None)
-    experts, top_k = getattr(config, "n_experts", 0), getattr(config, "top_k", 0)
-    if not experts:
-        return float(flops_per_token(spec, seq_len, "none"))
-    active = dataclasses.replace(spec, ffn_hidden=top_k * spec.ffn_hidden)
-    return float(flops_per_token(active, seq_len, "none")) + 6.0 * spec.n_layer * spec.d_model * experts
+    return float(flops_per_token(spec, seq_len, "none"))
 
 
 def _synchronize(device: torch.device) -> None:
