@@ -4,66 +4,24 @@ frames are unchanged, and on two real engines under dp2 ep2 the map's counts equ
 count of the routers' choices for the same batch."""
 from __future__ import annotations
 
-import io
 import sys
 import xml.etree.ElementTree as ET
 
 import cloudpickle
 import numpy as np
 import torch
-from matplotlib.colors import to_rgb
-from matplotlib.image import imread
 from parity import LR, MOE_SIZES, SEED, build_model, engine_model
-from picture import SVG
+from picture import SVG, assert_png_heat_map, heat_cells
 from test_dashboard import PNG_MAGIC, display_ids, published, row
 
 from colab_par.dashboard import PANELS, LiveDashboard
-from colab_par.svg_plot import heat_colour
 from colab_par.telemetry import expert_counts, expert_row_key, metrics_data
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 
-COLOUR_TOLERANCE = 0.03  # per RGB channel: matplotlib's colormap has 256 levels along the ramp
-
-
 def expert_columns(counts: list[list[float]], what: str = "tokens") -> dict[str, float]:
     return {expert_row_key(layer, expert, what): value
             for layer, per_expert in enumerate(counts) for expert, value in enumerate(per_expert)}
-
-
-def heat_cells(svg: str) -> dict[str, list[list[float]]]:
-    """Each heat map of an SVG frame (by title), its cells' counts as a layer × expert matrix;
-    every cell's colour is checked against its count on the way."""
-    maps = {}
-    for plot in ET.fromstring(svg).findall(f"{SVG}g[@class='plot']"):
-        if plot.get("data-kind") != "heat":
-            continue
-        cells = {(int(c.get("data-row")), int(c.get("data-column"))): c
-                 for c in plot.iter(f"{SVG}rect") if c.get("class") == "cell"}
-        layers, experts = (1 + max(index[axis] for index in cells) for axis in (0, 1))
-        matrix = [[float(cells[layer, expert].get("data-value")) for expert in range(experts)]
-                  for layer in range(layers)]
-        high = max(map(max, matrix))
-        for (layer, expert), cell in cells.items():
-            assert cell.get("fill") == heat_colour(matrix[layer][expert] / high), (layer, expert)
-        maps[plot.get("data-title")] = matrix
-    return maps
-
-
-def assert_png_heat_map(dash: LiveDashboard, png: bytes, counts: list[list[float]]) -> None:
-    """Each cell of the PNG picture's heat map has the ramp's colour for its count (sampled a
-    quarter into the cell, clear of the count written at its centre)."""
-    image = imread(io.BytesIO(png), format="png")[..., :3]
-    heat = [panel for panel in dash.panels() if panel.heat]
-    assert [panel.title for panel in heat] == ["tokens per expert"]
-    left, top, right, bottom = heat[0].box
-    width, height = (right - left) / len(counts[0]), (bottom - top) / len(counts)
-    high = max(map(max, counts))
-    for layer, per_expert in enumerate(counts):
-        for expert, value in enumerate(per_expert):
-            pixel = image[int(top + (layer + 0.25) * height), int(left + (expert + 0.25) * width)]
-            expected = to_rgb(heat_colour(value / high))
-            assert np.abs(pixel - expected).max() < COLOUR_TOLERANCE, (layer, expert, pixel, expected)
 
 
 # ---- frames from rows ------------------------------------------------------------------------------
