@@ -223,17 +223,18 @@ class LiveDashboard:
         """What a frame shows, plot by plot: the SVG frames and the PNG picture draw these. A MoE
         run adds its heat maps below the curves and bars."""
         latest = self.latest()
-        return [self._plot(spec, latest) for spec in PANELS] + self._expert_maps(latest)
+        return [self._plot(spec, latest) for spec in PANELS] + [plot for _, plot in self._expert_maps(latest)]
 
-    def _expert_maps(self, latest: dict[int, dict]) -> list[Plot]:
-        """Layer × expert heat maps of the newest step's counts, from the lowest rank whose row has
-        them (the counts are already summed over the ranks sharing the batch)."""
+    def _expert_maps(self, latest: dict[int, dict]) -> list[tuple[str, Plot]]:
+        """(title, plot) of each layer × expert heat map of the newest step's counts, from the
+        lowest rank whose row has them (the counts are already summed over the ranks sharing the
+        batch)."""
         maps = []
         for what, title in EXPERT_MAPS:
             for row in latest.values():
                 counts = expert_counts(row, what)
                 if counts:
-                    maps.append(_heat_plot(title, counts, int(row["step"]), what == "tokens"))
+                    maps.append((title, _heat_plot(title, counts, int(row["step"]), what == "tokens")))
                     break
         return maps
 
@@ -276,7 +277,7 @@ class LiveDashboard:
         self._ensure_figure(plots)
         height = int(round(self._figure.bbox.height))
         specs = [(_default_title(spec), spec.colours, bool(spec.parts), False) for spec in PANELS]
-        specs += [(plot.title.split(",")[0], HEAT_COLOURS, False, True) for plot in plots[len(PANELS):]]
+        specs += [(title, HEAT_COLOURS, False, True) for title, _ in self._expert_maps(self.latest())]
         panels = []
         for (title, colours, bars, heat), ax in zip(specs, self._axes):
             box = ax.bbox
@@ -365,13 +366,14 @@ class LiveDashboard:
                 axes.locator_params(axis="y", nbins=4)  # every tick label is drawn text: keep few
             if spec.curves:
                 ax.locator_params(axis="x", nbins=5)
+        self._lines += [[] for _ in plots[len(PANELS):]]  # heat maps: an image per picture, no lines
         self._drawn: list[Any] = []
 
     def _draw_png(self, plots: list[Plot]) -> bytes:
         for artist in self._drawn:
             artist.remove()
         self._drawn = []
-        for plot, ax, artists in zip(plots, self._axes, self._lines + [[]] * len(plots)):
+        for plot, ax, artists in zip(plots, self._axes, self._lines):
             ax.set_title(plot.title, fontsize=10)
             if plot.heat:
                 self._draw_heat(ax, plot)

@@ -8,7 +8,7 @@ al. 2022, collective volumes from the ring algorithms, the pipeline bubble from 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping
 
 from colab_par.devices import (CPU_PROCESS_BYTES, CPU_WRAPPER_COST, DEVICES, GiB, DeviceSpec,
@@ -243,9 +243,8 @@ def _state(local: float, experts: float, layout: Layout, shard: int, zero: int,
     if not experts:
         return dense
     own = model_state_bytes(experts, zero=zero, dp=shard // layout.ep, **options)
-    return MemoryBreakdown(*(getattr(dense, name) + getattr(own, name) for name in
-                             ("params", "grads", "optimizer", "activations", "host_params",
-                              "host_grads", "host_optimizer")))
+    return MemoryBreakdown(**{part.name: getattr(dense, part.name) + getattr(own, part.name)
+                              for part in fields(MemoryBreakdown)})
 
 
 def _spec_of(model: Any) -> "ModelSpec | ModuleSpec":
