@@ -21,8 +21,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from colab_par.svg_plot import Line, Plot, Stack, svg_grid
-from colab_par.telemetry import CHUNK, METRICS_KEY, ROWS_KEY
+from colab_par.svg_plot import HEAT_COLOURS, Line, Plot, Stack, grid_places, svg_grid
+from colab_par.telemetry import CHUNK, METRICS_KEY, ROWS_KEY, expert_counts
 
 __all__ = ["LiveDashboard", "Panel", "PANELS", "progress_line"]
 
@@ -73,8 +73,13 @@ PANELS = (
     PanelSpec("memory by rank (MiB)", parts=MEMORY_PARTS, scale=2 ** -20),
     PanelSpec("step time by rank (ms)", parts=TIME_PARTS, scale=1e3, note="bubble"),
 )
+# MoE models add a row per heat map of the latest step's per-expert counts (layer × expert):
+# (what `telemetry.expert_counts` reads, title); a dense model's frame has none
+EXPERT_MAPS = (("tokens", "tokens per expert"), ("dropped", "dropped tokens per expert"))
 COLUMNS = 3
 FRAME_INCHES, DPI = (11.0, 5.5), 72  # the SVG frames and the PNG picture have the same pixel size
+ROW_INCHES = FRAME_INCHES[1] / 2  # the frame grows by this for each heat-map row
+MAX_LABELLED_CELLS = 64  # the PNG picture writes each count in its cell up to this many cells
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,7 @@ class Panel:
     box: tuple[int, int, int, int]  # left, top, right, bottom: the plot area in PNG pixels
     colours: tuple[str, ...]  # matplotlib colours the data is drawn in
     bars: bool  # stacked bars standing on the bottom edge (else lines)
+    heat: bool = False  # a heat map filling the plot area (cells coloured along HEAT_COLOURS)
 
 
 class LiveDashboard:
@@ -111,6 +117,7 @@ class LiveDashboard:
         self._last_frame = 0.0
         self._frame_cost = 0.0
         self._figure: Any = None
+        self._figure_shape: tuple = ()  # the (heat map?, span) of each plot the figure was built for
         self._start_run(None)
 
     def _start_run(self, run: Any) -> None:
@@ -213,9 +220,23 @@ class LiveDashboard:
         return np.empty(0), np.empty(0)
 
     def plots(self) -> list[Plot]:
-        """What a frame shows, plot by plot: the SVG frames and the PNG picture draw these."""
+        """What a frame shows, plot by plot: the SVG frames and the PNG picture draw these. A MoE
+        run adds its heat maps below the curves and bars."""
         latest = self.latest()
-        return [self._plot(spec, latest) for spec in PANELS]
+        return [self._plot(spec, latest) for spec in PANELS] + [plot for _, plot in self._expert_maps(latest)]
+
+    def _expert_maps(self, latest: dict[int, dict]) -> list[tuple[str, Plot]]:
+        """(title, plot) of each layer × expert heat map of the newest step's counts, from the
+        lowest rank whose row has them (the counts are already summed over the ranks sharing the
+        batch)."""
+        maps = []
+        for what, title in EXPERT_MAPS:
+            for row in latest.values():
+                counts = expert_counts(row, what)
+                if counts:
+                    maps.append((title, _heat_plot(title, counts, int(row["step"]), what == "tokens")))
+                    break
+        return maps
 
     def _plot(self, spec: PanelSpec, latest: dict[int, dict]) -> Plot:
         if spec.parts:
@@ -240,24 +261,29 @@ class LiveDashboard:
 
     def svg(self) -> str:
         """The current live frame as SVG text."""
-        width, height = (int(round(inches * DPI)) for inches in FRAME_INCHES)
-        return svg_grid(self.plots(), columns=COLUMNS, width=width, height=height)
+        plots = self.plots()
+        width, height = (int(round(inches * DPI)) for inches in _frame_inches(plots))
+        return svg_grid(plots, columns=COLUMNS, width=width, height=height)
 
     def png(self) -> bytes:
         """The current frame as the full matplotlib picture (PNG bytes), drawn now."""
-        self._ensure_figure()
-        return self._draw_png()
+        plots = self.plots()
+        self._ensure_figure(plots)
+        return self._draw_png(plots)
 
     def panels(self) -> list[Panel]:
         """The PNG picture's plots: their pixel boxes in `png()` and final frames, and data colours."""
-        self._ensure_figure()
+        plots = self.plots()
+        self._ensure_figure(plots)
         height = int(round(self._figure.bbox.height))
+        specs = [(_default_title(spec), spec.colours, bool(spec.parts), False) for spec in PANELS]
+        specs += [(title, HEAT_COLOURS, False, True) for title, _ in self._expert_maps(self.latest())]
         panels = []
-        for spec, ax in zip(PANELS, self._axes):
+        for (title, colours, bars, heat), ax in zip(specs, self._axes):
             box = ax.bbox
-            panels.append(Panel(_default_title(spec), (int(round(box.x0)), int(round(height - box.y1)),
-                                                       int(round(box.x1)), int(round(height - box.y0))),
-                                spec.colours, bool(spec.parts)))
+            panels.append(Panel(title, (int(round(box.x0)), int(round(height - box.y1)),
+                                        int(round(box.x1)), int(round(height - box.y0))),
+                                colours, bars, heat))
         return panels
 
     def progress(self) -> str:
@@ -307,19 +333,27 @@ class LiveDashboard:
         else:
             self.handle.update(bundle, raw=True)
 
-    def _ensure_figure(self) -> None:
-        """Build the figure and its line artists once; pictures only update data (re-creating
-        axes and ticks costs several times more than drawing)."""
-        if self._figure is not None:
+    def _ensure_figure(self, plots: list[Plot]) -> None:
+        """Build the figure and its line artists once per arrangement of plots (a MoE run's first
+        counts add the heat maps); pictures only update data (re-creating axes and ticks costs
+        several times more than drawing)."""
+        shape = tuple((bool(plot.heat), plot.span) for plot in plots)
+        if self._figure is not None and shape == self._figure_shape:
             return
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-        self._figure = Figure(figsize=FRAME_INCHES, dpi=DPI)  # fixed margins: layout engines cost a lot
+        inches = _frame_inches(plots)
+        self._figure = Figure(figsize=inches, dpi=DPI)  # fixed margins: layout engines cost a lot
+        self._figure_shape = shape
         FigureCanvasAgg(self._figure)
-        self._axes = list(self._figure.subplots(len(PANELS) // COLUMNS, COLUMNS).ravel())
-        self._figure.subplots_adjust(left=0.06, right=0.95, top=0.94, bottom=0.07, hspace=0.4,
-                                     wspace=0.3)
+        places = grid_places(plots, COLUMNS)
+        grid = self._figure.add_gridspec(places[-1][0] + 1, COLUMNS)
+        self._axes = [self._figure.add_subplot(grid[row, column:column + plot.span])
+                      for plot, (row, column) in zip(plots, places)]
+        margin = FRAME_INCHES[1] / inches[1]  # the dense frame's margins, in inches
+        self._figure.subplots_adjust(left=0.06, right=0.95, top=1 - 0.06 * margin,
+                                     bottom=0.07 * margin, hspace=0.4, wspace=0.3)
         self._lines: list[list[Any]] = []
         for spec, ax in zip(PANELS, self._axes):
             twin = ax.twinx() if any(curve.right for curve in spec.curves) else None
@@ -332,14 +366,17 @@ class LiveDashboard:
                 axes.locator_params(axis="y", nbins=4)  # every tick label is drawn text: keep few
             if spec.curves:
                 ax.locator_params(axis="x", nbins=5)
-        self._bars: list[Any] = []
+        self._lines += [[] for _ in plots[len(PANELS):]]  # heat maps: an image per picture, no lines
+        self._drawn: list[Any] = []
 
-    def _draw_png(self) -> bytes:
-        for artist in self._bars:
+    def _draw_png(self, plots: list[Plot]) -> bytes:
+        for artist in self._drawn:
             artist.remove()
-        self._bars = []
-        for plot, ax, artists in zip(self.plots(), self._axes, self._lines):
+        self._drawn = []
+        for plot, ax, artists in zip(plots, self._axes, self._lines):
             ax.set_title(plot.title, fontsize=10)
+            if plot.heat:
+                self._draw_heat(ax, plot)
             if plot.bars:
                 self._draw_stacked(ax, plot)
             for line, artist in zip(plot.lines, artists):
@@ -350,23 +387,41 @@ class LiveDashboard:
         self._figure.savefig(buffer, format="png", pil_kwargs={"compress_level": 1})
         return buffer.getvalue()
 
+    def _draw_heat(self, ax: Any, plot: Plot) -> None:
+        """The heat map as an image of its cells, coloured along the SVG frames' ramp from 0 to the
+        largest count (no interpolation: one flat colour per cell)."""
+        from matplotlib.colors import LinearSegmentedColormap
+
+        values = np.asarray(plot.heat, dtype=float)
+        high = float(values.max()) or 1.0
+        ramp = LinearSegmentedColormap.from_list("expert_heat", HEAT_COLOURS)
+        self._drawn.append(ax.imshow(values, cmap=ramp, vmin=0.0, vmax=high, aspect="auto",
+                                     interpolation="nearest"))
+        if values.size <= MAX_LABELLED_CELLS:
+            for (layer, expert), value in np.ndenumerate(values):
+                self._drawn.append(ax.text(expert, layer, f"{value:g}", ha="center", va="center",
+                                           fontsize=7, color="black" if value / high > 0.6 else "white"))
+        ax.set_yticks(range(len(plot.row_labels)), list(plot.row_labels))
+        every = max(1, -(-len(plot.categories) // 32))  # at most 32 column labels
+        ax.set_xticks(range(0, len(plot.categories), every), list(plot.categories[::every]))
+
     def _draw_stacked(self, ax: Any, plot: Plot) -> None:
         positions = list(range(len(plot.categories)))
         bottoms = [0.0] * len(positions)
         for stack in plot.stacks:
             if any(stack.heights):
-                self._bars.append(ax.bar(positions, stack.heights, bottom=bottoms, label=stack.label,
+                self._drawn.append(ax.bar(positions, stack.heights, bottom=bottoms, label=stack.label,
                                          color=stack.colour))
                 bottoms = [b + h for b, h in zip(bottoms, stack.heights)]
         for i, note in enumerate(plot.notes):
             if note:
-                self._bars.append(ax.annotate(note, (i, bottoms[i]), ha="center", va="bottom",
+                self._drawn.append(ax.annotate(note, (i, bottoms[i]), ha="center", va="bottom",
                                               fontsize=7))
         ax.set_xticks(positions, list(plot.categories))
         ax.set_xlim(-0.6, len(positions) - 0.4)
         ax.set_ylim(0, 1.8 * max(bottoms, default=0.0) or 1.0)  # headroom for legend and notes
         if positions:
-            self._bars.append(ax.legend(fontsize=7, loc="upper center", ncol=3))
+            self._drawn.append(ax.legend(fontsize=7, loc="upper center", ncol=3))
 
 
 class _Column:
@@ -386,6 +441,25 @@ class _Column:
 
     def view(self) -> tuple[np.ndarray, np.ndarray]:
         return self.x[:self.size], self.y[:self.size]
+
+
+def _heat_plot(title: str, counts: list[list[float]], step: int, imbalance: bool) -> Plot:
+    """A full-width heat map of one step's layer × expert counts; the title says the step and, for
+    routed tokens, how far the busiest expert is above the mean (1.00× is perfect balance)."""
+    title = f"{title}, step {step}"
+    if imbalance:
+        ratios = [max(layer) / (sum(layer) / len(layer)) for layer in counts if sum(layer)]
+        if ratios:
+            title += f" · busiest expert {max(ratios):.2f}× the mean"
+    return Plot(title, heat=tuple(tuple(layer) for layer in counts),
+                row_labels=tuple(f"layer {i}" for i in range(len(counts))),
+                categories=tuple(str(e) for e in range(len(counts[0]))), span=COLUMNS)
+
+
+def _frame_inches(plots: list[Plot]) -> tuple[float, float]:
+    """The dense frame's size, taller by a row for each row of plots beyond its two."""
+    rows = grid_places(plots, COLUMNS)[-1][0] + 1
+    return FRAME_INCHES[0], FRAME_INCHES[1] + ROW_INCHES * (rows - len(PANELS) // COLUMNS)
 
 
 def _default_title(spec: PanelSpec) -> str:

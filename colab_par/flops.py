@@ -15,7 +15,11 @@ __all__ = ["ModelSpec", "flops_per_token", "trainable_share"]
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The sizes of a Llama-style decoder (the reference GPT, or a Hugging Face config)."""
+    """The sizes of a Llama-style decoder (the reference GPT, or a Hugging Face config).
+
+    With `n_experts`, every feed-forward is a mixture of that many SwiGLU experts of width
+    `expert_hidden` (default `ffn_hidden`) behind a bias-free router, `top_k` of them per token
+    (the kit's MoE GPT, Mixtral, OLMoE; shared experts and dense-first layers are not modelled)."""
 
     n_layer: int
     d_model: int
@@ -27,12 +31,20 @@ class ModelSpec:
     tied_embeddings: bool = False
     hugging_face: bool = False  # no context parallel / sequence parallel plan for those
     trainable: float = 1.0  # share of the parameters that train (a PEFT model's adapters); the rest are frozen
+    n_experts: int = 0  # 0: dense feed-forward
+    top_k: int = 0
+    expert_hidden: int = 0
 
     def __post_init__(self) -> None:
         if not self.n_kv_head:
             object.__setattr__(self, "n_kv_head", self.n_head)
         if not self.ffn_hidden:  # the reference GPT's SwiGLU width
             object.__setattr__(self, "ffn_hidden", 4 * self.d_model * 2 // 3 // 8 * 8 or 8)
+        if self.n_experts and not self.expert_hidden:
+            object.__setattr__(self, "expert_hidden", self.ffn_hidden)
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} experts per token of n_experts={self.n_experts}: "
+                             f"choose 1 <= top_k <= {self.n_experts}")
 
     @classmethod
     def of(cls, model: Any) -> "ModelSpec":
@@ -56,16 +68,38 @@ class ModelSpec:
                    vocab_size=sizes["vocab_size"], n_kv_head=sizes.get("n_kv_head", 0),
                    ffn_hidden=sizes.get("ffn_hidden", 0), seq_len=sizes.get("seq_len", 0),
                    tied_embeddings=bool(get("tie_word_embeddings", False)),
-                   hugging_face=bool(getattr(model, "model_type", None)), trainable=share)
+                   hugging_face=bool(getattr(model, "model_type", None)), trainable=share,
+                   n_experts=sizes.get("n_experts", 0),
+                   top_k=sizes.get("top_k", 0) if sizes.get("n_experts") else 0,
+                   expert_hidden=sizes.get("expert_hidden", 0) if sizes.get("n_experts") else 0)
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
     @property
-    def layer_matrix_params(self) -> int:
+    def attention_params(self) -> int:
         d, hd = self.d_model, self.head_dim
-        return 2 * d * self.n_head * hd + 2 * d * self.n_kv_head * hd + 3 * d * self.ffn_hidden
+        return 2 * d * self.n_head * hd + 2 * d * self.n_kv_head * hd
+
+    @property
+    def layer_expert_params(self) -> int:
+        """One layer's experts (0 for a dense model): what expert parallel splits."""
+        return self.n_experts * 3 * self.d_model * self.expert_hidden
+
+    @property
+    def expert_params(self) -> int:
+        return self.n_layer * self.layer_expert_params
+
+    def _feed_forward_params(self, experts: int) -> int:
+        if not self.n_experts:
+            return 3 * self.d_model * self.ffn_hidden
+        return experts * 3 * self.d_model * self.expert_hidden + self.d_model * self.n_experts  # + router
+
+    @property
+    def layer_matrix_params(self) -> int:
+        """One layer's matrices as held: every expert of a MoE layer."""
+        return self.attention_params + self._feed_forward_params(self.n_experts)
 
     @property
     def n_params(self) -> int:
@@ -76,16 +110,22 @@ class ModelSpec:
     def largest_tensor(self) -> int:
         """Elements of the largest single parameter, whole (embedding/head, or a layer matrix)."""
         d, hd = self.d_model, self.head_dim
-        return max(self.vocab_size * d, d * self.ffn_hidden, d * self.n_head * hd, d * self.n_kv_head * hd)
+        experts = self.n_experts * d * self.expert_hidden  # stacked per layer: (experts, in, out)
+        return max(self.vocab_size * d, d * self.ffn_hidden, d * self.n_head * hd, d * self.n_kv_head * hd,
+                   experts)
 
     @property
     def matmul_params(self) -> int:
-        """Parameters that take part in matmuls (all but the embedding lookup and the norms)."""
-        return self.n_layer * self.layer_matrix_params + self.vocab_size * self.d_model
+        """Parameters a token's matmuls use (all but the embedding lookup and the norms; of a MoE
+        layer the router and the top_k experts the token runs)."""
+        layer = self.attention_params + self._feed_forward_params(self.top_k)
+        return self.n_layer * layer + self.vocab_size * self.d_model
 
     def config(self, seq_len: int) -> dict[str, int]:
         sizes = {"n_layer": self.n_layer, "n_head": self.n_head, "n_kv_head": self.n_kv_head,
                  "ffn_hidden": self.ffn_hidden, "seq_len": seq_len}
+        if self.n_experts:
+            sizes.update(n_experts=self.n_experts, top_k=self.top_k)
         return {**sizes, "hugging_face": 1} if self.hugging_face else sizes
 
 

@@ -223,7 +223,7 @@ def _default_choices(world: int, sizes: dict[str, int]) -> dict[str, Choices]:
     bound of its own: virtual stages divide the layers (1 or 2 without a model), microbatch counts
     divide the global batch (only the default count without a batch)."""
     layers, batch = sizes.get("n_layer"), sizes.get("global_batch")
-    # ep only where asked for (ep=(1, 2)): the planner and the picker do not cost experts yet
+    # ep only where asked for (ep=(1, 2)): the planner asks in its search space
     return {**{name: _divisors(world) for name in DEGREES}, **_NAMED, "ep": (1,),
             "offload": (False, True), "sequence_parallel": (False, True), "compile": (False, True),
             "tp_depth": [d for d in _divisors(world) if d < world],
@@ -277,14 +277,15 @@ def valid_layouts(world_size: int, model_config: Any = None, *, device: str | No
 
 
 def field_options(world_size: int, model_config: Any = None, *, device: str | None = None,
-                  global_batch: int | None = None) -> dict[str, list[Any]]:
-    """For each field, the values that appear in at least one valid layout (a picker's options)."""
-    grid = _default_choices(world_size, _rule_sizes(world_size, model_config, global_batch))
+                  global_batch: int | None = None, **choices: Iterable[Any]) -> dict[str, list[Any]]:
+    """For each field, the values that appear in at least one valid layout (a picker's options);
+    `choices` set a field's candidate values as in `valid_layouts` (e.g. ``ep=(1, 2, 4)``)."""
+    grid = {**_default_choices(world_size, _rule_sizes(world_size, model_config, global_batch)), **choices}
     options: dict[str, list[Any]] = {}
     for name in FIELDS:
         options[name] = [value for value in grid[name] if value is not None and next(valid_layouts(
             world_size, model_config, device=device, global_batch=global_batch,
-            **{name: (value,)}), None) is not None]
+            **{**choices, name: (value,)}), None) is not None]
     return options
 
 
@@ -334,6 +335,9 @@ _SIZE_NAMES = {
     "tp_plan": ("tp_plan",),
     # experts per mixture-of-experts layer (the kit's GPT, Qwen-MoE, Mixtral, DeepSeek spellings)
     "n_experts": ("n_experts", "num_experts", "num_local_experts", "n_routed_experts"),
+    # experts a token runs, and an expert's width where it differs from a dense layer's
+    "top_k": ("top_k", "num_experts_per_tok"),
+    "expert_hidden": ("moe_intermediate_size",),
 }
 
 

@@ -8,11 +8,12 @@ al. 2022, collective volumes from the ring algorithms, the pipeline bubble from 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping
 
 from colab_par.devices import (CPU_PROCESS_BYTES, CPU_WRAPPER_COST, DEVICES, GiB, DeviceSpec,
                                cpu_compute_costs, cpu_device, get_device, measure_cpu_device)
+from colab_par.expert_costs import all_to_all_bytes, expert_flops_share, local_expert_params
 from colab_par.flops import ModelSpec, flops_per_token
 from colab_par.layout import CP_MODES, TP_MODES, Choices, Layout, LayoutError, valid_layouts
 from colab_par.module_spec import ModuleSpec
@@ -233,6 +234,19 @@ def _grid_activations(spec: ModelSpec, layout: Layout, micro: int, seq: int,
     return per_layer, outside + micro * seq * spec.vocab_size * act_bytes
 
 
+def _state(local: float, experts: float, layout: Layout, shard: int, zero: int,
+           **options: Any) -> MemoryBreakdown:
+    """Model state of a rank holding `local` parameters of which `experts` are its expert weights
+    (0 without ep): those are sharded over the dp/ep ranks holding the same experts, the rest
+    over `shard` ranks."""
+    dense = model_state_bytes(local - experts, zero=zero, dp=shard, **options)
+    if not experts:
+        return dense
+    own = model_state_bytes(experts, zero=zero, dp=shard // layout.ep, **options)
+    return MemoryBreakdown(**{part.name: getattr(dense, part.name) + getattr(own, part.name)
+                              for part in fields(MemoryBreakdown)})
+
+
 def _spec_of(model: Any) -> "ModelSpec | ModuleSpec":
     """A probed model as it is, anything else as a decoder's sizes (`ModelSpec.of`)."""
     return model if isinstance(model, ModuleSpec) else ModelSpec.of(model)
@@ -244,11 +258,16 @@ def _spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
 
 def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", global_batch: int,
              seq_len: int, gpus_per_node: int = 8, optimizer: str = "adam",
-             validate: bool = True, init: str = "meta") -> Plan:
+             validate: bool = True, init: str = "meta", expert_load: float = 1.0) -> Plan:
     """Predict memory and step time of `layout` for `model` (raises LayoutError if impossible).
 
     `init` says how the model reaches the ranks (`INIT_MODES`, see `init_peak_bytes`): the plan
-    fits only if both that peak and the training peak do."""
+    fits only if both that peak and the training peak do. `expert_load` (MoE models under ep):
+    the busiest rank's routed tokens over the mean, 1.0 for balanced routing; a run's own is
+    `expert_costs.ep_load` of its heat map's counts."""
+    if expert_load < 1.0:
+        raise ValueError(f"expert_load={expert_load!r} is the busiest rank's tokens over the mean, "
+                         "at least 1.0 (1.0: balanced routing)")
     _check_init(init)
     layout = Layout.parse(layout)
     spec = _spec_of(model)
@@ -264,16 +283,20 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
     grid = layout.tp_mode != "1d"
     local, layer_params = grid_local_params(spec, layout) if grid else _local_params(spec, layout)
     local, trainable = _with_whole_adapters(spec, local) if grid else (local, spec.trainable)
+    # expert parallel: a rank keeps n_experts/ep of each layer's experts (tp and pp do not compose)
+    experts = local_expert_params(spec, layout.ep) if layout.ep > 1 else 0.0
+    if experts:
+        local -= spec.expert_params - experts
+    layer_params -= spec.layer_expert_params * (1 - 1 / layout.ep)
 
     # model state: the ZeRO accounting; zero=2 is FSDP with reshard_after_forward=False, which keeps
     # the gathered parameters from forward to backward (peak = ZeRO-2) and reshards after backward
     # (at rest = ZeRO-3).
     state_precision = "mixed" if precision == "bf16" else "fp32"
-    state = model_state_bytes(local, zero=layout.zero, dp=shard, precision=state_precision,
-                              optimizer=optimizer, offload=layout.offload, trainable=trainable)
-    resting = model_state_bytes(local, zero=3 if layout.zero == 2 else layout.zero, dp=shard,
-                                precision=state_precision, optimizer=optimizer, offload=layout.offload,
-                                trainable=trainable)
+    state_options = dict(precision=state_precision, optimizer=optimizer, offload=layout.offload,
+                         trainable=trainable)
+    state = _state(local, experts, layout, shard, layout.zero, **state_options)
+    resting = _state(local, experts, layout, shard, 3 if layout.zero == 2 else layout.zero, **state_options)
     # FSDP (zero 2/3): the root unit (embedding, head, final norm) stays gathered from forward to
     # the end of backward, with the current and the prefetched layer; a unit's reduce-scatter
     # holds its unsharded gradients and the flat fp32 input they are copied into (on gloo: the
@@ -311,7 +334,7 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
                              init_bytes, dev.process_memory)
 
     times = _step_times(spec, layout, dev, precision, global_batch, seq_len, gpus_per_node,
-                        local, act_bytes, resting, trainable)
+                        local, act_bytes, resting, trainable, experts, expert_load)
     step = sum(times.values())
     tokens = global_batch * seq_len
     model_flops = tokens * flops_per_token(spec, seq_len, "none")
@@ -402,9 +425,11 @@ def _microbatches_in_flight(layout: Layout) -> float:
 
 def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str, global_batch: int,
                 seq_len: int, gpus_per_node: int, local_params: float, act_bytes: int,
-                resting: MemoryBreakdown, trainable: float) -> dict[str, float]:
+                resting: MemoryBreakdown, trainable: float, experts: float = 0.0,
+                expert_load: float = 1.0) -> dict[str, float]:
     """Seconds per step: compute, pipeline bubble, exposed communication, optimizer, offload
-    (`trainable`: the share of `local_params` that train)."""
+    (`trainable`: the share of `local_params` that train; `experts` of the `local_params` are expert
+    weights under ep, 0 without)."""
     t, p, c, dp, m = layout.tp, layout.pp, layout.cp, layout.dp, layout.microbatches
     micro = global_batch // dp // m
     s_local = seq_len // c
@@ -460,8 +485,22 @@ def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str
     # Zero 0 with tensor or pipeline parallel cannot use DDP: one flat all-reduce after backward
     # (data_parallel.GradientAverager), which nothing hides.
     if dp * c > 1:
-        times["dp"] = _data_parallel_seconds(layout, local_params, layers + 1, act_bytes, compute, dev,
-                                             bandwidth(t, dp * c), trainable)
+        times["dp"] = _data_parallel_seconds(layout, local_params - experts, layers + 1, act_bytes, compute,
+                                             dev, bandwidth(t, dp * c), trainable)
+    # expert parallel: the experts' gradients reduce over the dp/ep ranks holding the same experts;
+    # the all-to-alls (`expert_costs.all_to_all_bytes`, (ep-1)/ep of them leave the rank; 5 per
+    # layer and micro-step, each ep-1 hops) sit on the critical path, as does the busiest rank's
+    # extra expert work when routing is uneven (`expert_load` above 1)
+    ep = layout.ep
+    if ep > 1:
+        if dp // ep > 1:
+            times["dp"] += _data_parallel_seconds(layout.replace(dp=dp // ep, ep=1), experts, layers + 1,
+                                                  act_bytes, compute, dev, bandwidth(t * ep, dp // ep),
+                                                  trainable)
+        moved = m * all_to_all_bytes(spec, ep, micro_tokens, act_bytes, expert_load) * (ep - 1) / ep
+        times["ep"] = moved / bandwidth(t, ep) + m * layers * 5 * (ep - 1) * dev.latency
+        share = expert_flops_share(spec, flops_per_token(spec, seq_len, "none"))
+        times["imbalance"] = (expert_load - 1) * compute * share
     # pipeline: each microbatch crosses each of this rank's stage boundaries forward and backward
     if p > 1:
         # the boundary activation is split over tp with SP, and in every grid mode (batch × hidden)
@@ -518,8 +557,11 @@ def _data_parallel_seconds(layout: Layout, local_params: float, units: float, ac
 
 
 # ---- the search ----------------------------------------------------------------------------------
-def search_space(global_batch: int, *, bf16: bool, gpus_per_node: int = 8) -> dict[str, Choices]:
+def search_space(global_batch: int, *, bf16: bool, gpus_per_node: int = 8,
+                 n_experts: int = 0) -> dict[str, Choices]:
     """What the planner tries, as `valid_layouts` choices; the rules themselves live in layout.py.
+    A MoE model (`n_experts`) also tries every ep that divides dp (layout.py keeps those that
+    divide the experts and compose with the rest).
 
     Left out because a candidate kept is never worse in this model: tp across nodes, interleaved
     1F1B (ZB-V has the smaller bubble and no more memory), a cp mode without cp, recompute and
@@ -531,7 +573,10 @@ def search_space(global_batch: int, *, bf16: bool, gpus_per_node: int = 8) -> di
         return (None,) if chosen.pp == 1 else (*(k * chosen.pp for k in (1, 2, 4, 8)),
                                                 max(global_batch // chosen.dp, 1))
 
-    return {"tp": range(1, gpus_per_node + 1),
+    def expert_degrees(chosen: Any) -> tuple:
+        return tuple(e for e in range(1, chosen.dp + 1) if chosen.dp % e == 0) if n_experts else (1,)
+
+    return {"tp": range(1, gpus_per_node + 1), "ep": expert_degrees,
             "tp_mode": lambda chosen: TP_MODES if chosen.tp > 1 else ("1d",),
             # 2.5d with depth 1 is 2d
             "tp_depth": lambda chosen: (2, 4, 8) if chosen.tp_mode == "2.5d" else (1,),
@@ -569,17 +614,19 @@ def candidate_layouts(spec: ModelSpec, world_size: int, *, global_batch: int, se
     the layouts layout.py accepts over `search_space`, less the `preferred` ones' dominated twins."""
     return preferred(valid_layouts(world_size, spec.config(seq_len), device=device,
                                    global_batch=global_batch,
-                                   **search_space(global_batch, bf16=bf16, gpus_per_node=gpus_per_node)))
+                                   **search_space(global_batch, bf16=bf16, gpus_per_node=gpus_per_node,
+                                                  n_experts=getattr(spec, "n_experts", 0))))
 
 
 def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batch: int, seq_len: int,
          gpus_per_node: int = 8, top: int | None = 10, optimizer: str = "adam",
-         init: str = "meta") -> list[Plan]:
+         init: str = "meta", expert_load: float = 1.0) -> list[Plan]:
     """Valid layouts for `model` on `world_size` devices, best first: fitting before not fitting,
     then by predicted step time, then fewer parallel dimensions, then less memory.
     `model` is a GPTConfig, a Hugging Face config, a dict of sizes, or a `ModuleSpec` (any
     nn.Module, probed; `seq_len` is then unused). A plan fits only if building the model the
-    `init` way fits too (see `estimate`)."""
+    `init` way fits too (see `estimate`). A MoE model's layouts include ep, costed at
+    `expert_load` (see `estimate`)."""
     _check_init(init)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer, e.g. 8")
@@ -588,7 +635,8 @@ def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batc
         raise ValueError(f"global_batch={global_batch} and seq_len={seq_len} must be positive")
     dev = get_device(device, world_size)
     options = dict(device=dev, global_batch=global_batch, seq_len=seq_len,
-                   gpus_per_node=gpus_per_node, optimizer=optimizer, validate=False, init=init)
+                   gpus_per_node=gpus_per_node, optimizer=optimizer, validate=False, init=init,
+                   expert_load=expert_load)
     plans = [_cheapest_fitting(spec, layout, options)
              for layout in candidate_layouts(spec, world_size, global_batch=global_batch, seq_len=seq_len,
                                              bf16=dev.bf16, gpus_per_node=gpus_per_node, device=dev.name)]
@@ -597,7 +645,7 @@ def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batc
                           f"global_batch={global_batch}, seq_len={seq_len}; try a global batch "
                           f"that is a multiple of {world_size}")
     plans.sort(key=lambda option: (not option.fits, round(option.step_time, 9),
-                                   sum(getattr(option.layout, d) > 1 for d in ("tp", "pp", "cp")),
+                                   sum(getattr(option.layout, d) > 1 for d in ("tp", "pp", "cp", "ep")),
                                    option.memory.peak))
     return plans[:top] if top else plans
 

@@ -14,11 +14,15 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["Line", "Stack", "Plot", "svg_grid", "MAX_POINTS"]
+__all__ = ["Line", "Stack", "Plot", "svg_grid", "heat_colour", "HEAT_COLOURS", "MAX_POINTS"]
 
 MAX_POINTS = 400  # per line: two per pixel column of a plot; longer runs keep min and max
 RIGHT_DASH = ' stroke-dasharray="5 3"'  # a right-axis curve may lie on a left one (MFU on tokens/s)
 TITLE_PX, BOTTOM_PX, LEFT_PX, RIGHT_PX, GAP_PX = 20, 18, 46, 10, 8  # a plot's margins in its cell
+# a heat map's ramp, low to high: viridis at six even stops, interpolated linearly in RGB (the PNG
+# picture builds its matplotlib colormap from the same stops, so both draw a count the same colour)
+HEAT_COLOURS = ("#440154", "#414487", "#2a788e", "#22a884", "#7ad151", "#fde725")
+MIN_CELL_TEXT_PX = (22, 11)  # a heat-map cell this wide and tall also shows its value as text
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,8 @@ class Stack:
 @dataclass(frozen=True)
 class Plot:
     """Lines over a shared x axis, or (`bars`) stacked bars over `categories` with a note above
-    each bar."""
+    each bar, or (`heat`, rows of values) a heat map with `row_labels` down and `categories`
+    across. `span` is how many grid columns the plot takes."""
 
     title: str
     bars: bool = False
@@ -52,28 +57,47 @@ class Plot:
     categories: tuple[str, ...] = ()
     stacks: tuple[Stack, ...] = ()
     notes: tuple[str, ...] = ()
+    heat: tuple[tuple[float, ...], ...] = ()
+    row_labels: tuple[str, ...] = ()
+    span: int = 1
 
 
 def svg_grid(plots: Sequence[Plot], *, columns: int, width: int, height: int) -> str:
-    """`plots` row by row in a grid of `columns`, as one standalone SVG document."""
-    rows = math.ceil(len(plots) / columns)
+    """`plots` row by row in a grid of `columns` (a plot takes `span` of them; one that does not
+    fit the rest of a row starts the next), as one standalone SVG document."""
+    places = grid_places(plots, columns)
+    rows = max((row for row, _ in places), default=0) + 1
     cell_w, cell_h = width / columns, height / rows
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
              f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="9">',
              f'<rect width="{width}" height="{height}" fill="white"/>']
-    for index, plot in enumerate(plots):
-        left, top = (index % columns) * cell_w, (index // columns) * cell_h
+    for plot, (row, column) in zip(plots, places):
+        left, top = column * cell_w, row * cell_h
         right_axis = any(line.right for line in plot.lines)
         box = (left + LEFT_PX, top + TITLE_PX,
-               left + cell_w - (LEFT_PX if right_axis else RIGHT_PX) - GAP_PX, top + cell_h - BOTTOM_PX)
-        parts.append(f'<g class="plot" data-title="{escape(plot.title)}">')
+               left + plot.span * cell_w - (LEFT_PX if right_axis else RIGHT_PX) - GAP_PX,
+               top + cell_h - BOTTOM_PX)
+        kind = ' data-kind="heat"' if plot.heat else ""
+        parts.append(f'<g class="plot" data-title="{escape(plot.title)}"{kind}>')
         parts.append(f'<text x="{(box[0] + box[2]) / 2:.0f}" y="{top + 14:.0f}" font-size="11" '
                      f'text-anchor="middle">{escape(plot.title)}</text>')
-        parts.extend(_bars(plot, box) if plot.bars else _lines(plot, box))
+        parts.extend(_heat(plot, box) if plot.heat else _bars(plot, box) if plot.bars else _lines(plot, box))
         parts.append(f'<rect x="{box[0]:.0f}" y="{box[1]:.0f}" width="{box[2] - box[0]:.0f}" '
                      f'height="{box[3] - box[1]:.0f}" fill="none" stroke="#555"/></g>')
     parts.append("</svg>")
     return "".join(parts)
+
+
+def grid_places(plots: Sequence[Plot], columns: int) -> list[tuple[int, int]]:
+    """(row, column) of each plot's first grid cell: the SVG frames and the PNG picture agree."""
+    places, row, column = [], 0, 0
+    for plot in plots:
+        span = min(plot.span, columns)
+        if column + span > columns:
+            row, column = row + 1, 0
+        places.append((row, column))
+        column += span
+    return places
 
 
 def _nice_ticks(low: float, high: float, count: int = 4) -> list[float]:
@@ -205,4 +229,51 @@ def _bars(plot: Plot, box: tuple[float, float, float, float]) -> list[str]:
         parts.append(f'<rect x="{x:.0f}" y="{y:.0f}" width="8" height="8" fill="{stack.colour}"/>'
                      f'<text x="{x + 10:.0f}" y="{y + 7:.0f}" font-size="8">{escape(stack.label)}</text>')
         x += width + 2
+    return parts
+
+
+# ---- heat maps -----------------------------------------------------------------------------------
+def heat_colour(fraction: float) -> str:
+    """The ramp's colour at `fraction` of the way from low (0) to high (1), as #rrggbb."""
+    position = min(max(fraction, 0.0), 1.0) * (len(HEAT_COLOURS) - 1)
+    index = min(int(position), len(HEAT_COLOURS) - 2)
+    low, high = (_rgb(HEAT_COLOURS[i]) for i in (index, index + 1))
+    mix = position - index
+    return "#" + "".join(f"{round(a + (b - a) * mix):02x}" for a, b in zip(low, high))
+
+
+def _rgb(colour: str) -> tuple[int, ...]:
+    return tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
+
+
+def _heat(plot: Plot, box: tuple[float, float, float, float]) -> list[str]:
+    """One rect per value (class "cell", its row, column and value as data attributes), coloured
+    from zero (low end) to the largest value (high end); the value as text where the cell has room."""
+    left, top, right, bottom = box
+    rows, columns = len(plot.heat), max((len(r) for r in plot.heat), default=0)
+    if not rows or not columns:
+        return _waiting(box)
+    high = max(max(r) for r in plot.heat) or 1.0
+    width, height = (right - left) / columns, (bottom - top) / rows
+    labelled = width >= MIN_CELL_TEXT_PX[0] and height >= MIN_CELL_TEXT_PX[1]
+    parts = []
+    for i, values in enumerate(plot.heat):
+        y = top + i * height
+        for j, value in enumerate(values):
+            x = left + j * width
+            parts.append(f'<rect class="cell" data-row="{i}" data-column="{j}" data-value="{value:g}" '
+                         f'x="{x:.1f}" y="{y:.1f}" width="{width:.1f}" height="{height:.1f}" '
+                         f'fill="{heat_colour(value / high)}"/>')
+            if labelled:
+                ink = "black" if value / high > 0.6 else "white"  # the ramp's top is light
+                parts.append(f'<text x="{x + width / 2:.1f}" y="{y + height / 2 + 3:.1f}" '
+                             f'text-anchor="middle" font-size="8" fill="{ink}">{_tick_label(value)}</text>')
+    for i, label in enumerate(plot.row_labels):
+        parts.append(f'<text x="{left - 4:.0f}" y="{top + (i + 0.5) * height + 3:.1f}" '
+                     f'text-anchor="end">{escape(label)}</text>')
+    every = max(1, math.ceil(12 * columns / (right - left)))  # column labels at least 12 px apart
+    for j, label in enumerate(plot.categories):
+        if j % every == 0:
+            parts.append(f'<text x="{left + (j + 0.5) * width:.1f}" y="{bottom + 12:.0f}" '
+                         f'text-anchor="middle">{escape(label)}</text>')
     return parts

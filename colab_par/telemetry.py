@@ -8,7 +8,6 @@ pace (about every 0.25 s) still draws complete curves.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import time
 from typing import Any, Callable, Iterable, Iterator
@@ -22,7 +21,7 @@ from colab_par.flops import ModelSpec, flops_per_token
 
 __all__ = ["METRICS_KEY", "StepClock", "ActivationMeter", "Publisher", "metrics_data",
            "device_peak_flops", "model_flops_per_token", "memory_sample", "grad_bytes",
-           "pipeline_bubble", "ExpertLoad", "expert_row_key"]
+           "pipeline_bubble", "ExpertLoad", "expert_row_key", "expert_counts", "EXPERT_COUNTS"]
 
 METRICS_KEY = "colab_par.metrics"
 ROWS_KEY = METRICS_KEY + ".rows."
@@ -49,17 +48,13 @@ def device_peak_flops(device: torch.device | str, precision: str = "fp32") -> fl
 def model_flops_per_token(model: nn.Module, num_params: int, seq_len: int) -> float:
     """Training FLOPs per token without recomputation (what MFU counts): the decoder formula
     (`flops.flops_per_token`: 6·matmul-params + 12·layers·d_model·seq) when the model has known
-    sizes, else 6·params. The MoE GPT counts what a token runs: top_k experts and the router."""
+    sizes, else 6·params. A MoE model counts what a token runs: top_k experts and the router
+    (`ModelSpec.matmul_params`)."""
     try:
         spec = ModelSpec.of(model)
     except (ValueError, TypeError, AttributeError):
         return 6.0 * num_params
-    config = getattr(model, "config", None)
-    experts, top_k = getattr(config, "n_experts", 0), getattr(config, "top_k", 0)
-    if not experts:
-        return float(flops_per_token(spec, seq_len, "none"))
-    active = dataclasses.replace(spec, ffn_hidden=top_k * spec.ffn_hidden)
-    return float(flops_per_token(active, seq_len, "none")) + 6.0 * spec.n_layer * spec.d_model * experts
+    return float(flops_per_token(spec, seq_len, "none"))
 
 
 def _synchronize(device: torch.device) -> None:
@@ -168,9 +163,28 @@ def grad_bytes(pm: Any) -> int:
     return memory_report(pm)["grads"]
 
 
-def expert_row_key(layer: int, expert: int) -> str:
-    """The row column of the tokens routed to `expert` of the `layer`-th MoE layer in a step."""
-    return f"expert_tokens.{layer}.{expert}"
+EXPERT_COUNTS = ("tokens", "dropped")  # what a step counts per expert: routed, and (capacity) dropped
+
+
+def expert_row_key(layer: int, expert: int, what: str = "tokens") -> str:
+    """The row column of the tokens routed to (or, `what="dropped"`, dropped by) `expert` of the
+    `layer`-th MoE layer in a step."""
+    return f"expert_{what}.{layer}.{expert}"
+
+
+def expert_counts(row: dict[str, Any], what: str = "tokens") -> list[list[float]]:
+    """The layer × expert matrix of a row's `expert_row_key` columns ([] when it has none); a
+    layer or expert the row lacks counts 0."""
+    prefix = f"expert_{what}."
+    cells = {}
+    for key, value in row.items():
+        if key.startswith(prefix):
+            layer, expert = key[len(prefix):].split(".")
+            cells[int(layer), int(expert)] = float(value)
+    if not cells:
+        return []
+    layers, experts = (1 + max(index[axis] for index in cells) for axis in (0, 1))
+    return [[cells.get((layer, expert), 0.0) for expert in range(experts)] for layer in range(layers)]
 
 
 class ExpertLoad:

@@ -103,7 +103,7 @@ class LayoutPicker:
         device and batch takes (`field_options`: the picker knows no rule itself)."""
         start = self._start
         options = field_options(self.world_size, self.spec.config(self.seq_len), device=self.device.name,
-                                global_batch=self.global_batch)
+                                global_batch=self.global_batch, ep=self._expert_degrees())
         labels = {"tp_mode": "tp mode", "tp_depth": "tp depth", "cp_mode": "cp mode",
                   "pp_schedule": "schedule", "virtual_stages": "virtual st.",
                   "checkpointing": "recompute"}
@@ -119,11 +119,18 @@ class LayoutPicker:
             control.value = value
         return controls
 
+    def _expert_degrees(self) -> tuple[int, ...]:
+        """The ep values to offer: the world's divisors for a MoE model, else 1 (no selector)."""
+        if not getattr(self.spec, "n_experts", 0):
+            return (1,)
+        return tuple(d for d in range(1, self.world_size + 1) if self.world_size % d == 0)
+
     def _assemble(self) -> w.VBox:
         c = self.controls
         title = w.HTML(f"<b>Layout for {self.world_size} × {html.escape(self.device.name)}</b> "
                        f"({self.spec.n_params / 1e6:,.1f} M parameters, {self._batch_text()})")
-        rows = [w.HBox([c["dp"], c["tp"], c["pp"], c["cp"]]),
+        degrees = [c["dp"], *([c["ep"]] if len(self._expert_degrees()) > 1 else []), c["tp"], c["pp"], c["cp"]]
+        rows = [w.HBox(degrees),
                 w.HBox([c["zero"], c["offload"], c["sequence_parallel"], c["precision"]]),
                 w.HBox([c["cp_mode"], c["pp_schedule"], c["microbatches"], c["virtual_stages"]]),
                 w.HBox([c["checkpointing"], c["compile"], self.auto_button])]

@@ -16,6 +16,7 @@ from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
 from colab_par.dashboard import PANELS, LiveDashboard
+from colab_par.svg_plot import heat_colour
 
 TOLERANCE = 0.08  # per RGB channel: the line's core pixels, not its anti-aliased edges
 INSET = 3  # pixels kept clear of the axes' spines and ticks
@@ -70,7 +71,8 @@ SVG = "{http://www.w3.org/2000/svg}"
 def svg_extent(svg: str) -> dict[str, float]:
     """For each plot (by its place in the grid): pixels of data drawn in its data colours, the
     length of its polylines for line plots, the area of its bars for bar plots."""
-    plots = ET.fromstring(svg).findall(f"{SVG}g[@class='plot']")
+    plots = [plot for plot in ET.fromstring(svg).findall(f"{SVG}g[@class='plot']")
+             if plot.get("data-kind") != "heat"]  # a MoE run's heat maps: tests/test_expert_view.py
     assert len(plots) == len(PANELS), f"{len(plots)} plots in an SVG frame of {len(PANELS)}"
     extent = {}
     for spec, plot in zip(PANELS, plots):
@@ -101,6 +103,45 @@ def assert_svg_shows_data(svg: str) -> None:
         "the SVG check passes a blank frame"
     empty = svg_empty_plots(svg)
     assert not empty, f"the live frame shows no data in {empty}: {svg_extent(svg)}"
+
+
+# ---- a MoE run's heat maps ------------------------------------------------------------------------
+COLOUR_TOLERANCE = 0.03  # per RGB channel: matplotlib's colormap has 256 levels along the ramp
+
+
+def heat_cells(svg: str) -> dict[str, list[list[float]]]:
+    """Each heat map of an SVG frame (by title), its cells' counts as a layer × expert matrix;
+    every cell's colour is checked against its count on the way."""
+    maps = {}
+    for plot in ET.fromstring(svg).findall(f"{SVG}g[@class='plot']"):
+        if plot.get("data-kind") != "heat":
+            continue
+        cells = {(int(c.get("data-row")), int(c.get("data-column"))): c
+                 for c in plot.iter(f"{SVG}rect") if c.get("class") == "cell"}
+        layers, experts = (1 + max(index[axis] for index in cells) for axis in (0, 1))
+        matrix = [[float(cells[layer, expert].get("data-value")) for expert in range(experts)]
+                  for layer in range(layers)]
+        high = max(map(max, matrix))
+        for (layer, expert), cell in cells.items():
+            assert cell.get("fill") == heat_colour(matrix[layer][expert] / high), (layer, expert)
+        maps[plot.get("data-title")] = matrix
+    return maps
+
+
+def assert_png_heat_map(dash: LiveDashboard, png: bytes, counts: list[list[float]]) -> None:
+    """Each cell of the PNG picture's heat map has the ramp's colour for its count (sampled a
+    quarter into the cell, clear of the count written at its centre)."""
+    image = imread(io.BytesIO(png), format="png")[..., :3]
+    heat = [panel for panel in dash.panels() if panel.heat]
+    assert [panel.title for panel in heat] == ["tokens per expert"]
+    left, top, right, bottom = heat[0].box
+    width, height = (right - left) / len(counts[0]), (bottom - top) / len(counts)
+    high = max(map(max, counts))
+    for layer, per_expert in enumerate(counts):
+        for expert, value in enumerate(per_expert):
+            pixel = image[int(top + (layer + 0.25) * height), int(left + (expert + 0.25) * width)]
+            expected = to_rgb(heat_colour(value / high))
+            assert np.abs(pixel - expected).max() < COLOUR_TOLERANCE, (layer, expert, pixel, expected)
 
 
 # ---- the model-selection view's frames (colab_par.selection.view) ----------------------------------

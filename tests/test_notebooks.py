@@ -237,3 +237,34 @@ def test_07_finetune(kernel_path, tmp_path):
     assert "tp2 generation equals dp2 zero3's: True" in text_of(cell_of(notebook, '"tp2", adapter=ADAPTER'))
     assert "same tokens as the engines: True" in text_of(cell_of(notebook, "PeftModel.from_pretrained"))
     assert "eval/loss" in text_of(cell_of(notebook, "EventMultiplexer"))
+
+
+def test_08_moe(kernel_path, tmp_path):
+    """The MoE notebook: the planner's memory per rank falls with ep, each rank holds its half of
+    the experts, the final frame's heat map shows the last step's counts (the pulled rows' own),
+    and the planner prices the measured load."""
+    from picture import assert_png_heat_map
+
+    from colab_par.dashboard import LiveDashboard
+    from colab_par.telemetry import expert_row_key, metrics_data
+
+    notebook = execute("08_moe", tmp_path)
+    planned = dict(re.findall(r"^(dp2(?: ep2)?)\s+model state per rank ([\d.]+) MiB",
+                              text_of(cell_of(notebook, "all_to_all_bytes(spec")), re.M))
+    assert float(planned["dp2 ep2"]) < 0.6 * float(planned["dp2"]), planned
+    training = cell_of(notebook, "trainer.fit()")
+    assert_dashboard(training)
+    held = sorted(re.findall(r"rank (\d) holds experts (\d+)-(\d+) of 8", text_of(training)))
+    assert held == [("0", "0", "3"), ("1", "4", "7")]
+    text = text_of(cell_of(notebook, "expert_counts(history[-1])"))
+    counts = [[float(n) for n in found.split(", ")]
+              for found in re.findall(r"tokens per expert: \[(.+)\]", text)]
+    assert len(counts) == 2 and all(sum(layer) == 8 * 64 * 2 for layer in counts)  # batch × seq × top_k
+    load, balanced, measured = re.search(r"busiest ep rank: ([\d.]+)x the mean; predicted step ([\d.]+) "
+                                         r"ms balanced, ([\d.]+) ms", text).groups()
+    assert float(load) > 1.0 and float(measured) > float(balanced)
+    frame = [o for o in training.outputs if "image/png" in o.get("data", {})][-1]
+    shape = LiveDashboard(mode="text")  # a dashboard of the same arrangement: its heat map's box
+    shape.update([metrics_data({"rank": 0, "run": 1}, [{"step": 30, "loss": 1.0, **{
+        expert_row_key(layer, expert): n for layer, row in enumerate(counts) for expert, n in enumerate(row)}}])])
+    assert_png_heat_map(shape, base64.b64decode(frame.data["image/png"]), counts)

@@ -360,9 +360,10 @@ def _accepted_in_search_space(spec: ModelSpec, world: int, global_batch: int, se
                               bf16: bool, device: str) -> set[Layout]:
     """Brute force: every combination of field values, kept when the planner's search space offers
     each value and `validate` accepts the layout."""
-    space = search_space(global_batch, bf16=bf16)
+    space = search_space(global_batch, bf16=bf16, n_experts=spec.n_experts)
     divisors = [d for d in range(1, world + 1) if world % d == 0]
-    domains = {**{name: divisors for name in ("dp", "tp", "pp", "cp")}, "ep": (1,),
+    domains = {**{name: divisors for name in ("dp", "tp", "pp", "cp")},
+               "ep": divisors if spec.n_experts else (1,),  # a dense model: validate refuses any other
                "zero": ZERO_LEVELS, "sequence_parallel": (False, True), "cp_mode": CP_MODES,
                "tp_mode": TP_MODES, "tp_depth": (1, 2), "pp_schedule": PP_SCHEDULES, "virtual_stages": (1, 2, 3),
                "microbatches": range(1, global_batch + 1), "offload": (False, True),
@@ -387,18 +388,23 @@ def _accepted_in_search_space(spec: ModelSpec, world: int, global_batch: int, se
     return kept
 
 
-@pytest.mark.parametrize("world,global_batch,device", [(4, 8, "A100-80GB"), (6, 6, "T4")])
+@pytest.mark.parametrize("world,global_batch,device,experts", [(4, 8, "A100-80GB", 0), (6, 6, "T4", 0),
+                                                               (4, 8, "A100-80GB", 4)])
 def test_candidates_are_exactly_the_layouts_layout_py_accepts(world: int, global_batch: int,
-                                                              device: str) -> None:
+                                                              device: str, experts: int) -> None:
+    """`experts`: the kit's MoE GPT, whose candidates add ep (dp and zero only, so no dp x tp)."""
     spec = ModelSpec.of({"n_layer": 6, "d_model": 64, "n_head": 6, "n_kv_head": 2, "ffn_hidden": 96,
-                         "vocab_size": 100})
+                         "vocab_size": 100, "n_experts": experts, "top_k": 2})
     bf16 = DEVICES[get_device(device, world).name].bf16
     accepted = _accepted_in_search_space(spec, world, global_batch, 12, bf16, device)
     candidates = candidate_layouts(spec, world, global_batch=global_batch, seq_len=12, bf16=bf16,
                                    device=device)
     assert len(candidates) == len(set(candidates))
     assert set(candidates) == set(preferred(accepted))
-    assert any(c.dp > 1 and c.tp > 1 and c.zero == 0 for c in candidates)  # DP x TP is offered
+    if experts:
+        assert {c.ep for c in candidates} == {1, 2, 4}
+    else:
+        assert any(c.dp > 1 and c.tp > 1 and c.zero == 0 for c in candidates)  # DP x TP is offered
 
 
 def test_preferred_drops_only_dominated_twins() -> None:
