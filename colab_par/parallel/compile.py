@@ -73,7 +73,7 @@ def _fused_twin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     if (not kind.__module__.startswith("torch.optim.")
             or "fused" not in accepted
             or defaults.get("fused") is not None or defaults.get("foreach") is not None
-            or defaults.get("differentiable") or optimizer.state or not params
+            or defaults.get("differentiable") or _has_stepped(optimizer) or not params
             or any(p.device.type not in devices or not p.is_floating_point() for p in params)):
         return optimizer
     settings = {key: value for key, value in defaults.items() if key in accepted}
@@ -81,6 +81,11 @@ def _fused_twin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     twin.register_state_dict_post_hook(_as_configured)
     twin.register_load_state_dict_post_hook(_keep_fused)
     return twin
+
+
+def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` holds the state of a step (Adagrad creates step-0 state on construction)."""
+    return any(float(state.get("step", 0)) > 0 for state in optimizer.state.values())
 
 
 def _as_configured(optimizer: torch.optim.Optimizer, state: dict) -> dict:
