@@ -49,7 +49,8 @@ def fused_optimizer_fn(optimizer_fn: Callable, enabled: bool) -> Callable:
     """`optimizer_fn`, whose optimizer runs torch's fused kernel when `enabled` (the layout compiles).
 
     Only a torch.optim class that has one (Adam, AdamW, SGD, Adagrad), built with neither `fused`
-    nor `foreach` given, not differentiable, its parameters on devices the fused kernels support:
+    nor `foreach` given, not differentiable, its parameters on devices the fused kernels support
+    and all plain tensors or all DTensors of one mesh (one fused call takes them all together):
     the same update, one kernel over all parameters instead of a handful of ops per parameter. An
     optimizer the user configured explicitly, or any other, is returned as built."""
     if not enabled:
@@ -74,7 +75,8 @@ def _fused_twin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
             or "fused" not in accepted
             or defaults.get("fused") is not None or defaults.get("foreach") is not None
             or defaults.get("differentiable") or _has_stepped(optimizer) or not params
-            or any(p.device.type not in devices or not p.is_floating_point() for p in params)):
+            or any(p.device.type not in devices or not p.is_floating_point() for p in params)
+            or len({getattr(p, "device_mesh", None) for p in params}) > 1):
         return optimizer
     settings = {key: value for key, value in defaults.items() if key in accepted}
     twin = kind([{**group, "fused": True} for group in optimizer.param_groups], **{**settings, "fused": True})
