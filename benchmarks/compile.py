@@ -122,7 +122,7 @@ def main() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="colab_par_inductor_")
     print(f"{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs; GPT {MODEL}, global batch {BATCH}; {args.rounds} rounds x "
-          f"{args.steps} steps per arm, alternated; inductor cache "
+          f"{1 if args.phases else args.steps} steps per arm, alternated; inductor cache "
           f"{'warm' if args.warm_cache else 'cold'}")
     if args.phases:
         return print_phases(args.layouts, args.rounds)
