@@ -18,7 +18,7 @@ import cloudpickle
 import pytest
 import torch
 
-from parity import GPT_SIZES, SEED, assert_parity, build_model, engine_run, reference_run
+from parity import GPT_SIZES, SEED, assert_parity, build_model, engine_run, reference_run, training_batches
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 
@@ -59,7 +59,8 @@ def _regression(seed: int = 0) -> tuple[torch.nn.Module, torch.Tensor, torch.Ten
     inputs = torch.randn(64, 16, generator=gen)
     targets = inputs @ torch.randn(16, 4, generator=gen)
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)), inputs, targets
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    return model, inputs, targets
 
 
 def _fit(optimizer_fn, steps: int = STEPS) -> tuple[list[float], list[torch.Tensor], torch.optim.Optimizer]:
@@ -131,6 +132,26 @@ def test_fused_optimizer_checkpoints_read_as_the_users_and_loading_keeps_the_ker
     assert [g["fused"] for g in plain.param_groups] == [None]
     fused.load_state_dict(plain.state_dict())
     assert [g["fused"] for g in fused.param_groups] == [True]
+
+
+def _fused_flags(layout: str) -> bool:
+    """Engine side: whether compile's optimizer over `layout`'s parameters is fused, after a step."""
+    from colab_par import parallelize
+    from colab_par.parallel.compile import fused_optimizer_fn
+
+    pm = parallelize(build_model("gpt", SEED), layout)
+    optimizer = fused_optimizer_fn(lambda params: torch.optim.AdamW(params, lr=1e-3), True)(
+        [p for p in pm.model.parameters() if p.requires_grad])
+    pm.forward_backward(*training_batches("gpt", 1)[0])
+    optimizer.step()
+    return all(group["fused"] for group in optimizer.param_groups)
+
+
+def test_parameters_of_mixed_kinds_keep_the_per_parameter_optimizer(cluster2) -> None:
+    """tp without sp leaves the norms plain beside DTensor projections; one fused call cannot take
+    both, so that optimizer stays torch's default (and steps), while tp+sp's all-DTensor one fuses."""
+    assert cluster2.run(_fused_flags, "tp2") == [False, False]
+    assert cluster2.run(_fused_flags, "tp2 sp") == [True, True]
 
 
 def test_a_block_past_the_recompile_limit_raises_instead_of_running_eager() -> None:

@@ -11,7 +11,7 @@ their DTensor arithmetic. Numerics stay those of eager up to inductor's reorderi
 Choosing `compile` also chooses torch's fused optimizer kernel where the user's optimizer has one
 and left the implementation open (`fused_optimizer_fn`): on CPU the per-parameter loop of AdamW
 costs as much as everything compiling saves inside the blocks. And a block that hits dynamo's
-recompile limit stops with an error instead of running eager from then on (`_settling_inputs`).
+recompile limit stops with an error instead of running eager from then on (`_guarded_call`).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def apply_compile(blocks: list[Block], enabled: bool) -> list[Block]:
     compiled: list[Block] = []
     for container, key, _ in blocks:
         outer = container.get_submodule(key)
-        outer.forward = _settling_inputs(torch.compile(outer.forward))
+        outer.forward = _guarded_call(torch.compile(outer.forward))
         compiled.append((container, key, outer))
     return compiled
 
@@ -113,7 +113,7 @@ def check_compiler(device: torch.device) -> None:
                            "'compile' from the layout")
 
 
-def _settling_inputs(compiled: Callable) -> Callable:
+def _guarded_call(compiled: Callable) -> Callable:
     """`compiled` called with its inputs' pending collectives finished first.
 
     Tensor parallel's output styles hand the next module a tensor whose all-reduce is still in
