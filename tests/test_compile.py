@@ -8,7 +8,9 @@ cache and must report compile seconds on every rank, and every optimizer step mu
 torch's fused kernel, so a layout whose blocks or optimizer silently ran eager fails.
 Compiling costs seconds per layout on two cores (inductor's on-disk cache makes repeats cheap),
 so the cross-section is small: plain DDP, FSDP (ZeRO-3) with recompute, Megatron tp+sp, Ulysses
-context parallel, pipeline.
+context parallel, pipeline. In one process: the fused optimizer compile picks trains like the
+user's own (Adam, AdamW, SGD, Adagrad), is not picked where the user or torch rules it out, and
+checkpoints as the user's; a block past dynamo's recompile limit raises instead of running eager.
 """
 from __future__ import annotations
 
