@@ -10,6 +10,10 @@ load hits both alike. A round's figure is the slowest rank's seconds per step (b
 it); medians and min-max over rounds, the ratio of medians and the spread of per-round ratios
 are printed. Inductor's on-disk cache is a fresh folder unless `--warm-cache`, so the compile
 time is what a first session pays.
+
+``--phases`` instead splits each arm's step into forward (to the loss), backward (with DDP's
+gradient all-reduce or FSDP's reduce-scatter, which finish inside it) and the optimizer step,
+medians over `--rounds` alternated steps after two warm-up steps: where eager time is left.
 """
 from __future__ import annotations
 
@@ -68,11 +72,49 @@ def measure(layout: str, rounds: int, steps: int) -> dict:
     return {"compile_s": compiled_s, "first_step_s": first_step, "times": times}
 
 
+def phases(layout: str, rounds: int) -> dict:
+    """Engine side: median ms of forward, backward and optimizer step for both arms."""
+    import torch
+    import torch.distributed as dist
+
+    from colab_par import parallelize
+    from colab_par.models import GPT, GPTConfig
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, MODEL["vocab_size"], (BATCH, MODEL["seq_len"] + 1), generator=gen)
+    arms = {}
+    for arm, text in (("eager", layout), ("compiled", f"{layout} compile")):
+        torch.manual_seed(0)
+        arms[arm] = parallelize(GPT(GPTConfig(**MODEL)), text,
+                                optimizer_fn=lambda params: torch.optim.AdamW(params, lr=LR))
+    times = {arm: {"forward": [], "backward": [], "optimizer": []} for arm in arms}
+    for round_ in range(rounds + 2):
+        order = list(arms) if round_ % 2 == 0 else list(arms)[::-1]
+        for arm in order:
+            pm = arms[arm]
+            mine = pm._dp_slice(tokens, local=False)  # this dp rank's share, as train_step takes it
+            dist.barrier()
+            marks = [time.perf_counter()]
+            loss, _ = pm._token_loss(mine[:, :-1], mine[:, 1:])
+            marks.append(time.perf_counter())
+            loss.backward()
+            marks.append(time.perf_counter())
+            pm.optimizer_step()
+            marks.append(time.perf_counter())
+            if round_ >= 2:
+                for phase, start, end in zip(times[arm], marks, marks[1:]):
+                    times[arm][phase].append(1e3 * (end - start))
+    return {arm: {phase: statistics.median(ms) for phase, ms in by_phase.items()}
+            for arm, by_phase in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", nargs="+", default=["dp2", "dp2 zero3", "tp2"])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--phases", action="store_true",
+                        help="split each arm's step into forward, backward, optimizer step")
     parser.add_argument("--warm-cache", action="store_true",
                         help="keep inductor's usual on-disk cache (compile time then reads it)")
     args = parser.parse_args()
@@ -80,8 +122,10 @@ def main() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="colab_par_inductor_")
     print(f"{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs; GPT {MODEL}, global batch {BATCH}; {args.rounds} rounds x "
-          f"{args.steps} steps per arm, alternated; inductor cache "
+          f"{1 if args.phases else args.steps} steps per arm, alternated; inductor cache "
           f"{'warm' if args.warm_cache else 'cold'}")
+    if args.phases:
+        return print_phases(args.layouts, args.rounds)
     print("| layout | eager ms/step | compiled ms/step | speed-up (medians) | per-round ratios | "
           "compile s | first compiled step s |")
     print("|---|---|---|---|---|---|---|")
@@ -99,6 +143,22 @@ def main() -> None:
                   f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
                   f"{max(r['compile_s'] for r in ranks):.1f} | "
                   f"{max(r['first_step_s'] for r in ranks):.1f} |", flush=True)
+    finally:
+        cluster.stop()
+
+
+def print_phases(layouts: list[str], rounds: int) -> None:
+    print("| layout | arm | forward ms | backward + gradient sync ms | optimizer step ms |")
+    print("|---|---|---|---|---|")
+    cluster = Cluster(n=2, backend="gloo", timeout=300.0, dashboard=False)
+    cluster.start()
+    try:
+        for layout in layouts:
+            ranks = cluster.run(phases, layout, rounds)
+            for arm in ("eager", "compiled"):
+                slowest = {phase: max(r[arm][phase] for r in ranks) for phase in ranks[0][arm]}
+                print(f"| {layout} | {arm} | {slowest['forward']:.1f} | {slowest['backward']:.1f} | "
+                      f"{slowest['optimizer']:.1f} |", flush=True)
     finally:
         cluster.stop()
 

@@ -72,7 +72,8 @@ class Layout:
     rank's expert weights are shared with the dp/ep ranks holding the same experts.
     ``microbatches=None`` (the default) becomes `default_microbatches`, so every layout string
     trains as written. `compile` runs each repeated block through ``torch.compile`` (torchtitan's
-    per-block placement: after activation checkpointing, before FSDP).
+    per-block placement: after activation checkpointing, before FSDP) and steps torch's Adam, AdamW,
+    SGD or Adagrad as its fused kernel unless the optimizer names its implementation.
     """
 
     dp: int = 1

@@ -2,12 +2,15 @@
 single-process training, on real gloo engines.
 
 10 AdamW steps of the tiny GPT on learnable batches: losses and gradient norms within 1e-5
-relative of the single-process eager reference, every final parameter within Adam's tolerance
-(`parity.assert_parity`). Every run starts from an empty dynamo cache and must report compile
-seconds on every rank, so a layout whose blocks silently ran eager fails.
+relative of the single-process eager reference (torch's per-parameter AdamW), every final
+parameter within Adam's tolerance (`parity.assert_parity`). Every run starts from an empty dynamo
+cache and must report compile seconds on every rank, and every optimizer step must have run
+torch's fused kernel, so a layout whose blocks or optimizer silently ran eager fails.
 Compiling costs seconds per layout on two cores (inductor's on-disk cache makes repeats cheap),
 so the cross-section is small: plain DDP, FSDP (ZeRO-3) with recompute, Megatron tp+sp, Ulysses
-context parallel, pipeline.
+context parallel, pipeline. In one process: the fused optimizer compile picks trains like the
+user's own (Adam, AdamW, SGD, Adagrad), is not picked where the user or torch rules it out, and
+checkpoints as the user's; a block past dynamo's recompile limit raises instead of running eager.
 """
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ import sys
 
 import cloudpickle
 import pytest
+import torch
 
-from parity import GPT_SIZES, SEED, assert_parity, build_model, engine_run, reference_run
+from parity import GPT_SIZES, SEED, assert_parity, build_model, engine_run, reference_run, training_batches
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 
@@ -27,20 +31,146 @@ LAYOUTS = ["dp2", "dp2 zero3 ac-selective", "tp2 sp", "cp2 ulysses", "pp2"]
 def _compiled_run(layout: str) -> dict:
     """Engine side: `engine_run` under `layout` + compile, from an empty dynamo cache."""
     import torch._dynamo
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from colab_par.compat import compile_seconds
 
     torch._dynamo.reset()
     before = compile_seconds()
-    result = engine_run(f"{layout} compile", steps=STEPS)
-    return {**result, "compile_s": compile_seconds() - before}
+    fused: list[bool] = []
+    hook = register_optimizer_step_post_hook(
+        lambda optimizer, args, kwargs: fused.append(all(g["fused"] for g in optimizer.param_groups)))
+    try:
+        result = engine_run(f"{layout} compile", steps=STEPS)
+    finally:
+        hook.remove()
+    return {**result, "compile_s": compile_seconds() - before, "fused_steps": fused}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_compiled_layout_trains_like_eager_single_process(cluster2, layout: str) -> None:
     results = cluster2.run(_compiled_run, layout)
     assert all(r["compile_s"] > 0 for r in results), [r["compile_s"] for r in results]
+    assert all(r["fused_steps"] == [True] * STEPS for r in results), [r["fused_steps"] for r in results]
     assert_parity(results, reference_run("gpt", STEPS))
+
+
+def _regression(seed: int = 0) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A two-layer net and a learnable target (a fixed random linear map of the inputs)."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(64, 16, generator=gen)
+    targets = inputs @ torch.randn(16, 4, generator=gen)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    return model, inputs, targets
+
+
+def _fit(optimizer_fn, steps: int = STEPS) -> tuple[list[float], list[torch.Tensor], torch.optim.Optimizer]:
+    model, inputs, targets = _regression()
+    optimizer = optimizer_fn(model.parameters())
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, [p.detach() for p in model.parameters()], optimizer
+
+
+OPTIMIZERS = {
+    "AdamW": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    "Adam": lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True),
+    "SGD": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "Adagrad": lambda params: torch.optim.Adagrad(params, lr=1e-1),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_fused_optimizer_compile_picks_trains_like_the_one_the_user_built(name: str) -> None:
+    """Same losses (1e-5 relative: the fused kernel only reorders float32 roundings, ~1e-7 a step)
+    and parameters over 10 steps as torch's default implementation of the same optimizer."""
+    from colab_par.parallel.compile import fused_optimizer_fn
+
+    losses, params, plain = _fit(OPTIMIZERS[name])
+    fused_losses, fused_params, fused = _fit(fused_optimizer_fn(OPTIMIZERS[name], True))
+    assert not any(g["fused"] for g in plain.param_groups)
+    assert type(fused) is type(plain) and all(g["fused"] for g in fused.param_groups)
+    torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(losses), rtol=1e-5, atol=0.0)
+    for got, want in zip(fused_params, params):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class _OwnAdamW(torch.optim.AdamW):
+    """A user's optimizer class (outside torch.optim): its constructor may mean anything."""
+
+
+@pytest.mark.parametrize("optimizer_fn", [
+    lambda params: torch.optim.AdamW(params, fused=False),
+    lambda params: torch.optim.AdamW(params, foreach=True),
+    lambda params: torch.optim.AdamW(params, differentiable=True),
+    lambda params: _OwnAdamW(params),
+    lambda params: torch.optim.RMSprop(params),
+], ids=["fused=False", "foreach=True", "differentiable", "own subclass", "no fused kernel"])
+def test_an_optimizer_the_user_configured_or_torch_cannot_fuse_stays_as_built(optimizer_fn) -> None:
+    from colab_par.parallel.compile import fused_optimizer_fn
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    built = fused_optimizer_fn(optimizer_fn, True)(params)
+    assert not any(g.get("fused") for g in built.param_groups)
+    assert fused_optimizer_fn(optimizer_fn, False) is optimizer_fn
+
+
+def test_fused_optimizer_checkpoints_read_as_the_users_and_loading_keeps_the_kernel() -> None:
+    """A compiled layout's optimizer state loads into an eager one unchanged (fused: None) and back."""
+    from colab_par.parallel.compile import fused_optimizer_fn
+
+    make = OPTIMIZERS["AdamW"]
+    *_, fused = _fit(fused_optimizer_fn(make, True), steps=2)
+    *_, plain = _fit(make, steps=2)
+    saved = fused.state_dict()
+    assert [g["fused"] for g in saved["param_groups"]] == [None]
+    plain.load_state_dict(saved)
+    assert [g["fused"] for g in plain.param_groups] == [None]
+    fused.load_state_dict(plain.state_dict())
+    assert [g["fused"] for g in fused.param_groups] == [True]
+
+
+def _fused_flags(layout: str) -> bool:
+    """Engine side: whether compile's optimizer over `layout`'s parameters is fused, after a step."""
+    from colab_par import parallelize
+    from colab_par.parallel.compile import fused_optimizer_fn
+
+    pm = parallelize(build_model("gpt", SEED), layout)
+    optimizer = fused_optimizer_fn(lambda params: torch.optim.AdamW(params, lr=1e-3), True)(
+        [p for p in pm.model.parameters() if p.requires_grad])
+    pm.forward_backward(*training_batches("gpt", 1)[0])
+    optimizer.step()
+    return all(group["fused"] for group in optimizer.param_groups)
+
+
+def test_parameters_of_mixed_kinds_keep_the_per_parameter_optimizer(cluster2) -> None:
+    """tp without sp leaves the norms plain beside DTensor projections; one fused call cannot take
+    both, so that optimizer stays torch's default (and steps), while tp+sp's all-DTensor one fuses."""
+    assert cluster2.run(_fused_flags, "tp2") == [False, False]
+    assert cluster2.run(_fused_flags, "tp2 sp") == [True, True]
+
+
+def test_a_block_past_the_recompile_limit_raises_instead_of_running_eager() -> None:
+    """Dynamo's own behaviour is a log line and eager from then on; a compiled layout says so."""
+    import torch._dynamo
+
+    from colab_par.parallel.compile import apply_compile
+
+    blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])
+    apply_compile([(blocks, str(i), block) for i, block in enumerate(blocks)], True)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1, automatic_dynamic_shapes=False):
+        for block in blocks:  # both blocks share the code compiled for this shape
+            block(torch.randn(3, 8)).sum().backward()
+        with pytest.raises(RuntimeError, match=r"recompile_limit = 1\) and would run eager"):
+            blocks[0](torch.randn(5, 8))
+    torch._dynamo.reset()
 
 
 def _trainer_rows(layout: str) -> list[list[dict]]:

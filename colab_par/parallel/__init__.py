@@ -31,7 +31,7 @@ from colab_par.parallel.batch import (LabelMean, batch_to, call_model, check_bat
                                       default_loss, labels_of, slice_batch)
 from colab_par.parallel.blocks import find_blocks
 from colab_par.parallel.checkpointing import apply_activation_checkpointing
-from colab_par.parallel.compile import apply_compile, check_compiler
+from colab_par.parallel.compile import apply_compile, check_compiler, fused_optimizer_fn
 from colab_par.parallel.context import apply_context_parallel, sequence_positions, shard_sequence
 from colab_par.parallel.data_parallel import (GradientAverager, apply_ddp, apply_fsdp, build_optimizer,
                                               needs_gradient_averager)
@@ -372,7 +372,8 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
                                _part_blocks(part, block_types, block_names), fill, adapters) for part in parts]
 
     params = [p for part in parts for p in part.parameters() if p.requires_grad]  # frozen ones get no state
-    optimizer = build_optimizer(params, optimizer_fn, layout, mesh["dp"].get_group())
+    optimizer = build_optimizer(params, fused_optimizer_fn(optimizer_fn, layout.compile), layout,
+                                mesh["dp"].get_group())
     experts = set(map(id, expert_averager.params)) if expert_averager else set()
     averager = (GradientAverager([p for p in params if id(p) not in experts], dp_cp_mesh.get_group(),
                                  then=expert_averager)

@@ -7,20 +7,29 @@ to the same module) puts on the block run outside the compiled code. Blocks of o
 one code object, so dynamo compiles a model once per input shape (parameters are graph inputs,
 not guarded constants) and reuses that code in every later cell; tensor-parallel blocks compile
 their DTensor arithmetic. Numerics stay those of eager up to inductor's reordering of float sums.
+
+Choosing `compile` also chooses torch's fused optimizer kernel where the user's optimizer has one
+and left the implementation open (`fused_optimizer_fn`): on CPU the per-parameter loop of AdamW
+costs as much as everything compiling saves inside the blocks. And a block that hits dynamo's
+recompile limit stops with an error instead of running eager from then on (`_guarded_call`).
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import shutil
 from typing import Any, Callable
 
 import torch
+import torch._dynamo
+from torch._dynamo.exc import FailOnRecompileLimitHit
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from colab_par.compat import tree_map
 from colab_par.parallel.blocks import Block
 
-__all__ = ["apply_compile", "check_compiler"]
+__all__ = ["apply_compile", "check_compiler", "fused_optimizer_fn"]
 
 
 def apply_compile(blocks: list[Block], enabled: bool) -> list[Block]:
@@ -31,9 +40,65 @@ def apply_compile(blocks: list[Block], enabled: bool) -> list[Block]:
     compiled: list[Block] = []
     for container, key, _ in blocks:
         outer = container.get_submodule(key)
-        outer.forward = _settling_inputs(torch.compile(outer.forward))
+        outer.forward = _guarded_call(torch.compile(outer.forward))
         compiled.append((container, key, outer))
     return compiled
+
+
+def fused_optimizer_fn(optimizer_fn: Callable, enabled: bool) -> Callable:
+    """`optimizer_fn`, whose optimizer runs torch's fused kernel when `enabled` (the layout compiles).
+
+    Only a torch.optim class that has one (Adam, AdamW, SGD, Adagrad), built with neither `fused`
+    nor `foreach` given, not differentiable, its parameters on devices the fused kernels support
+    and all plain tensors or all DTensors of one mesh (one fused call takes them all together):
+    the same update, one kernel over all parameters instead of a handful of ops per parameter. An
+    optimizer the user configured explicitly, or any other, is returned as built."""
+    if not enabled:
+        return optimizer_fn
+
+    @functools.wraps(optimizer_fn)
+    def build(params: Any) -> torch.optim.Optimizer:
+        return _fused_twin(optimizer_fn(params))
+    return build
+
+
+def _fused_twin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """`optimizer` rebuilt (before any step) with ``fused=True`` where that changes only its speed.
+
+    Its state dicts say ``fused: None`` as the user's own optimizer would, and loading one keeps
+    the fused kernel, so checkpoints move freely between compiled and eager layouts."""
+    kind, defaults = type(optimizer), optimizer.defaults
+    accepted = inspect.signature(kind.__init__).parameters
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    devices = _get_fused_kernels_supported_devices()
+    if (not kind.__module__.startswith("torch.optim.")
+            or "fused" not in accepted
+            or defaults.get("fused") is not None or defaults.get("foreach") is not None
+            or defaults.get("differentiable") or _has_stepped(optimizer) or not params
+            or any(p.device.type not in devices or not p.is_floating_point() for p in params)
+            or len({getattr(p, "device_mesh", None) for p in params}) > 1):
+        return optimizer
+    settings = {key: value for key, value in defaults.items() if key in accepted}
+    twin = kind([{**group, "fused": True} for group in optimizer.param_groups], **{**settings, "fused": True})
+    twin.register_state_dict_post_hook(_as_configured)
+    twin.register_load_state_dict_post_hook(_keep_fused)
+    return twin
+
+
+def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` holds the state of a step (Adagrad creates step-0 state on construction)."""
+    return any(float(state.get("step", 0)) > 0 for state in optimizer.state.values())
+
+
+def _as_configured(optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    for group in state["param_groups"]:
+        group["fused"] = None
+    return state
+
+
+def _keep_fused(optimizer: torch.optim.Optimizer) -> None:
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = True, None
 
 
 def check_compiler(device: torch.device) -> None:
@@ -48,18 +113,31 @@ def check_compiler(device: torch.device) -> None:
                            "'compile' from the layout")
 
 
-def _settling_inputs(compiled: Callable) -> Callable:
+def _guarded_call(compiled: Callable) -> Callable:
     """`compiled` called with its inputs' pending collectives finished first.
 
     Tensor parallel's output styles hand the next module a tensor whose all-reduce is still in
     flight (an `AsyncCollectiveTensor`, see `torch.distributed.tensor.parallel`); compiled code
     given one returns a plain gradient where DTensor's redistribute needs a DTensor in backward.
-    A non-view op on it waits and gives a plain tensor, with its autograd history."""
+    A non-view op on it waits and gives a plain tensor, with its autograd history.
+
+    Dynamo compiles a code object for at most `torch._dynamo.config.recompile_limit` input shapes
+    (or guard failures) and then silently runs new ones eager; here that limit is an error that
+    says why, since the user asked for compiled steps."""
     def settle(value: Any) -> Any:
         return value.clone() if hasattr(value, "trigger_wait") else value
 
     @functools.wraps(compiled)
     def call(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = tree_map(settle, (args, kwargs))
-        return compiled(*args, **kwargs)
+        try:
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                return compiled(*args, **kwargs)
+        except FailOnRecompileLimitHit as error:
+            limit = torch._dynamo.config.recompile_limit
+            raise RuntimeError(
+                f"compile: a block was compiled for {limit} different input shapes or guards "
+                f"(torch._dynamo.config.recompile_limit = {limit}) and would run eager from now on; "
+                "feed batches of fixed shapes (pad or bucket the sequence length), raise "
+                "torch._dynamo.config.recompile_limit, or drop 'compile' from the layout") from error
     return call
