@@ -19,11 +19,19 @@ def _hub_completed(cluster) -> int:
 def _where_am_i() -> str:
     import os
 
-    return f"{rank}:{os.getpid()}"  # noqa: F821 - `rank` is an engine global  # type: ignore[name-defined]
+    return f"{_engine_global('rank')}:{os.getpid()}"
+
+
+def _engine_global(name: str):
+    """A variable of the engine's user namespace (functions of this file are shipped by value,
+    with this module's globals, not the engine's)."""
+    from IPython import get_ipython
+
+    return get_ipython().user_ns[name]
 
 
 def _shout(text: str) -> int:
-    print(text, "on rank", rank)  # noqa: F821 - engine global  # type: ignore[name-defined]
+    print(text, "on rank", _engine_global("rank"))
     return len(text)
 
 
@@ -59,11 +67,10 @@ def test_run_and_cells_bypass_the_controller_queue(cluster2):
 
 def test_direct_and_ipyparallel_share_one_namespace(cluster2):
     cluster2.execute("shared_by_both = rank + 100")
-    through_hub = cluster2._client[cluster2._engine_ids].apply_sync(
-        lambda: shared_by_both)  # noqa: F821 - engine global
+    through_hub = cluster2._client[cluster2._engine_ids].apply_sync(_engine_global, "shared_by_both")
     assert through_hub == [100, 101]
     cluster2._client[cluster2._engine_ids].execute("set_by_hub = rank * 3", block=True)
-    assert cluster2.run(lambda: set_by_hub) == [0, 3]  # noqa: F821 - engine global
+    assert cluster2.run(_engine_global, "set_by_hub") == [0, 3]
 
 
 def test_errors_carry_ipython_tracebacks_as_through_the_hub(cluster2):
