@@ -19,7 +19,7 @@ from typing import Any, Callable
 __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_path", "flatten_mesh",
            "STAGE_COMPUTE_HOOKS", "check_stage_compute_hooks", "hf_tp_plan",
            "ipp_engine_kernel_class", "ENGINE_MAIN_CODE", "ENGINE_MAIN_FILE", "task_futures",
-           "engine_kernel", "engine_shell", "flush_in_order", "engine_idents", "mux_stream", "client_context",
+           "engine_kernel", "engine_shell", "after_output", "engine_idents", "mux_stream", "client_context",
            "client_io_loop", "client_reply_handler", "unanswered",
            "checkpoint_wrapper", "sdpa_aten_ops",
            "torch_dispatch_mode", "device_constructors", "op_schema", "storage_key", "module_reset",
@@ -185,17 +185,25 @@ def engine_shell(kernel: Any) -> tuple[Any, Callable[[Any, list], Any]] | None:
     return lock, dispatch
 
 
-def flush_in_order(*streams: Any) -> None:
-    """Queue a flush of ipykernel's output streams on their I/O thread without waiting for it
-    (`OutStream._flush` and `pub_thread.schedule`, undocumented): what is published afterwards
-    (the idle status that ends a task's output) still follows the output. `OutStream.flush`
-    waits for that thread, a thread round trip per stream."""
-    for stream in streams:
-        schedule, flush = getattr(getattr(stream, "pub_thread", None), "schedule", None), getattr(stream, "_flush", None)
-        if schedule is None or flush is None:
+def after_output(streams: list[Any], then: Callable[[], None]) -> None:
+    """Call `then` (a publication, e.g. the idle status that ends a task's output) after the
+    pending output of ipykernel's `streams` is published, without waiting for it here: both are
+    queued on the streams' output thread (`OutStream._flush`, `pub_thread.schedule`,
+    undocumented), where a flush queues its message again, so `then` runs there after the flush.
+    `OutStream.flush` would wait for that thread instead: a thread round trip per stream."""
+    schedule = getattr(getattr(streams[0], "pub_thread", None), "schedule", None)
+    if schedule is None or not all(hasattr(stream, "_flush") for stream in streams):
+        for stream in streams:
             stream.flush()
-        else:
-            schedule(flush)
+        then()
+        return
+
+    def flush_then() -> None:
+        for stream in streams:
+            stream._flush()
+        then()
+
+    schedule(flush_then)
 
 
 def engine_idents(client: Any, engine_ids: list[int]) -> tuple[list[bytes], list[int]]:

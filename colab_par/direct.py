@@ -4,7 +4,7 @@ ipyparallel routes every request client → controller's queue → engine and ev
 same way: 2-3 ms of a trivial call's round trip on a loaded 2-core host, twice Monarch's whole
 round trip. Here each engine listens on a socket of its own (`serve`, opened at bootstrap), and
 the client sends the very same ipyparallel messages there: the engine's kernel runs them as it
-runs its controller's (`compat.dispatch_shell_on`: the same handlers, namespace, SIGINT handling,
+runs its controller's (`compat.engine_shell`: the same handlers, namespace, SIGINT handling,
 error replies with IPython's tracebacks, busy/idle status) and its output still travels on
 ipyparallel's iopub channel. The client files the requests and replies in ipyparallel's own
 books (`Client.send_apply_request` / `send_execute_request` with the engine's identity), so the
@@ -55,7 +55,7 @@ async def _dispatch(kernel: Any, lock: Any, dispatch_shell: Callable[[Any, list]
     """One request, in turn with the controller's. A call (``apply_request``) runs through
     ipyparallel's own `do_apply` (the user namespace, IPython's traceback on error) between the
     kernel's own steps, as `Kernel.dispatch_shell` takes them, less what no one reads: its debug
-    logging, its waits for the output thread (`compat.flush_in_order` keeps the order) and the
+    logging, its waits for the output thread (`compat.after_output` keeps the order) and the
     "busy" status (client and hub act on "idle" only, which ends the task's output); anything
     else (a cell) goes to dispatch_shell."""
     async with lock:
@@ -68,9 +68,9 @@ async def _dispatch(kernel: Any, lock: Any, dispatch_shell: Callable[[Any, list]
         try:
             if kernel.should_handle(stream, msg, idents):  # a request aborted meanwhile is answered so
                 _apply(kernel, stream, idents, msg)
-        finally:
-            compat.flush_in_order(sys.stdout, sys.stderr)
-            kernel._publish_status("idle", "shell")
+        finally:  # "idle" ends the task's output for the client: it must follow that output
+            compat.after_output([sys.stdout, sys.stderr],
+                                lambda: kernel._publish_status("idle", "shell", parent=msg))
 
 
 def _apply(kernel: Any, stream: Any, idents: list, msg: dict) -> None:
@@ -83,7 +83,6 @@ def _apply(kernel: Any, stream: Any, idents: list, msg: dict) -> None:
     finally:
         kernel.shell_is_blocking = False
         kernel.post_handler_hook()
-    compat.flush_in_order(sys.stdout, sys.stderr)
     kernel.session.send(stream, "apply_reply", reply, parent=msg, ident=idents, buffers=buffers,
                         metadata=kernel.finish_metadata(msg, metadata, reply))
 

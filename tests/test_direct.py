@@ -2,6 +2,7 @@
 controller's queue, and behave as through it (same namespace, errors, output, interrupts)."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -76,13 +77,14 @@ def test_direct_and_ipyparallel_share_one_namespace(cluster2):
 def test_errors_carry_ipython_tracebacks_as_through_the_hub(cluster2):
     with pytest.raises(EngineError) as direct_error:
         cluster2.run(_fails)
-    text = str(direct_error.value)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(direct_error.value))
     assert "ValueError: broken on purpose (ranks 0,1)" in text
-    assert "_fails" in text and 'raise ValueError("broken on purpose")' in text
     through_hub = cluster2._client[cluster2._engine_ids[0]].apply_async(_fails)
     through_hub.wait(30)
     hub_error = through_hub.exception()
-    assert hub_error.ename == "ValueError" and "_fails" in "".join(hub_error.traceback)
+    hub_text = re.sub(r"\x1b\[[0-9;]*m", "", hub_error.traceback)
+    assert hub_error.ename == "ValueError"
+    assert "in _fails()" in hub_text and "in _fails()" in text  # IPython's traceback, both routes
     cluster2.clear_errors()
 
 
