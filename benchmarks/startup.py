@@ -25,7 +25,10 @@ Warm round trip: a no-op called on every worker, median of 50. Edit-run: a funct
 value (as after an edit) that builds a small transformer, wraps it in DDP and trains one step,
 median of 10, against a torchrun relaunch of the same work; the ratio is relaunch / warm call.
 
-    python benchmarks/startup.py [--rounds 5]
+Idle cost (`--idle`): a started 2-engine cluster left alone for 15 s, the CPU time of this process
+and every process below it (controller, engines, zygotes) read from /proc before and after.
+
+    python benchmarks/startup.py [--rounds 5] [--idle]
 """
 from __future__ import annotations
 
@@ -208,6 +211,37 @@ def sample_arm(python: str, arm: str) -> dict[str, float]:
             **({"forked": stamps["forked"]} if "forked" in stamps else {})}
 
 
+def _cpu_seconds(pids: set[int]) -> float:
+    """utime + stime of `pids` from /proc (processes gone meanwhile count zero)."""
+    ticks, total = os.sysconf("SC_CLK_TCK"), 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / ticks
+
+
+def idle_cpu(seconds: float = 15.0) -> None:
+    """Percent of one core that a running, idle 2-engine cluster costs (all its processes)."""
+    from colab_par import Cluster
+    from colab_par.cluster import descendant_pids
+
+    cluster = Cluster(n=2, backend="gloo", dashboard=False).start()
+    for _ in range(50):
+        cluster.run(noop)  # the direct channels are open and used
+    time.sleep(1.0)
+    pids = descendant_pids() | {os.getpid()}
+    before = _cpu_seconds(pids)
+    time.sleep(seconds)
+    spent = _cpu_seconds(pids) - before
+    print(f"idle {seconds:.0f} s, {len(pids)} processes: {spent:.2f} s CPU = "
+          f"{100 * spent / seconds:.1f} % of one core")
+    cluster.stop()
+
+
 def monarch_python() -> str:
     """Monarch's interpreter, in its own venv (created and filled once, then reused). torch is
     pinned to the project's version, so both arms import the same torch."""
@@ -240,7 +274,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="samples per arm (at least 3)")
     parser.add_argument("--arm", help=argparse.SUPPRESS)  # one sample, in this fresh process
+    parser.add_argument("--idle", action="store_true", help="measure a running cluster's idle CPU")
     args = parser.parse_args()
+    if args.idle:
+        idle_cpu()
+        return
     if args.arm:
         runs = {"colab_par": lambda: arm_colab_par(False), "colab_par_nopool": lambda: arm_colab_par(False),
                 "colab_par_notebook": lambda: arm_colab_par(True),

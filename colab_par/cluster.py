@@ -21,7 +21,7 @@ import ipyparallel as ipp
 import psutil
 from traitlets.config import Config
 
-from colab_par import compat, debugger, engine, persist, postmortem, probe, recovery, warm_pool
+from colab_par import compat, debugger, direct, engine, persist, postmortem, probe, recovery, warm_pool
 from colab_par import pull as pulled
 from colab_par.backend import BACKENDS, choose_backend, device_problems, local_ranks
 from colab_par.launchers import SSH, Launcher, Slurm, launcher_from, launcher_from_state, launcher_state
@@ -115,6 +115,7 @@ class Cluster:
         self._ipp_options = ipp_options
         self._ipp: ipp.Cluster | None = None
         self._client: ipp.Client | None = None
+        self._direct: direct.Channels | None = None  # calls to engines on this host, controller bypassed
         self._engine_ids: list[int] = []
         self._hosts: list[dict[str, Any]] = []
         self._pids: set[int] = set()
@@ -170,6 +171,7 @@ class Cluster:
         try:
             self._ipp.start_cluster_sync(n=n)
             self._client = self._ipp.connect_client_sync()
+            self._direct = direct.Channels(self._client)
             self._wait_for_engines(n)
             self._engine_ids = sorted(self._client.ids)[:n]
             self._pids = descendant_pids() - before
@@ -191,6 +193,7 @@ class Cluster:
         started = self.pids
         if self._client is not None:
             self._shutdown_engines(engine_pids)
+            self._direct.close()
             self._client.close()
         if self._ipp is not None:
             try:
@@ -205,6 +208,7 @@ class Cluster:
         if self._ipp is not None and self.persist:
             persist.remove_record(self._record_path())
         self._ipp, self._client, self._engine_ids, self._hosts, self._pids = None, None, [], [], set()
+        self._direct = None
         self._stack_files = []
         self.devices = []
         _LIVE.discard(self)
@@ -248,10 +252,10 @@ class Cluster:
     # ---- running code ---------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every rank; results in rank order."""
-        view = self._view(None)
+        ranks = self._checked_ranks(None)
         ship_by_value(fn, *args, *kwargs.values())
-        result = view.apply_async(fn, *args, **kwargs)
-        self._wait(result, self._ranks_of(view.targets), stream=False, source=_source_file(fn))
+        result = self._apply(ranks, fn, *args, **kwargs)
+        self._wait(result, ranks, stream=False, source=_source_file(fn))
         return values(result, self._engine_ids)
 
     def submit(self, rank: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -320,13 +324,12 @@ class Cluster:
 
     def _execute_once(self, code: str, targets: Sequence[int] | None, all_output: bool,
                       namespace: dict[str, Any] | None) -> None:
-        view = self._view(targets)
-        ranks = self._ranks_of(view.targets)
+        ranks = self._checked_ranks(targets)
         if namespace:
-            shipped = view.apply_async(engine.update_namespace, payload(namespace))
+            shipped = self._apply(ranks, engine.update_namespace, payload(namespace))
             self._wait(shipped, ranks, stream=False)
             values(shipped, self._engine_ids)
-        result = view.execute(code, silent=False, block=False)
+        result = self._direct.execute([self._engine_ids[r] for r in ranks], code)
         try:
             output = self._wait(result, ranks, stream=True, cell=code)
         finally:  # a restartable Trainer in the cell said how to recover it
@@ -370,6 +373,8 @@ class Cluster:
         cluster._hosts = [{k: v for k, v in info.items() if k != "local"} for info in record["hosts"]]
         cluster._stack_files, cluster._pids = record["stack_files"], persist.live_pids(record["pids"])
         cluster.generation, cluster.created = record["generation"], record["created"]
+        cluster._direct = direct.Channels(cluster._client)
+        cluster._open_direct(cluster._live_ranks())  # the engines' own, opened when they started
         return cluster
 
     @property
@@ -422,6 +427,7 @@ class Cluster:
         view = self._client[fresh]
         view.use_cloudpickle().get(timeout=self.timeout)
         hosts = view.apply_async(engine.host_info, self._controller_address()).get(timeout=self.timeout)
+        self._direct.forget([self._engine_ids[rank] for rank in dead])
         for rank, engine_id, info in zip(dead, fresh, hosts):
             self._engine_ids[rank], self._hosts[rank] = engine_id, info
         self._set_up(dead)
@@ -543,7 +549,7 @@ class Cluster:
         """Refuse ranks running a task (a `submit` still working): what is asked would queue
         behind it. The hub learns of a finished task a moment after its result, hence the grace."""
         ranks = list(ranks)
-        self._view(ranks)  # checks that they exist and live
+        self._checked_ranks(ranks)
         deadline = time.monotonic() + grace_s
         while busy := [rank for rank in ranks if rank not in self._idle_ranks(ranks)]:
             if time.monotonic() > deadline:
@@ -557,7 +563,7 @@ class Cluster:
 
     def _call(self, rank: int, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on one rank (the kit's own quick engine functions)."""
-        result = self._view([rank]).apply_async(fn, *args)
+        result = self._apply(self._checked_ranks([rank]), fn, *args)
         if not result.wait(self.timeout):
             raise TimeoutError(f"rank {rank} did not answer within {self.timeout:.0f}s")
         return values(result, self._engine_ids)[0]
@@ -656,6 +662,7 @@ class Cluster:
             self._stack_files[rank] = path
         view.apply_async(probe.install).get(timeout=self.timeout)
         view.apply_async(postmortem.install).get(timeout=self.timeout)
+        self._open_direct(ranks)
         hosts = [info["host"] for info in self._hosts]
         local_rank = local_ranks(self._hosts)
         bind = {r: self._client[[self._engine_ids[r]]].apply_async(engine.bind_device, local_rank[r],
@@ -663,6 +670,15 @@ class Cluster:
                 for r in ranks}
         for rank, result in bind.items():
             self.devices[rank] = self._get(result, rank)
+
+    def _open_direct(self, ranks: list[int]) -> None:
+        """Direct channels to the engines of `ranks` on this host (`colab_par.direct`), opened before
+        a rank first joins a world (the connections it makes after that are the world's)."""
+        local = [r for r in ranks if self._is_local(self._hosts[r])]
+        if local:
+            ids = [self._engine_ids[r] for r in local]
+            urls = self._client[ids].apply_async(direct.serve, "127.0.0.1").get(timeout=self.timeout)
+            self._direct.connect(dict(zip(ids, urls)))
 
     def _seed(self, ranks: Iterable[int]) -> None:
         if self.seed is not None:
@@ -715,7 +731,8 @@ class Cluster:
             raise RuntimeError("no engines are running; start them with `%colossal start` "
                                "(or colab_par.Cluster(n=2).start())")
 
-    def _view(self, targets: Sequence[int] | None) -> Any:
+    def _checked_ranks(self, targets: Sequence[int] | None) -> list[int]:
+        """`targets` (default: every rank), refused when one does not exist or its engine died."""
         self._require_running()
         ranks = list(range(self.n)) if targets is None else list(targets)
         bad = [r for r in ranks if not 0 <= r < self.n]
@@ -723,13 +740,12 @@ class Cluster:
             raise ValueError(f"rank(s) {ranks_text(bad)} do not exist; this cluster has ranks "
                              f"0..{self.n - 1}")
         self._raise_if_dead(ranks)
-        view = self._client[[self._engine_ids[r] for r in ranks]]
-        view.block = False
-        return view
+        return ranks
 
-    def _ranks_of(self, engine_ids: Any) -> list[int]:
-        ids = engine_ids if isinstance(engine_ids, list) else [engine_ids]
-        return [self._engine_ids.index(eid) for eid in ids]
+    def _apply(self, ranks: list[int], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Start ``fn(*args, **kwargs)`` on `ranks` (direct channel where there is one,
+        `colab_par.direct`); an ipyparallel AsyncResult with one result per rank."""
+        return self._direct.apply([self._engine_ids[r] for r in ranks], fn, args, kwargs)
 
     def _dead_ranks(self) -> list[int]:
         registered = set(self._client.ids) if self._client is not None else set()
@@ -891,10 +907,13 @@ class Cluster:
         return {rank: reply for rank, reply in replies.items() if reply.get("status") == "ok"}
 
     def _idle_ranks(self, ranks: list[int]) -> set[int]:
-        """The live ones of `ranks` that have no task queued or running, as the hub knows."""
+        """The live ones of `ranks` that have no task queued or running: none the hub knows of, and
+        none of this client's still unanswered (the direct channel's pass the hub by)."""
         live = set(self._live_ranks())
         queues = self._client.queue_status(targets=[self._engine_ids[r] for r in ranks if r in live])
-        return {rank for rank in ranks if rank in live and queues[self._engine_ids[rank]]["queue"] == 0}
+        waiting = compat.unanswered(self._client)
+        return {rank for rank in ranks if rank in live and queues[self._engine_ids[rank]]["queue"] == 0
+                and not waiting.get(self._engine_ids[rank])}
 
     def _live_ranks(self) -> list[int]:
         dead = set(self._dead_ranks())

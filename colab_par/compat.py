@@ -19,6 +19,8 @@ from typing import Any, Callable
 __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_path", "flatten_mesh",
            "STAGE_COMPUTE_HOOKS", "check_stage_compute_hooks", "hf_tp_plan",
            "ipp_engine_kernel_class", "ENGINE_MAIN_CODE", "ENGINE_MAIN_FILE", "task_futures",
+           "engine_kernel", "engine_shell", "after_output", "engine_idents", "mux_stream", "client_context",
+           "client_io_loop", "client_reply_handler", "unanswered",
            "checkpoint_wrapper", "sdpa_aten_ops",
            "torch_dispatch_mode", "device_constructors", "op_schema", "storage_key", "module_reset",
            "triton_interpreted", "tree_flatten", "tree_unflatten", "tree_map", "tree_leaves",
@@ -150,6 +152,100 @@ def ipp_engine_kernel_class() -> type:
     except ImportError:
         raise _missing("ipyparallel", "ipyparallel.engine.kernel.IPythonParallelKernel") from None
     return IPythonParallelKernel
+
+
+def engine_kernel() -> Any:
+    """The running engine's kernel (`ipykernel.kernelbase.Kernel.instance()`)."""
+    from ipykernel.kernelbase import Kernel
+
+    return Kernel.instance()
+
+
+def engine_shell(kernel: Any) -> tuple[Any, Callable[[Any, list], Any]] | None:
+    """An engine's shell lock and dispatch for requests from another socket (`colab_par.direct`),
+    or None where this ipykernel lacks what they need.
+
+    Holding the lock (`Kernel._main_asyncio_lock`, undocumented) runs one request at a time with
+    those from the controller. ``dispatch(stream, frames)`` then runs a request exactly as the
+    kernel runs one from its controller (`Kernel.dispatch_shell`: SIGINT handling, busy/idle
+    status, aborts), with `stream` as the kernel's shell stream while it runs: the stream
+    dispatch_shell replies on."""
+    lock = getattr(kernel, "_main_asyncio_lock", None)
+    if (getattr(kernel, "_supports_kernel_subshells", True) or lock is None
+            or not hasattr(kernel, "dispatch_shell") or not hasattr(kernel, "shell_stream")):
+        return None
+
+    async def dispatch(stream: Any, frames: list) -> None:
+        own, kernel.shell_stream = kernel.shell_stream, stream
+        try:
+            await kernel.dispatch_shell(frames)
+        finally:
+            kernel.shell_stream = own
+
+    return lock, dispatch
+
+
+def after_output(streams: list[Any], then: Callable[[], None]) -> None:
+    """Call `then` (a publication, e.g. the idle status that ends a task's output) after the
+    pending output of ipykernel's `streams` is published, without waiting for it here: both are
+    queued on the streams' output thread (`OutStream._flush`, `pub_thread.schedule`,
+    undocumented), where a flush queues its message again, so `then` runs there after the flush.
+    `OutStream.flush` would wait for that thread instead: a thread round trip per stream."""
+    schedule = getattr(getattr(streams[0], "pub_thread", None), "schedule", None)
+    if schedule is None or not all(hasattr(stream, "_flush") for stream in streams):
+        for stream in streams:
+            stream.flush()
+        then()
+        return
+
+    def flush_then() -> None:
+        for stream in streams:
+            stream._flush()
+        then()
+
+    schedule(flush_then)
+
+
+def engine_idents(client: Any, engine_ids: list[int]) -> tuple[list[bytes], list[int]]:
+    """The zmq identities of engines, and their ids (`Client._build_targets`, private)."""
+    build = getattr(client, "_build_targets", None)
+    if build is None:
+        raise _missing("ipyparallel", "Client._build_targets")
+    return build(engine_ids)
+
+
+def mux_stream(client: Any) -> Any:
+    """The client's stream to the controller's direct queue (what DirectView sends on; private)."""
+    return _client_part(client, "_mux_stream")
+
+
+def client_context(client: Any) -> Any:
+    """The zmq context of an ipyparallel client (`Client._context`, private)."""
+    return _client_part(client, "_context")
+
+
+def client_io_loop(client: Any) -> Any:
+    """The event loop of the client's I/O thread, which owns its sockets (`Client._io_loop`)."""
+    return _client_part(client, "_io_loop")
+
+
+def client_reply_handler(client: Any) -> Callable[[list], None]:
+    """What the client does with an execute/apply reply from its queues (`Client._dispatch_reply`)."""
+    return _client_part(client, "_dispatch_reply")
+
+
+def unanswered(client: Any) -> dict[int, int]:
+    """How many of this client's requests each engine id has not answered yet
+    (`Client._outstanding_dict`, by engine uuid; private)."""
+    by_uuid, engines = _client_part(client, "_outstanding_dict"), _client_part(client, "_engines")
+    return {engine_id: len(by_uuid.get(uuid, ())) for engine_id, uuid in engines.items()}
+
+
+def _client_part(client: Any, name: str) -> Any:
+    part = getattr(client, name, None)
+    if part is None:
+        raise _missing("ipyparallel", f"Client.{name}")
+    return part
 
 
 # ---- activation checkpointing ----------------------------------------------------------------------

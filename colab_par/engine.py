@@ -11,7 +11,7 @@ import sys
 from datetime import timedelta
 from typing import Any, Sequence
 
-from colab_par import compat
+from colab_par import compat, direct
 from colab_par.backend import device_for
 
 __all__ = ["host_info", "visible_gpus", "bind_device", "socket_interfaces", "enable_stack_dumps",
@@ -217,12 +217,14 @@ def break_connections(addresses: Sequence[str]) -> None:
     if "nccl" in dist.get_backend():
         for group in compat.process_groups():
             group.abort()
-    _close_connections_to(set(addresses), exclude_port=int(os.environ.get("MASTER_PORT", 0)))
+    _close_connections_to(set(addresses), exclude_ports={int(os.environ.get("MASTER_PORT", 0)),
+                                                         direct.serving_port()} - {None})
 
 
-def _close_connections_to(addresses: set[str], exclude_port: int) -> None:
+def _close_connections_to(addresses: set[str], exclude_ports: set[int]) -> None:
     """Shut down the TCP connections this engine opened since it first joined a world (the gloo
-    pairs) to peers at `addresses`; the store's (`exclude_port`) and ipyparallel's are kept.
+    pairs) to peers at `addresses`; the store's and the client's direct channel's
+    (`exclude_ports`) and ipyparallel's are kept.
 
     Only this process's own sockets are looked at (never the namespace-wide /proc/net/tcp, which
     on a busy host holds many thousands of rows and took seconds to read)."""
@@ -236,7 +238,7 @@ def _close_connections_to(addresses: set[str], exclude_port: int) -> None:
                 remote_ip, remote_port = connection.getpeername()[:2]  # OSError unless connected
                 local_port = connection.getsockname()[1]
                 if (remote_ip.removeprefix("::ffff:") in addresses
-                        and exclude_port not in (local_port, remote_port)):
+                        and not exclude_ports & {local_port, remote_port}):
                     connection.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass  # not connected, or closed meanwhile
