@@ -205,6 +205,8 @@ def _rule_sizes(world: int | None, model_config: Any, global_batch: int | None) 
     if getattr(model_config, "model_type", None) or (isinstance(model_config, Mapping)
                                                      and model_config.get("hugging_face")):
         sizes["hugging_face"] = 1  # a Hugging Face config
+    if "ep_dispatch_experts" in (getattr(model_config, "base_model_ep_plan", None) or {}).values():
+        sizes["expert_plan"] = 1  # a Hugging Face MoE family whose experts ep can split
     if global_batch is not None:
         sizes["global_batch"] = global_batch
     return sizes
@@ -412,9 +414,10 @@ def _check_experts_split(layout: Any, world: int | None, sizes: dict, device: st
     if experts and experts % layout.ep:
         raise LayoutError(f"ep={layout.ep} does not divide the {experts} experts of each layer; "
                           f"{_suggest(experts, 'ep')}")
-    if sizes.get("hugging_face") or sizes.get("generic_model"):
-        raise LayoutError("expert parallel is built for the kit's MoE GPT (GPTConfig(n_experts=...)) "
-                          "so far; train this model with ep=1 (plain dp / zero)")
+    if sizes.get("generic_model") or (sizes.get("hugging_face") and not sizes.get("expert_plan")):
+        raise LayoutError("expert parallel splits the kit's MoE GPT (GPTConfig(n_experts=...)) and Hugging "
+                          "Face MoE families whose config has a base_model_ep_plan; this model has "
+                          "neither, train it with ep=1 (plain dp / zero)")
 
 
 @_rule("ep", "tp", "pp", "cp", "zero", "checkpointing", "compile")
