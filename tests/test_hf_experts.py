@@ -18,7 +18,8 @@ import torch
 
 from colab_par.layout import Layout, LayoutError
 from colab_par.telemetry import expert_row_key
-from parity import LR, SEED, assert_parity, build_model, engine_model, engine_run, reference_run
+from parity import (LR, SEED, assert_parity, build_model, engine_model, engine_run, engine_run_moved,
+                    reference_run)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 
@@ -115,3 +116,61 @@ def test_ep_needs_an_expert_plan() -> None:
     with pytest.raises(LayoutError, match="this model has none"):
         Layout.parse("dp2 ep2").validate(2, dense)
     Layout.parse("dp2 ep2").validate(2, build_model("mixtral", None).config)
+
+
+# ---- shard-first builds, checkpoints and Hugging Face files across ep layouts ------------------------
+@pytest.mark.parametrize("kind, layout", [("qwen3-moe-aux", "dp2 ep2"), ("gpt-moe", "dp2 ep2 zero3")])
+def test_ep_builds_shard_first_from_a_factory(cluster2, kind: str, layout: str) -> None:
+    """Each rank allocates only its experts, filled with rank 0's one-process init."""
+    assert_parity(cluster2.run(engine_run, layout, kind, STEPS, "factory"), reference_run(kind, STEPS))
+
+
+@pytest.mark.parametrize("kind, first, second", [("qwen3-moe-aux", "dp2 ep2", "dp2"),
+                                                 ("gpt-moe-aux", "dp2", "dp2 ep2 zero3")])
+def test_moe_checkpoint_moves_between_ep_and_dp(cluster2, tmp_path, kind: str, first: str, second: str) -> None:
+    """Half the steps under one layout, saved (DCP, model and optimizer), loaded under the other,
+    the rest there: equal to all steps in one process."""
+    assert_parity(cluster2.run(engine_run_moved, first, second, str(tmp_path), kind, STEPS),
+                  reference_run(kind, STEPS))
+
+
+def _save_then_load(kind: str, out: str) -> tuple[dict, dict]:
+    """A built model parallelized under dp2 ep2 and saved with save_pretrained, then read back by
+    from_pretrained under dp2 ep2 (each rank reading only its experts' slice): both full states."""
+    from colab_par import parallelize
+    from colab_par.hf_io import from_pretrained, save_pretrained
+
+    pm = parallelize(engine_model(kind, "module"), "dp2 ep2")
+    save_pretrained(pm, out)
+    return pm.full_state_dict(), from_pretrained(out, "dp2 ep2").full_state_dict()
+
+
+def _load_error(source: str) -> str | None:
+    from colab_par.hf_io import from_pretrained
+
+    try:
+        from_pretrained(source, "dp2 ep2")
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "gpt-oss"])
+def test_hf_files_save_and_load_under_ep(cluster2, tmp_path, kind: str) -> None:
+    """save_pretrained under ep writes the whole packed experts, which transformers reads back;
+    from_pretrained under ep reads them again. transformers' own per-expert files (Mixtral) are
+    refused with the way out; GPT-OSS's own files hold packed experts and load."""
+    import transformers
+
+    expected = build_model(kind, SEED).state_dict()
+    (saved, loaded), _ = cluster2.run(_save_then_load, kind, str(tmp_path / "kit"))
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "kit").state_dict()
+    for state in (saved, loaded, again):
+        for name, tensor in expected.items():
+            torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
+    build_model(kind, SEED).save_pretrained(tmp_path / "transformers")
+    errors = cluster2.run(_load_error, str(tmp_path / "transformers"))
+    if kind == "gpt-oss":
+        assert errors == [None, None]
+    else:
+        assert all("one tensor per expert" in (error or "") for error in errors), errors

@@ -337,9 +337,6 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
     factory = model if not isinstance(model, nn.Module) else None
     built_on_meta = factory is None and is_meta_model(model)
     layout.validate(dist.get_world_size(), getattr(model, "config", None))  # before building anything
-    if layout.ep > 1 and (factory is not None or built_on_meta):
-        raise ValueError("ep slices the experts of a built model (shard-first init of experts is not "
-                         "built yet); pass the model built on the CPU, not a factory or a meta model")
     model, record = _shard_first_model(model, layout, weights, example_batch)
     model, adapters, weights = attach_adapters(model, record, weights, layout, tp_plan=tp_plan,
                                                built_on_meta=built_on_meta)

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from colab_par.models.moe import inverse_permutation
 
-__all__ = ["hf_expert_layers", "HFExpertLayer", "GlobalBalanceLoss", "GatherRows", "balance_loss_for"]
+__all__ = ["hf_expert_layers", "packed_expert_names", "HFExpertLayer", "GlobalBalanceLoss", "GatherRows", "balance_loss_for"]
 
 DISPATCH_STYLE, EXPERT_WEIGHT_STYLE = "ep_dispatch_experts", "grouped_gemm"
 
@@ -64,6 +64,15 @@ def hf_expert_layers(model: nn.Module) -> list["HFExpertLayer"]:
             module.colab_par_experts = HFExpertLayer(module, names)
         layers.append(module.colab_par_experts)
     return layers
+
+
+def packed_expert_names(model: nn.Module) -> list[str]:
+    """State-dict names of the packed expert weights the ep plan names (leading dim = expert)."""
+    plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
+    weights = [_pattern(key) for key, style in plan.items() if style == EXPERT_WEIGHT_STYLE]
+    prefix = getattr(model, "base_model_prefix", "")
+    return [name for name, _ in model.named_parameters()
+            if any(w.fullmatch(name.removeprefix(f"{prefix}.")) for w in weights)]
 
 
 class HFExpertLayer:
