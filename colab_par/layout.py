@@ -420,20 +420,19 @@ def _check_experts_split(layout: Any, world: int | None, sizes: dict, device: st
                           "neither, train it with ep=1 (plain dp / zero)")
 
 
-@_rule("ep", "tp", "pp", "cp", "zero", "checkpointing", "compile")
+@_rule("ep", "tp", "pp", "cp", "zero", "compile")
 def _check_experts_compose(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     if layout.ep == 1:
         return
     others = [f"{name}={getattr(layout, name)}" for name in ("tp", "pp", "cp") if getattr(layout, name) > 1]
     if others:
-        raise LayoutError(f"ep composes with dp and zero so far, not with {', '.join(others)}; "
+        raise LayoutError(f"ep composes with dp, zero and activation checkpointing so far, not with "
+                          f"{', '.join(others)} (the experts' all-to-all is not built into tensor, "
+                          f"pipeline or context parallel yet); "
                           f"use e.g. 'dp{layout.dp} ep{layout.ep}' or drop ep")
     if layout.zero == 1:
         raise LayoutError("zero=1 (ZeroRedundancyOptimizer) would mix the different experts dp ranks "
                           "hold; with ep use zero=0, zero=2 or zero=3")
-    if layout.checkpointing != "none":
-        raise LayoutError("activation checkpointing would repeat the experts' all-to-all in backward, "
-                          "which is not built yet; with ep use checkpointing='none'")
     if layout.compile:
         raise LayoutError("compile is not proven with the experts' all-to-all (its token counts change "
                           "every step); with ep drop 'compile'")

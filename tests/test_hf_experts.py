@@ -44,6 +44,14 @@ def test_more_hf_moe_families_smoke(cluster2, kind: str) -> None:
     assert_parity(cluster2.run(engine_run, "dp2 ep2", kind, SMOKE_STEPS), reference_run(kind, SMOKE_STEPS))
 
 
+@pytest.mark.parametrize("kind", ["qwen3-moe-aux", "gpt-moe-aux"])
+@pytest.mark.parametrize("layout", ["dp2 ep2 ac-full", "dp2 ep2 zero3 ac-selective"])
+def test_ep_with_activation_checkpointing(cluster2, layout: str, kind: str) -> None:
+    """Backward recomputes each block's forward, all-to-all and balance statistics included, in the
+    same order on every rank: the same training."""
+    assert_parity(cluster2.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
+
+
 # ---- each rank holds its slice of the family's packed expert weights ------------------------------
 def _expert_pieces(kind: str, layout: str) -> tuple[int, dict[str, torch.Tensor]]:
     import torch.distributed as dist
