@@ -39,6 +39,12 @@ def test_hf_balance_loss_is_global_under_plain_dp(cluster2) -> None:
     assert_parity(cluster2.run(engine_run, "dp2", "qwen3-moe-aux", STEPS), reference_run("qwen3-moe-aux", STEPS))
 
 
+@pytest.mark.parametrize("layout", ["dp4 ep2", "dp4 ep2 zero3"])
+def test_two_ep_groups_train_like_transformers(cluster4, layout: str) -> None:
+    """Each expert on two ranks (edp): its gradient summed over them and divided by dp."""
+    assert_parity(cluster4.run(engine_run, layout, "mixtral-aux", STEPS), reference_run("mixtral-aux", STEPS))
+
+
 @pytest.mark.parametrize("kind", ["qwen2-moe-aux", "deepseek-v3", "gpt-oss-aux"])
 def test_more_hf_moe_families_smoke(cluster2, kind: str) -> None:
     assert_parity(cluster2.run(engine_run, "dp2 ep2", kind, SMOKE_STEPS), reference_run(kind, SMOKE_STEPS))
