@@ -19,7 +19,7 @@ import torch
 from colab_par.layout import Layout, LayoutError
 from colab_par.telemetry import expert_row_key
 from parity import (LR, SEED, assert_parity, build_model, engine_model, engine_run, engine_run_moved,
-                    reference_run)
+                    reference_run, training_batches)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 
@@ -56,6 +56,26 @@ def test_ep_with_activation_checkpointing(cluster2, layout: str, kind: str) -> N
     """Backward recomputes each block's forward, all-to-all and balance statistics included, in the
     same order on every rank: the same training."""
     assert_parity(cluster2.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
+
+
+def _experts_calls_per_step(layout: str, batch: tuple) -> int:
+    """How often the experts modules ran in one training step (forward, and any recomputation)."""
+    from colab_par import parallelize
+    from colab_par.parallel.experts import moe_layers
+
+    pm = parallelize(engine_model("qwen3-moe-aux", "module"), layout)
+    calls = []
+    for layer in moe_layers(pm.model):
+        layer.module.register_forward_pre_hook(lambda *args: calls.append(1))  # recomputation may stop early
+    pm.train_step(*batch)
+    return len(calls)
+
+
+def test_checkpointing_under_ep_recomputes_the_experts(cluster2) -> None:
+    """The parity above is not checkpointing silently off: backward runs each experts module again."""
+    batch = training_batches("qwen3-moe-aux", 1)[0]
+    assert cluster2.run(_experts_calls_per_step, "dp2 ep2", batch) == [2, 2]
+    assert cluster2.run(_experts_calls_per_step, "dp2 ep2 ac-full", batch) == [4, 4]
 
 
 # ---- each rank holds its slice of the family's packed expert weights ------------------------------
