@@ -206,6 +206,8 @@ def _rule_sizes(world: int | None, model_config: Any, global_batch: int | None) 
     if getattr(model_config, "model_type", None) or (isinstance(model_config, Mapping)
                                                      and model_config.get("hugging_face")):
         sizes["hugging_face"] = 1  # a Hugging Face config
+    if "ep_dispatch_experts" in (getattr(model_config, "base_model_ep_plan", None) or {}).values():
+        sizes["expert_plan"] = 1  # a Hugging Face MoE family whose experts ep can split
     if global_batch is not None:
         sizes["global_batch"] = global_batch
     return sizes
@@ -417,25 +419,25 @@ def _check_experts_split(layout: Any, world: int | None, sizes: dict, device: st
     if experts and experts % layout.ep:
         raise LayoutError(f"ep={layout.ep} does not divide the {experts} experts of each layer; "
                           f"{_suggest(experts, 'ep')}")
-    if sizes.get("hugging_face") or sizes.get("generic_model"):
-        raise LayoutError("expert parallel is built for the kit's MoE GPT (GPTConfig(n_experts=...)) "
-                          "so far; train this model with ep=1 (plain dp / zero)")
+    if sizes.get("generic_model") or (sizes.get("hugging_face") and not sizes.get("expert_plan")):
+        raise LayoutError("expert parallel splits the kit's MoE GPT (GPTConfig(n_experts=...)) and Hugging "
+                          "Face MoE families whose config has a base_model_ep_plan; this model has "
+                          "neither, train it with ep=1 (plain dp / zero)")
 
 
-@_rule("ep", "tp", "pp", "cp", "zero", "checkpointing", "compile")
+@_rule("ep", "tp", "pp", "cp", "zero", "compile")
 def _check_experts_compose(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     if layout.ep == 1:
         return
     others = [f"{name}={getattr(layout, name)}" for name in ("tp", "pp", "cp") if getattr(layout, name) > 1]
     if others:
-        raise LayoutError(f"ep composes with dp and zero so far, not with {', '.join(others)}; "
+        raise LayoutError(f"ep composes with dp, zero and activation checkpointing so far, not with "
+                          f"{', '.join(others)} (the experts' all-to-all is not built into tensor, "
+                          f"pipeline or context parallel yet); "
                           f"use e.g. 'dp{layout.dp} ep{layout.ep}' or drop ep")
     if layout.zero == 1:
         raise LayoutError("zero=1 (ZeroRedundancyOptimizer) would mix the different experts dp ranks "
                           "hold; with ep use zero=0, zero=2 or zero=3")
-    if layout.checkpointing != "none":
-        raise LayoutError("activation checkpointing would repeat the experts' all-to-all in backward, "
-                          "which is not built yet; with ep use checkpointing='none'")
     if layout.compile:
         raise LayoutError("compile is not proven with the experts' all-to-all (its token counts change "
                           "every step); with ep drop 'compile'")

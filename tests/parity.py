@@ -45,6 +45,38 @@ HF_DECODERS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Con
                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
                "phi3": ("Phi3Config", "Phi3ForCausalLM")}
 
+# Hugging Face mixture-of-experts families (tests/test_hf_experts.py): 2 layers of 4 experts, 2 per
+# token, every layer sparse; "<kind>-aux" switches the family's own load-balancing loss on with a
+# weight large enough that per-rank statistics would show.
+MOE_COMMON = dict(num_hidden_layers=2, num_experts_per_tok=2, router_aux_loss_coef=0.1)
+HF_MOE = {
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[])),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4)),
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                       mlp_only_layers=[])),
+    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1, n_group=1,
+                         topk_group=1, first_k_dense_replace=0, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)),
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, layer_types=None,
+                                                           attn_implementation="eager")),
+}
+
+
+def hf_moe_model(kind: str) -> torch.nn.Module:
+    """A tiny Hugging Face MoE model of `kind` (HF_MOE, optionally "-aux")."""
+    import transformers
+
+    family, aux = kind.removesuffix("-aux"), kind.endswith("-aux")
+    config_name, model_name, sizes = HF_MOE[family]
+    options = {"attn_implementation": "sdpa", **LLAMA_SIZES, **MOE_COMMON, **sizes}  # GPT-OSS: eager
+    config = getattr(transformers, config_name)(**options, **HF_TOKENS, output_router_logits=aux,
+                                                tie_word_embeddings=False)
+    return getattr(transformers, model_name)(config)
+
 
 def batches(vocab_size: int, seq_len: int, steps: int = STEPS, batch: int = BATCH) -> list[tuple]:
     """Fixed (inputs, targets) global batches: a learnable next-token pattern plus noise."""
@@ -111,6 +143,8 @@ def build_model(kind: str, seed: int | None) -> torch.nn.Module:
     if kind in GPT_KINDS:
         from colab_par.models import GPT, GPTConfig
         return GPT(GPTConfig(**GPT_KINDS[kind]))
+    if kind.removesuffix("-aux") in HF_MOE:
+        return hf_moe_model(kind)
     if kind in HF_DECODERS:
         import transformers
         config_name, model_name = HF_DECODERS[kind]
@@ -336,8 +370,11 @@ def _plain_loss(kind: str, model: torch.nn.Module, batch: Any) -> torch.Tensor:
     x, y = batch
     if kind.partition("+")[0] in (*GPT_KINDS, "tinylm"):
         return model.loss_fn(model(x), y)
-    logits = model(input_ids=x, use_cache=False).logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+    out = model(input_ids=x, use_cache=False)
+    loss = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]).float(), y.reshape(-1))
+    if getattr(out, "aux_loss", None) is not None:  # transformers' own balance loss, switched on
+        loss = loss + model.config.router_aux_loss_coef * out.aux_loss
+    return loss
 
 
 def _cancelled_gradients(kind: str, model: torch.nn.Module, batch: Any) -> dict[int, torch.Tensor]:
@@ -350,6 +387,8 @@ def _cancelled_gradients(kind: str, model: torch.nn.Module, batch: Any) -> dict[
     from torch.utils._pytree import tree_map
 
     exact = copy.deepcopy(model).double()
+    if getattr(getattr(exact, "config", None), "_experts_implementation", None):
+        exact.config._experts_implementation = "eager"  # torch's _grouped_mm takes no float64
     exact.zero_grad(set_to_none=True)
     batch = tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                      batch)

@@ -123,7 +123,6 @@ def test_trainer_rows_count_the_tokens_each_expert_got(cluster2) -> None:
     ("dp2 ep2", GPT_SIZES, "this model has none"),
     ("dp2 ep2 tp2", MOE_SIZES, "not with tp=2"),
     ("dp2 ep2 zero1", MOE_SIZES, "use zero=0, zero=2 or zero=3"),
-    ("dp2 ep2 ac-full", MOE_SIZES, "checkpointing='none'"),
     ("dp2 ep2 compile", MOE_SIZES, "with ep drop 'compile'"),
     ("pp2", MOE_SIZES, "not pp=2"),
 ])
@@ -141,7 +140,7 @@ def test_ep_is_a_layout_token_and_enumerated_only_when_asked() -> None:
     assert {l.ep for l in asked} == {1, 2, 4}
     for layout in asked:  # exactly what validate accepts (ep's rules run inside the enumeration)
         layout.validate(4, moe)
-        assert layout.ep == 1 or (layout.zero != 1 and layout.checkpointing == "none" and layout.dp == 4)
+        assert layout.ep == 1 or (layout.zero != 1 and layout.dp == 4)
 
 
 def _refusal(layout: str, kind: str, source: str) -> str | None:
@@ -154,8 +153,7 @@ def _refusal(layout: str, kind: str, source: str) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("kind, source, message", [
-    ("gpt", "module", "this model has none"), ("gpt-moe", "factory", "not a factory or a meta model")])
+@pytest.mark.parametrize("kind, source, message", [("gpt", "module", "this model has none")])
 def test_parallelize_refuses_ep_before_building(cluster2, kind: str, source: str, message: str) -> None:
     assert all(message in (error or "") for error in cluster2.run(_refusal, "dp2 ep2", kind, source))
 

@@ -53,6 +53,7 @@ def from_pretrained(path: str | os.PathLike, layout: Layout | str, *,
     from colab_par.parallel import parallelize
 
     with SafetensorsWeights(path) as weights:
+        _refuse_per_expert_files(shapes, weights)
         unused = weights.check(_expected(shapes), optional=_optional(shapes))
         if unused:
             warnings.warn(f"{path} holds {len(unused)} tensor(s) {type(shapes).__name__} does not use "
@@ -107,6 +108,20 @@ def _require_tp_plan(model: nn.Module, layout: Layout) -> None:
                          f"plan (its config.base_model_tp_plan is empty), so layout '{layout}' cannot "
                          "split it; load it without tensor parallel (e.g. 'dp2 zero3' or 'pp2'), or "
                          "pass from_pretrained(..., tp_plan={module pattern: style})") from None
+
+
+def _refuse_per_expert_files(model: nn.Module, weights: SafetensorsWeights) -> None:
+    """transformers stores most MoE families one tensor per expert on disk (``experts.0.gate_proj``)
+    and packs them in memory (``experts.gate_up_proj``); the kit reads packed tensors only."""
+    from colab_par.parallel.hf_experts import packed_expert_names
+
+    missing = [name for name in packed_expert_names(model) if name not in weights]
+    if missing:
+        raise WeightsError(f"{weights.path} stores the experts of {type(model).__name__} one tensor per expert "
+                           f"(the model packs them: {missing[0]} is not in the files), a layout the kit's "
+                           "reader does not convert yet; build the model with transformers' own "
+                           "from_pretrained and pass it to parallelize, or save it once with "
+                           "colab_par.hf_io.save_pretrained (which writes the packed tensors)")
 
 
 def _expected(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

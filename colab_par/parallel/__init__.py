@@ -73,6 +73,7 @@ class ParallelModel:
         self._takes_positions = takes_positions
         self._grad_averager, self._runner = grad_averager, runner
         self.adapters: Adapters | None = None  # a PEFT model's adapters (parallel/adapters/)
+        self.balance_loss: Any = None  # a Hugging Face MoE's global balance loss (hf_experts.py)
         self.dp_rank, self.dp_size = mesh["dp"].get_local_rank(), layout.dp
         self.cp_rank, self.cp_size = mesh["cp"].get_local_rank(), layout.cp
         self.pp_rank = mesh["pp"].get_local_rank()
@@ -133,7 +134,7 @@ class ParallelModel:
             dist.all_reduce(loss_sum)
             return loss_sum
         with self._autocast():
-            loss = self.batch_loss_fn(call_model(self.model, inputs), batch)
+            loss = self._with_balance_loss(self.batch_loss_fn(call_model(self.model, inputs), batch))
         loss_sum = loss.detach().to(torch.float64)
         pending = dist.all_reduce(loss_sum, async_op=True)
         (loss * loss_scale).backward()
@@ -171,7 +172,12 @@ class ParallelModel:
                              use_cache=False, colab_par_targets=targets)
             else:
                 loss = self.loss_fn(self._logits(model, inputs, positions), targets)
-        return loss, targets
+        return self._with_balance_loss(loss), targets
+
+    def _with_balance_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Add the routers' global-batch balance loss of the forward just run, where there is one."""
+        balance = self.balance_loss.take() if self.balance_loss is not None else None
+        return loss if balance is None else loss + balance.to(loss.dtype)
 
     def _autocast(self) -> torch.autocast:
         """bf16 compute for bf16 layouts (FSDP casts its parameters itself instead)."""
@@ -331,9 +337,6 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
     factory = model if not isinstance(model, nn.Module) else None
     built_on_meta = factory is None and is_meta_model(model)
     layout.validate(dist.get_world_size(), getattr(model, "config", None))  # before building anything
-    if layout.ep > 1 and (factory is not None or built_on_meta):
-        raise ValueError("ep slices the experts of a built model (shard-first init of experts is not "
-                         "built yet); pass the model built on the CPU, not a factory or a meta model")
     model, record = _shard_first_model(model, layout, weights, example_batch)
     model, adapters, weights = attach_adapters(model, record, weights, layout, tp_plan=tp_plan,
                                                built_on_meta=built_on_meta)
@@ -361,7 +364,10 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
         materialize, record=record, device=device, weights=weights)
 
     data_group = dp_cp_mesh.get_group() if layout.dp * layout.cp > 1 else None
-    expert_averager = apply_expert_parallel(model, layout, device, data_group)  # before FSDP / DDP
+    experts = apply_expert_parallel(model, layout, device, data_group)  # before FSDP / DDP
+    if experts.balance is not None and layout.pp > 1:
+        raise ValueError("the routers' balance loss (output_router_logits=True) is not added to pipeline "
+                         "stages' losses yet; use pp=1 or set config.output_router_logits=False")
 
     parts, names = [model], _state_names(model) if layout.pp > 1 else {}
     if layout.pp > 1:
@@ -374,10 +380,10 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
     params = [p for part in parts for p in part.parameters() if p.requires_grad]  # frozen ones get no state
     optimizer = build_optimizer(params, fused_optimizer_fn(optimizer_fn, layout.compile), layout,
                                 mesh["dp"].get_group())
-    experts = set(map(id, expert_averager.params)) if expert_averager else set()
-    averager = (GradientAverager([p for p in params if id(p) not in experts], dp_cp_mesh.get_group(),
-                                 then=expert_averager)
-                if needs_gradient_averager(parts[0], layout) else expert_averager)
+    expert_params = set(map(id, experts.averager.params)) if experts.averager else set()
+    averager = (GradientAverager([p for p in params if id(p) not in expert_params], dp_cp_mesh.get_group(),
+                                 then=experts.averager)
+                if needs_gradient_averager(parts[0], layout) else experts.averager)
     runner = None
     if layout.pp > 1:
         runner = PipelineRunner(parts, layout, mesh["pp"].get_group(), token_loss, device,
@@ -392,6 +398,7 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
                                       split_points=split_points, example_batch=example_batch,
                                       kernels=kernels))
     pm._whole_model_names, pm._fused_loss, pm.adapters = names, fused_loss, adapters
+    pm.balance_loss = experts.balance
     return pm
 
 

@@ -14,11 +14,13 @@ one flat all-reduce (`GradientAverager`), zero=2/3 with the experts fully_shard'
 (FSDP divides by dp/ep) and their sharded gradients then scaled by 1/ep (`ScaleGradients`: FSDP's
 own `set_gradient_divide_factor` reduces with PREMUL_SUM, which gloo lacks). The routers'
 balance-loss statistics are summed over all ranks sharing the global batch (`MoE.stats_group`),
-with or without ep.
+with or without ep. Hugging Face MoE families take the same path from their own ep plan
+(`hf_experts.py`), their balance loss made global there.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -29,15 +31,20 @@ from torch.distributed.tensor import DTensor, Shard
 from colab_par.layout import Layout
 from colab_par.models.moe import Experts, MoE, inverse_permutation
 from colab_par.parallel.data_parallel import GradientAverager, fsdp_options
+from colab_par.parallel.hf_experts import GlobalBalanceLoss, HFExpertLayer, balance_loss_for, hf_expert_layers
 from colab_par.parallel.mesh import build_expert_mesh
 
-__all__ = ["moe_layers", "apply_expert_parallel", "AllToAllDispatch", "ScaleGradients"]
+__all__ = ["moe_layers", "apply_expert_parallel", "ExpertStep", "AllToAllDispatch", "ScaleGradients"]
+
+Layer = MoE | HFExpertLayer
 
 
-def moe_layers(modules: nn.Module | list[nn.Module]) -> list[MoE]:
-    """The mixture-of-experts layers of a model (or of its pipeline parts), in order."""
+def moe_layers(modules: nn.Module | list[nn.Module]) -> list[Layer]:
+    """The mixture-of-experts layers of a model (or of its pipeline parts), in order: the kit's
+    MoE modules and the Hugging Face experts modules `apply_expert_parallel` wrapped."""
     parts = modules if isinstance(modules, list) else [modules]
-    return [m for part in parts for m in part.modules() if isinstance(m, MoE)]
+    return [m if isinstance(m, MoE) else m.colab_par_experts for part in parts for m in part.modules()
+            if isinstance(m, MoE) or isinstance(getattr(m, "colab_par_experts", None), HFExpertLayer)]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -65,7 +72,8 @@ class AllToAllDispatch:
     def __init__(self, group: dist.ProcessGroup):
         self.group, self.size = group, dist.get_world_size(group)
 
-    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor,
+                 experts: Experts | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         from_each = torch.empty_like(counts)  # (source rank, local expert) row counts
         dist.all_to_all_single(from_each, counts, group=self.group)
         from_each = from_each.view(self.size, -1)
@@ -91,30 +99,54 @@ class ScaleGradients:
                 param.grad.mul_(self.factor)
 
 
+@dataclass
+class ExpertStep:
+    """What the experts step leaves for training: the experts' gradient reduction after backward
+    (None without ep) and a Hugging Face family's global balance loss to add to each loss (None
+    where the model has none switched on; the kit's GPT adds its own)."""
+
+    averager: GradientAverager | ScaleGradients | None = None
+    balance: GlobalBalanceLoss | None = None
+
+
+def _expert_weights(layer: Layer) -> tuple[nn.Module, list[str]]:
+    """The module holding a layer's packed expert weights and their names (leading dim = expert)."""
+    if isinstance(layer, MoE):
+        return layer.experts, [name for name, _ in layer.experts.named_parameters(recurse=False)]
+    others = {name for name, _ in layer.module.named_parameters()} - set(layer.weight_names)
+    if others:
+        raise ValueError(f"the experts module {type(layer.module).__name__} also holds {sorted(others)}, "
+                         "which its ep plan does not shard by expert; train this model with ep=1")
+    return layer.module, layer.weight_names
+
+
 def apply_expert_parallel(model: nn.Module, layout: Layout, device: torch.device,
-                          data_group: dist.ProcessGroup | None) -> GradientAverager | ScaleGradients | None:
+                          data_group: dist.ProcessGroup | None) -> ExpertStep:
     """Give the MoE layers their balance-statistics group (`data_group`, the ranks sharing the
     global batch) and, for ep > 1, keep this rank's experts, route tokens by all-to-all and set up
-    the experts' gradient reduction: returns what completes it after backward (None without ep)."""
-    layers = moe_layers(model)
+    the experts' gradient reduction."""
+    layers: list[Layer] = moe_layers(model) or hf_expert_layers(model)
+    balance = balance_loss_for(model, data_group)
     for layer in layers:
         layer.stats_group = data_group
     if layout.ep == 1 or not layers:
-        return None
+        return ExpertStep(None, balance)
     mesh = build_expert_mesh(layout, device)
     ep_mesh, replicas = mesh["ep"], mesh["edp"]
     dispatch = AllToAllDispatch(ep_mesh.get_group())
     params: list[nn.Parameter] = []
     for layer in layers:
-        experts = layer.experts
-        for name, weight in list(experts.named_parameters(recurse=False)):
+        experts, names = _expert_weights(layer)
+        for name in names:
+            weight = getattr(experts, name)
             mine = weight.detach().chunk(layout.ep)[ep_mesh.get_local_rank()].clone()
-            sharded = nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False))
+            sharded = nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False),
+                                   requires_grad=weight.requires_grad)
             experts.register_parameter(name, sharded)
         layer.dispatch = dispatch
         if layout.zero >= 2:
             fully_shard(experts, mesh=replicas, **fsdp_options(layout))
         params += experts.parameters()  # FSDP's own, where it replaced them
     if layout.zero >= 2:
-        return ScaleGradients(params, 1.0 / layout.ep)
-    return GradientAverager(params, replicas.get_group(), divisor=layout.dp)
+        return ExpertStep(ScaleGradients(params, 1.0 / layout.ep), balance)
+    return ExpertStep(GradientAverager(params, replicas.get_group(), divisor=layout.dp), balance)

@@ -192,16 +192,17 @@ HF_STYLES: dict[str, Callable[[], ParallelStyle]] = {
 _EMBEDDING_ONLY = ("embedding_rowwise", "embedding_colwise")
 
 # Styles of transformers' plans that cannot train here, and why.
+_MOE = "mixture-of-experts layers: split their experts with ep (e.g. 'dp2 ep2'), not tp, so far"
 _REFUSED = {
     "packed_colwise": "fused weights packed with strided shards",
     "packed_rowwise": "fused weights packed with strided shards",
     "local_packed_rowwise": "fused weights packed with strided shards",
-    "moe_tp_experts": "mixture-of-experts layers need expert parallel",
-    "moe_identity_expert": "mixture-of-experts layers need expert parallel",
-    "grouped_gemm": "mixture-of-experts layers need expert parallel",
-    "ep_dispatch_experts": "mixture-of-experts layers need expert parallel",
-    "ep_router": "mixture-of-experts layers need expert parallel",
-    "local": "mixture-of-experts layers need expert parallel",
+    "moe_tp_experts": _MOE,
+    "moe_identity_expert": _MOE,
+    "grouped_gemm": _MOE,
+    "ep_dispatch_experts": _MOE,
+    "ep_router": _MOE,
+    "local": _MOE,
     "mla_kv_a_proj": "DeepSeek multi-head latent attention splits its projection output",
 }
 

@@ -1,0 +1,210 @@
+"""Hugging Face MoE families under expert parallel train like transformers alone (real engines).
+
+Tiny 2-layer, 4-expert (2 per token) configs, no download. Against one process running the family
+with transformers alone (its own experts forward, its own ``aux_loss`` where switched on), on
+learnable data: every step's loss and gradient norm within 1e-5 relative, every parameter within
+Adam's tolerance (`parity.assert_parity`). Qwen3-MoE, Mixtral and OLMoE under `dp2 ep2` and
+`dp2 ep2 zero3`, with and without the balance loss (which must then be the global-batch one: a
+per-rank loss differs by far more than 1e-5 with this coefficient); Qwen2-MoE (shared expert),
+DeepSeek-V3 (shared expert, no balance loss) and GPT-OSS (expert biases) a two-step smoke.
+"""
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import pytest
+import torch
+
+from colab_par.layout import Layout, LayoutError
+from colab_par.telemetry import expert_row_key
+from parity import (LR, SEED, assert_parity, build_model, engine_model, engine_run, engine_run_moved,
+                    reference_run, training_batches)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
+
+STEPS, SMOKE_STEPS = 6, 2
+
+
+@pytest.mark.parametrize("aux", ["", "-aux"])
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("layout", ["dp2 ep2", "dp2 ep2 zero3"])
+def test_hf_moe_trains_like_transformers(cluster2, layout: str, family: str, aux: str) -> None:
+    kind = family + aux
+    assert_parity(cluster2.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
+
+
+def test_hf_balance_loss_is_global_under_plain_dp(cluster2) -> None:
+    """Without ep too: transformers' per-forward loss would be per rank; the kit's is global."""
+    assert_parity(cluster2.run(engine_run, "dp2", "qwen3-moe-aux", STEPS), reference_run("qwen3-moe-aux", STEPS))
+
+
+@pytest.mark.parametrize("layout", ["dp4 ep2", "dp4 ep2 zero3"])
+def test_two_ep_groups_train_like_transformers(cluster4, layout: str) -> None:
+    """Each expert on two ranks (edp): its gradient summed over them and divided by dp."""
+    assert_parity(cluster4.run(engine_run, layout, "mixtral-aux", STEPS), reference_run("mixtral-aux", STEPS))
+
+
+@pytest.mark.parametrize("kind", ["qwen2-moe-aux", "deepseek-v3", "gpt-oss-aux"])
+def test_more_hf_moe_families_smoke(cluster2, kind: str) -> None:
+    assert_parity(cluster2.run(engine_run, "dp2 ep2", kind, SMOKE_STEPS), reference_run(kind, SMOKE_STEPS))
+
+
+@pytest.mark.parametrize("kind", ["qwen3-moe-aux", "gpt-moe-aux"])
+@pytest.mark.parametrize("layout", ["dp2 ep2 ac-full", "dp2 ep2 zero3 ac-selective"])
+def test_ep_with_activation_checkpointing(cluster2, layout: str, kind: str) -> None:
+    """Backward recomputes each block's forward, all-to-all and balance statistics included, in the
+    same order on every rank: the same training."""
+    assert_parity(cluster2.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
+
+
+def _experts_calls_per_step(layout: str, batch: tuple) -> int:
+    """How often the experts modules ran in one training step (forward, and any recomputation)."""
+    from colab_par import parallelize
+    from colab_par.parallel.experts import moe_layers
+
+    pm = parallelize(engine_model("qwen3-moe-aux", "module"), layout)
+    calls = []
+    for layer in moe_layers(pm.model):
+        layer.module.register_forward_pre_hook(lambda *args: calls.append(1))  # recomputation may stop early
+    pm.train_step(*batch)
+    return len(calls)
+
+
+def test_checkpointing_under_ep_recomputes_the_experts(cluster2) -> None:
+    """The parity above is not checkpointing silently off: backward runs each experts module again."""
+    batch = training_batches("qwen3-moe-aux", 1)[0]
+    assert cluster2.run(_experts_calls_per_step, "dp2 ep2", batch) == [2, 2]
+    assert cluster2.run(_experts_calls_per_step, "dp2 ep2 ac-full", batch) == [4, 4]
+
+
+# ---- each rank holds its slice of the family's packed expert weights ------------------------------
+def _expert_pieces(kind: str, layout: str) -> tuple[int, dict[str, torch.Tensor]]:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from colab_par import parallelize
+
+    pm = parallelize(engine_model(kind, "module"), layout)
+    return dist.get_rank(), {name: param.to_local().detach().clone()
+                             for name, param in pm.model.named_parameters() if isinstance(param, DTensor)}
+
+
+@pytest.mark.parametrize("kind", ["gpt-oss", "qwen2-moe"])
+def test_each_rank_holds_its_experts_and_shared_experts_stay_whole(cluster2, kind: str) -> None:
+    """Exactly the ep plan's packed weights are split (GPT-OSS: its biases too), by expert; the
+    shared expert of Qwen2-MoE and everything else stays a whole tensor."""
+    whole = build_model(kind, SEED).state_dict()
+    planned = {name for name in whole if name.rsplit(".", 1)[0].endswith("mlp.experts")}
+    for rank, pieces in cluster2.run(_expert_pieces, kind, "dp2 ep2"):
+        assert set(pieces) == planned
+        for name, piece in pieces.items():
+            torch.testing.assert_close(piece, whole[name][rank * 2:rank * 2 + 2], rtol=0, atol=0)
+
+
+# ---- the Trainer's per-expert token counts ------------------------------------------------------
+COUNT_STEPS = 2
+
+
+def _trainer_rows(kind: str, layout: str) -> list[dict]:
+    from colab_par import parallelize
+    from colab_par.data import SyntheticDataset
+    from colab_par.train import Trainer
+
+    pm = parallelize(engine_model(kind, "module"), layout, optimizer_fn=lambda p: torch.optim.AdamW(p, lr=LR))
+    trainer = Trainer(pm, SyntheticDataset(vocab_size=64, seq_len=16, batch_size=4, seed=5), steps=COUNT_STEPS)
+    trainer.fit()
+    return trainer.history
+
+
+def _one_process_counts(kind: str) -> list[list[list[int]]]:
+    """Per step, (layer, expert) counts of the top-k of transformers' own router logits."""
+    from colab_par.data import SyntheticDataset
+
+    model, data = build_model(kind, SEED), SyntheticDataset(vocab_size=64, seq_len=16, batch_size=4, seed=5)
+    optimizer, top_k = torch.optim.AdamW(model.parameters(), lr=LR), model.config.num_experts_per_tok
+    per_step = []
+    for step in range(COUNT_STEPS):
+        inputs, targets = data.batch(step)
+        out = model(input_ids=inputs, use_cache=False, output_router_logits=True)
+        per_step.append([torch.bincount(logits.topk(top_k, dim=-1).indices.reshape(-1), minlength=4).tolist()
+                         for logits in out.router_logits])
+        loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, 64), targets.reshape(-1))
+        (loss + model.config.router_aux_loss_coef * out.aux_loss).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return per_step
+
+
+def test_trainer_rows_count_the_tokens_each_hf_expert_got(cluster2) -> None:
+    expected = _one_process_counts("olmoe-aux")
+    for history in cluster2.run(_trainer_rows, "olmoe-aux", "dp2 ep2"):
+        for row, counts in zip(history, expected):
+            got = [[row[expert_row_key(layer, e)] for e in range(4)] for layer in range(2)]
+            assert got == counts, f"step {row['step']}"
+
+
+# ---- refused before any work --------------------------------------------------------------------
+def test_ep_needs_an_expert_plan() -> None:
+    dense = build_model("qwen3", None).config
+    with pytest.raises(LayoutError, match="this model has none"):
+        Layout.parse("dp2 ep2").validate(2, dense)
+    Layout.parse("dp2 ep2").validate(2, build_model("mixtral", None).config)
+
+
+# ---- shard-first builds, checkpoints and Hugging Face files across ep layouts ------------------------
+@pytest.mark.parametrize("kind, layout", [("qwen3-moe-aux", "dp2 ep2"), ("gpt-moe", "dp2 ep2 zero3")])
+def test_ep_builds_shard_first_from_a_factory(cluster2, kind: str, layout: str) -> None:
+    """Each rank allocates only its experts, filled with rank 0's one-process init."""
+    assert_parity(cluster2.run(engine_run, layout, kind, STEPS, "factory"), reference_run(kind, STEPS))
+
+
+@pytest.mark.parametrize("kind, first, second", [("qwen3-moe-aux", "dp2 ep2", "dp2"),
+                                                 ("gpt-moe-aux", "dp2", "dp2 ep2 zero3")])
+def test_moe_checkpoint_moves_between_ep_and_dp(cluster2, tmp_path, kind: str, first: str, second: str) -> None:
+    """Half the steps under one layout, saved (DCP, model and optimizer), loaded under the other,
+    the rest there: equal to all steps in one process."""
+    assert_parity(cluster2.run(engine_run_moved, first, second, str(tmp_path), kind, STEPS),
+                  reference_run(kind, STEPS))
+
+
+def _save_then_load(kind: str, out: str) -> tuple[dict, dict]:
+    """A built model parallelized under dp2 ep2 and saved with save_pretrained, then read back by
+    from_pretrained under dp2 ep2 (each rank reading only its experts' slice): both full states."""
+    from colab_par import parallelize
+    from colab_par.hf_io import from_pretrained, save_pretrained
+
+    pm = parallelize(engine_model(kind, "module"), "dp2 ep2")
+    save_pretrained(pm, out)
+    return pm.full_state_dict(), from_pretrained(out, "dp2 ep2").full_state_dict()
+
+
+def _load_error(source: str) -> str | None:
+    from colab_par.hf_io import from_pretrained
+
+    try:
+        from_pretrained(source, "dp2 ep2")
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "gpt-oss"])
+def test_hf_files_save_and_load_under_ep(cluster2, tmp_path, kind: str) -> None:
+    """save_pretrained under ep writes the whole packed experts, which transformers reads back;
+    from_pretrained under ep reads them again. transformers' own per-expert files (Mixtral) are
+    refused with the way out; GPT-OSS's own files hold packed experts and load."""
+    import transformers
+
+    expected = build_model(kind, SEED).state_dict()
+    (saved, loaded), _ = cluster2.run(_save_then_load, kind, str(tmp_path / "kit"))
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "kit").state_dict()
+    for state in (saved, loaded, again):
+        for name, tensor in expected.items():
+            torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
+    build_model(kind, SEED).save_pretrained(tmp_path / "transformers")
+    errors = cluster2.run(_load_error, str(tmp_path / "transformers"))
+    if kind == "gpt-oss":
+        assert errors == [None, None]
+    else:
+        assert all("one tensor per expert" in (error or "") for error in errors), errors
