@@ -10,11 +10,12 @@ optional, and the notebook client never pays for engine-side modules.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 from functools import cache
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_path", "flatten_mesh",
            "STAGE_COMPUTE_HOOKS", "check_stage_compute_hooks", "hf_tp_plan",
@@ -25,7 +26,8 @@ __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_pat
            "torch_dispatch_mode", "device_constructors", "op_schema", "storage_key", "module_reset",
            "triton_interpreted", "tree_flatten", "tree_unflatten", "tree_map", "tree_leaves",
            "hf_token_losses", "answer_control_requests", "send_control_requests", "group_sequence",
-           "process_groups", "compile_seconds", "grouped_mm"]
+           "process_groups", "compile_seconds", "grouped_mm", "fused_optimizer_devices", "recompile_limit",
+           "failing_at_recompile_limit", "recompile_limit_error", "swapped_parameters", "hf_output_recorder"]
 
 SUPPORTED = {"torch": "torch>=2.6,<3", "ipyparallel": "ipyparallel>=9",
              "transformers": "transformers>=5.9", "triton": "triton>=3.0"}
@@ -338,6 +340,23 @@ def storage_key(tensor: Any) -> int:
     return key
 
 
+@contextlib.contextmanager
+def swapped_parameters(module: Any, replacements: dict[str, Any]) -> Iterator[None]:
+    """`module`'s own parameters named in `replacements` replaced by those tensors (plain tensors
+    with their autograd history, e.g. a DTensor's local piece) for the duration: torch's
+    `functional_call` swaps through the module's call, which a wrapped forward cannot use
+    (`Module._parameters`)."""
+    own = getattr(module, "_parameters", None)
+    if not isinstance(own, dict):
+        raise _missing("torch", "nn.Module._parameters")
+    saved = {name: own[name] for name in replacements}
+    try:
+        own.update(replacements)
+        yield
+    finally:
+        own.update(saved)
+
+
 def module_reset(module: Any) -> Callable[[], None] | None:
     """The method that (re)initialises `module`'s own parameters: `reset_parameters`, or the private
     `_reset_parameters` torch's own MultiheadAttention and Transformer keep instead; None if none."""
@@ -357,6 +376,41 @@ def compile_seconds() -> float:
     if not isinstance(metrics, dict):
         raise _missing("torch", "torch._dynamo.utils.compilation_time_metrics")
     return float(sum(sum(metrics.get(phase, ())) for phase in _COMPILE_PHASES))
+
+
+def fused_optimizer_devices() -> list[str]:
+    """The device types torch's fused optimizer kernels run on
+    (`torch.utils._foreach_utils._get_fused_kernels_supported_devices`)."""
+    devices = getattr(_torch_private("torch.utils._foreach_utils"), "_get_fused_kernels_supported_devices", None)
+    if devices is None:
+        raise _missing("torch", "torch.utils._foreach_utils._get_fused_kernels_supported_devices")
+    return list(devices())
+
+
+def _dynamo_config() -> Any:
+    config = getattr(_torch_private("torch._dynamo"), "config", None)
+    if config is None or not hasattr(config, "recompile_limit") or not hasattr(config, "fail_on_recompile_limit_hit"):
+        raise _missing("torch", "torch._dynamo.config.recompile_limit / fail_on_recompile_limit_hit")
+    return config
+
+
+def recompile_limit() -> int:
+    """How many input shapes (or guard failures) dynamo compiles one code object for."""
+    return int(_dynamo_config().recompile_limit)
+
+
+def failing_at_recompile_limit() -> Any:
+    """A context in which reaching the recompile limit raises `recompile_limit_error()` instead of
+    dynamo's silent fallback to eager."""
+    return _dynamo_config().patch(fail_on_recompile_limit_hit=True)
+
+
+def recompile_limit_error() -> type:
+    """What dynamo raises at the recompile limit under `failing_at_recompile_limit`."""
+    error = getattr(_torch_private("torch._dynamo.exc"), "FailOnRecompileLimitHit", None)
+    if error is None:
+        raise _missing("torch", "torch._dynamo.exc.FailOnRecompileLimitHit")
+    return error
 
 
 # ---- triton --------------------------------------------------------------------------------------------
@@ -412,6 +466,12 @@ def tree_leaves(tree: Any) -> list[Any]:
 
 # ---- transformers' losses ----------------------------------------------------------------------------
 @cache
+def hf_output_recorder(model: Any, output: str) -> Any:
+    """What a transformers model records for `output` (e.g. "router_logits": the router modules
+    and which of their outputs), from its `_can_record_outputs`; None when it records none."""
+    return (getattr(model, "_can_record_outputs", None) or {}).get(output)
+
+
 def hf_token_losses() -> dict[str, Callable]:
     """transformers' per-token language-model losses, ``loss(logits, labels, vocab_size,
     num_items_in_batch)``: "causal" shifts the labels by one, "masked" does not

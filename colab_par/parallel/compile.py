@@ -22,11 +22,8 @@ import shutil
 from typing import Any, Callable
 
 import torch
-import torch._dynamo
-from torch._dynamo.exc import FailOnRecompileLimitHit
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-from colab_par.compat import tree_map
+from colab_par.compat import (failing_at_recompile_limit, fused_optimizer_devices, recompile_limit,
+                              recompile_limit_error, tree_map)
 from colab_par.parallel.blocks import Block
 
 __all__ = ["apply_compile", "check_compiler", "fused_optimizer_fn"]
@@ -70,7 +67,7 @@ def _fused_twin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     kind, defaults = type(optimizer), optimizer.defaults
     accepted = inspect.signature(kind.__init__).parameters
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    devices = _get_fused_kernels_supported_devices()
+    devices = fused_optimizer_devices()
     if (not kind.__module__.startswith("torch.optim.")
             or "fused" not in accepted
             or defaults.get("fused") is not None or defaults.get("foreach") is not None
@@ -131,10 +128,10 @@ def _guarded_call(compiled: Callable) -> Callable:
     def call(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = tree_map(settle, (args, kwargs))
         try:
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            with failing_at_recompile_limit():
                 return compiled(*args, **kwargs)
-        except FailOnRecompileLimitHit as error:
-            limit = torch._dynamo.config.recompile_limit
+        except recompile_limit_error() as error:
+            limit = recompile_limit()
             raise RuntimeError(
                 f"compile: a block was compiled for {limit} different input shapes or guards "
                 f"(torch._dynamo.config.recompile_limit = {limit}) and would run eager from now on; "

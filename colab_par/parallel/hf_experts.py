@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from colab_par.compat import hf_output_recorder, swapped_parameters
 from colab_par.models.moe import inverse_permutation
 
 __all__ = ["hf_expert_layers", "packed_expert_names", "HFExpertLayer", "GlobalBalanceLoss", "GatherRows", "balance_loss_for"]
@@ -114,16 +115,16 @@ class HFExpertLayer:
     @contextlib.contextmanager
     def _local_slice(self, count: int) -> Iterator[list[torch.Tensor]]:
         """The family's forward sees this rank's experts as if they were all the experts."""
-        module, saved = self.module, {n: self.module._parameters[n] for n in self.weight_names}
+        module = self.module
+        local = {n: (lambda p: p.to_local() if isinstance(p, DTensor) else p)(getattr(module, n))
+                 for n in self.weight_names}
         had_count = getattr(module, "num_experts", None)
         try:
-            for name, param in saved.items():
-                module._parameters[name] = param.to_local() if isinstance(param, DTensor) else param
             if had_count is not None:
                 module.num_experts = count
-            yield [module._parameters[n] for n in self.weight_names]
+            with swapped_parameters(module, local):
+                yield list(local.values())
         finally:
-            module._parameters.update(saved)
             if had_count is not None:
                 module.num_experts = had_count
 
@@ -154,7 +155,7 @@ def balance_loss_for(model: nn.Module, group: dist.ProcessGroup | None) -> "Glob
         return None
     family = sys.modules[type(model).__module__]
     loss_fn = getattr(family, "load_balancing_loss_func", None)
-    recorder = getattr(model, "_can_record_outputs", {}).get("router_logits")
+    recorder = hf_output_recorder(model, "router_logits")
     if loss_fn is None or recorder is None:
         raise ValueError(f"output_router_logits=True but {type(model).__name__} has no load-balancing loss "
                          "the kit can make global (no load_balancing_loss_func / router recorder); "
