@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from colab_par import compat
+from colab_par.hf_io.family_files import DiskNames, Packed
 from colab_par.hf_io.weights import INDEX_FILE, SINGLE_FILE
 
 __all__ = ["save_pretrained", "DEFAULT_MAX_SHARD_BYTES"]
@@ -79,6 +80,8 @@ def save_pretrained(pm: Any, path: str | os.PathLike, *, max_shard_bytes: int = 
     staging = path.parent / f".{path.name}.saving-{uuid.uuid4().hex[:12]}"
     _agree(_start(path, staging, overwrite) if rank == 0 else None, path)
     entries = _catalogue(pm, local)
+    if single_file == SINGLE_FILE:
+        entries, local = _family_layout(pm, entries, local)
     files = _shard_files(entries, max_shard_bytes if single_file == SINGLE_FILE else None, single_file)
     error = None
     pending: dict[str, torch.Tensor] = {}
@@ -172,6 +175,66 @@ def _catalogue(pm: Any, local: dict[str, torch.Tensor]) -> list[_Entry]:
             if not any(alias in entries for alias in aliases.get(name, ())):
                 entries[name] = _Entry(name, shape, dtype, sender, pp_rank)
     return list(entries.values())
+
+
+def _family_layout(pm: Any, entries: list[_Entry],
+                   local: dict[str, Any]) -> tuple[list[_Entry], dict[str, Any]]:
+    """Entries and tensors under the names transformers writes for this family: renamed, and packed
+    experts one tensor per expert (each an `_ExpertPart` of the packed tensor, gathered once)."""
+    names = DiskNames(_unwrapped(pm.model_parts[0]))
+    out_entries: list[_Entry] = []
+    out_local: dict[str, Any] = {}
+    gathered = _LastGathered()
+    for entry in entries:
+        where = names.on_disk(entry.name, entry.shape)
+        if not isinstance(where, Packed):
+            where = where or entry.name
+            out_entries.append(_Entry(where, entry.shape, entry.dtype, entry.sender, entry.pp_rank))
+            if entry.name in local:
+                out_local[where] = local[entry.name]
+            continue
+        for expert, keys in enumerate(where.parts):
+            for part, key in enumerate(keys):
+                shape = list(entry.shape[1:])
+                shape[where.dim - 1] //= len(keys)
+                out_entries.append(_Entry(key, tuple(shape), entry.dtype, entry.sender, entry.pp_rank))
+                if entry.name in local:
+                    out_local[key] = _ExpertPart(gathered, local[entry.name], expert, where.dim,
+                                                 slice(part * shape[where.dim - 1], (part + 1) * shape[where.dim - 1]),
+                                                 tuple(shape), entry.dtype)
+    return out_entries, out_local
+
+
+class _LastGathered:
+    """The last packed tensor gathered whole, kept while its experts' parts are written."""
+
+    def __init__(self) -> None:
+        self.source: Any = None
+        self.full: torch.Tensor | None = None
+
+    def __call__(self, source: Any) -> torch.Tensor:
+        if source is not self.source:
+            self.source, self.full = None, None
+            self.full = source() if callable(source) else source.full_tensor() if isinstance(source, DTensor) else source
+            self.source = source
+        return self.full
+
+
+@dataclass(frozen=True)
+class _ExpertPart:
+    """One expert's part (rows `rows` along the packed dim `dim`) of a packed tensor, as transformers'
+    reversed conversion (split the experts, chunk the parts) writes it."""
+    gathered: _LastGathered
+    source: Any
+    expert: int
+    dim: int
+    rows: slice
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __call__(self) -> torch.Tensor:
+        return self.gathered(self.source)[self.expert].narrow(self.dim - 1, self.rows.start,
+                                                              self.rows.stop - self.rows.start).detach().clone()
 
 
 def _shard_files(entries: list[_Entry], max_shard_bytes: int | None,
