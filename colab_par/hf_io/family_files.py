@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -113,7 +114,7 @@ class FamilyWeights(SafetensorsWeights):
         return [name for name in self._disk if name in self] + \
                [name for name in super().names() if name not in consumed]
 
-    def where(self, name: str) -> str:
+    def where(self, name: str) -> Path:
         return super().where(self._keys(name)[0] if name in self._disk else name)
 
     def header(self, name: str) -> tuple[tuple[int, ...], str]:

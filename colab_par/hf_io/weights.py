@@ -62,9 +62,9 @@ class SafetensorsWeights:
     def names(self) -> list[str]:
         return list(self._file_of)
 
-    def where(self, name: str) -> str:
+    def where(self, name: str) -> Path:
         """The file holding `name` (for messages)."""
-        return self._file_of[name].name
+        return self._file_of[name]
 
     def header(self, name: str) -> tuple[tuple[int, ...], str]:
         """(shape, safetensors dtype such as "F32") of `name`, from its file's header."""
