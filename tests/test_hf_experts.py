@@ -244,3 +244,20 @@ def test_family_files_read_a_block_from_the_experts_it_covers_only(tmp_path) -> 
         assert torch.equal(weights.read(name, index), packed[index])
     assert sorted(Recorded.read_names) == [f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight"
                                            for e in (2, 3) for w in ("w1", "w3")]
+
+
+def test_per_expert_files_without_a_mapping_are_refused_before_any_read(tmp_path) -> None:
+    """GPT-OSS has no conversion mapping in transformers: its experts stored one tensor per expert
+    (not its own layout) are refused, naming the tensor, before parallelize starts."""
+    import safetensors.torch
+
+    from colab_par.hf_io import WeightsError, from_pretrained
+
+    build_model("gpt-oss", SEED).save_pretrained(tmp_path)
+    state = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    packed = state.pop("model.layers.0.mlp.experts.gate_up_proj")
+    state.update({f"model.layers.0.mlp.experts.{e}.gate_up_proj": packed[e].clone() for e in range(len(packed))})
+    safetensors.torch.save_file(state, tmp_path / "model.safetensors", {"format": "pt"})
+    with pytest.raises(WeightsError, match=r"lacks the experts model.layers.0.mlp.experts.gate_up_proj .*"
+                                           r"model_type 'gpt_oss'.* no per-expert layout"):
+        from_pretrained(tmp_path, "dp2 ep2")
