@@ -63,12 +63,13 @@ class DiskNames:
 
 
 def _model_transforms(model: nn.Module) -> list[Any]:
+    """transformers' mapping for the first transformers model in `model` (itself, or the base of a
+    peft wrapper, whose names are the ones written); none for any other model."""
     from transformers import PreTrainedModel
     from transformers.conversion_mapping import get_model_conversion_mapping
 
-    if not isinstance(model, PreTrainedModel):
-        return []
-    return get_model_conversion_mapping(model, add_legacy=False)
+    base = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    return [] if base is None else get_model_conversion_mapping(base, add_legacy=False)
 
 
 def _packing(converter: Any) -> int | None:

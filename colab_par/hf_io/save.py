@@ -78,10 +78,10 @@ def save_pretrained(pm: Any, path: str | os.PathLike, *, max_shard_bytes: int = 
     local, write_config, single_file = _output(pm, config, merged, adapter_name)
     path, rank = Path(path), dist.get_rank()
     staging = path.parent / f".{path.name}.saving-{uuid.uuid4().hex[:12]}"
-    _agree(_start(path, staging, overwrite) if rank == 0 else None, path)
     entries = _catalogue(pm, local)
     if single_file == SINGLE_FILE:
         entries, local = _family_layout(pm, entries, local)
+    _agree(_start(path, staging, overwrite) if rank == 0 else None, path)
     files = _shard_files(entries, max_shard_bytes if single_file == SINGLE_FILE else None, single_file)
     error = None
     pending: dict[str, torch.Tensor] = {}
@@ -187,8 +187,13 @@ def _family_layout(pm: Any, entries: list[_Entry],
     gathered = _LastGathered()
     for entry in entries:
         where = names.on_disk(entry.name, entry.shape)
+        if where is None:
+            model_type = getattr(_hf_config(pm), "model_type", "?")
+            raise ValueError(f"transformers stores {entry.name} (model_type {model_type!r}) through a "
+                             "conversion the kit does not write (only stacked experts, optionally "
+                             "concatenated parts); save with colab_par.save(pm, path) (a DCP checkpoint) "
+                             "or pass pm.full_state_dict() to transformers' own save_pretrained")
         if not isinstance(where, Packed):
-            where = where or entry.name
             out_entries.append(_Entry(where, entry.shape, entry.dtype, entry.sender, entry.pp_rank))
             if entry.name in local:
                 out_local[where] = local[entry.name]
