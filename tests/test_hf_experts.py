@@ -189,7 +189,7 @@ def _file_keys(folder) -> set[str]:
 
 
 @pytest.mark.parametrize("kind, layout", [("mixtral", "dp2 ep2"), ("qwen3-moe", "dp2 ep2"), ("olmoe", "dp2"),
-                                          ("gpt-oss", "dp2 ep2")])
+                                          ("qwen3-moe", "dp2 ep2 zero3"), ("gpt-oss", "dp2 ep2")])
 def test_hf_files_in_the_familys_own_layout_load_and_save(cluster2, tmp_path, kind: str, layout: str) -> None:
     """transformers' own files (experts one tensor per expert; Mixtral's block_sparse_moe names;
     GPT-OSS packed) load under `layout` to transformers' exact weights and one-process loss; the kit

@@ -6,7 +6,9 @@ before any weight moves. Then the tensors go one at a time: each sharded one is 
 (`full_tensor`, a collective over its own mesh) by the ranks of the pipeline stage holding it, the
 stage's first rank sends it to global rank 0 (point to point, in the agreed order), and rank 0
 writes a shard file as soon as that shard is complete and drops it. So rank 0 holds at most one
-output shard plus one tensor, the other ranks one tensor.
+output shard plus one tensor, the other ranks one tensor. Names are those transformers writes for
+the family (`family_files.py`): a packed experts tensor is gathered once and written one tensor per
+expert and part, as transformers' own save_pretrained writes it.
 
 Rank 0 writes into a hidden sibling directory and renames it into place at the end: a failure
 leaves no half directory at `path`. A write error on rank 0 does not stop the stream (the other
@@ -219,9 +221,8 @@ class _LastGathered:
 
     def __call__(self, source: Any) -> torch.Tensor:
         if source is not self.source:
-            self.source, self.full = None, None
-            self.full = source() if callable(source) else source.full_tensor() if isinstance(source, DTensor) else source
-            self.source = source
+            self.full = None  # the last one goes before the next is gathered
+            self.full, self.source = _whole(source), source
         return self.full
 
 
@@ -265,7 +266,7 @@ def _gathered(pm: Any, entry: _Entry, local: dict[str, torch.Tensor]) -> torch.T
     rank, full = dist.get_rank(), None
     if pm.pp_rank == entry.pp_rank:
         tensor = local[entry.name]
-        full = tensor() if callable(tensor) else tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        full = _whole(tensor)
         if rank == entry.sender and rank != 0:
             dist.send(full.detach().contiguous(), dst=0)
     if rank != 0 or entry.sender == 0:
@@ -273,6 +274,11 @@ def _gathered(pm: Any, entry: _Entry, local: dict[str, torch.Tensor]) -> torch.T
     received = torch.empty(entry.shape, dtype=entry.dtype, device=pm.device)
     dist.recv(received, src=entry.sender)
     return received
+
+
+def _whole(tensor: Any) -> torch.Tensor:
+    """A local tensor whole: computed (a callable), gathered (a DTensor, a collective), or itself."""
+    return tensor() if callable(tensor) else tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 # ---- rank 0's file work ------------------------------------------------------------------------------
