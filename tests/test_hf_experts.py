@@ -168,43 +168,96 @@ def test_moe_checkpoint_moves_between_ep_and_dp(cluster2, tmp_path, kind: str, f
                   reference_run(kind, STEPS))
 
 
-def _save_then_load(kind: str, out: str) -> tuple[dict, dict]:
-    """A built model parallelized under dp2 ep2 and saved with save_pretrained, then read back by
-    from_pretrained under dp2 ep2 (each rank reading only its experts' slice): both full states."""
-    from colab_par import parallelize
+def _load_step_save(source: str, out: str, kind: str, layout: str) -> dict:
+    """On every engine: the directory transformers wrote, loaded shard-first under `layout` (under
+    ep each rank reads only its experts' tensors), its full state, the loss of one forward-backward
+    on a learnable batch, then written back with save_pretrained (before any optimizer step)."""
     from colab_par.hf_io import from_pretrained, save_pretrained
 
-    pm = parallelize(engine_model(kind, "module"), "dp2 ep2")
+    pm = from_pretrained(source, layout)
+    state = pm.full_state_dict()
+    loss = pm.forward_backward(*training_batches(kind, 1)[0])
     save_pretrained(pm, out)
-    return pm.full_state_dict(), from_pretrained(out, "dp2 ep2").full_state_dict()
+    return {"state": state, "loss": loss}
 
 
-def _load_error(source: str) -> str | None:
-    from colab_par.hf_io import from_pretrained
+def _file_keys(folder) -> set[str]:
+    from safetensors import safe_open
 
-    try:
-        from_pretrained(source, "dp2 ep2")
-    except ValueError as error:
-        return str(error)
-    return None
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+        return set(handle.keys())
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "gpt-oss"])
-def test_hf_files_save_and_load_under_ep(cluster2, tmp_path, kind: str) -> None:
-    """save_pretrained under ep writes the whole packed experts, which transformers reads back;
-    from_pretrained under ep reads them again. transformers' own per-expert files (Mixtral) are
-    refused with the way out; GPT-OSS's own files hold packed experts and load."""
+@pytest.mark.parametrize("kind, layout", [("mixtral", "dp2 ep2"), ("qwen3-moe", "dp2 ep2"), ("olmoe", "dp2"),
+                                          ("qwen3-moe", "dp2 ep2 zero3"), ("gpt-oss", "dp2 ep2")])
+def test_hf_files_in_the_familys_own_layout_load_and_save(cluster2, tmp_path, kind: str, layout: str) -> None:
+    """transformers' own files (experts one tensor per expert; Mixtral's block_sparse_moe names;
+    GPT-OSS packed) load under `layout` to transformers' exact weights and one-process loss; the kit
+    writes the very keys transformers writes, and transformers reads them back bit-exactly."""
+    import torch.nn.functional as F
     import transformers
 
-    expected = build_model(kind, SEED).state_dict()
-    (saved, loaded), _ = cluster2.run(_save_then_load, kind, str(tmp_path / "kit"))
+    model = build_model(kind, SEED)
+    model.save_pretrained(tmp_path / "transformers")
+    runs = cluster2.run(_load_step_save, str(tmp_path / "transformers"), str(tmp_path / "kit"), kind, layout)
+    expected = model.state_dict()
+    inputs, targets = training_batches(kind, 1)[0]
+    logits = model(input_ids=inputs, use_cache=False).logits
+    reference = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).item()
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "kit").state_dict()
-    for state in (saved, loaded, again):
+    for state in (runs[0]["state"], again):  # the full state comes back on rank 0
+        assert state.keys() == expected.keys()
         for name, tensor in expected.items():
             torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
-    build_model(kind, SEED).save_pretrained(tmp_path / "transformers")
-    errors = cluster2.run(_load_error, str(tmp_path / "transformers"))
-    if kind == "gpt-oss":
-        assert errors == [None, None]
-    else:
-        assert all("one tensor per expert" in (error or "") for error in errors), errors
+    for run in runs:  # float32 sums in another order (dp halves of the batch): a few ulps
+        assert run["loss"] == pytest.approx(reference, rel=1e-5)
+    assert _file_keys(tmp_path / "kit") == _file_keys(tmp_path / "transformers")
+
+
+def test_family_files_read_a_block_from_the_experts_it_covers_only(tmp_path) -> None:
+    """A block of a packed tensor (experts 2-3, rows across the gate/up seam, some columns) read
+    from transformers' per-expert Mixtral files equals that block of the model's tensor, and only
+    those two experts' tensors are read."""
+    from colab_par.hf_io.family_files import FamilyWeights
+    from colab_par.hf_io.weights import SafetensorsWeights
+
+    class Recorded(SafetensorsWeights):
+        read_names: list[str] = []
+
+        def read(self, name, index=None):
+            self.read_names.append(name)
+            return super().read(name, index)
+
+    class RecordedFamilyWeights(FamilyWeights, Recorded):
+        pass
+
+    model = build_model("mixtral", SEED)
+    model.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        shapes = build_model("mixtral", None)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    packed = model.state_dict()[name]
+    seam = packed.shape[1] // 2
+    index = (slice(2, 4), slice(seam - 3, seam + 5), slice(1, 7))
+    with RecordedFamilyWeights(tmp_path, shapes) as weights:
+        assert weights.header(name) == (tuple(packed.shape), "F32")
+        assert torch.equal(weights.read(name, index), packed[index])
+    assert sorted(Recorded.read_names) == [f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight"
+                                           for e in (2, 3) for w in ("w1", "w3")]
+
+
+def test_per_expert_files_without_a_mapping_are_refused_before_any_read(tmp_path) -> None:
+    """GPT-OSS has no conversion mapping in transformers: its experts stored one tensor per expert
+    (not its own layout) are refused, naming the tensor, before parallelize starts."""
+    import safetensors.torch
+
+    from colab_par.hf_io import WeightsError, from_pretrained
+
+    build_model("gpt-oss", SEED).save_pretrained(tmp_path)
+    state = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    packed = state.pop("model.layers.0.mlp.experts.gate_up_proj")
+    state.update({f"model.layers.0.mlp.experts.{e}.gate_up_proj": packed[e].clone() for e in range(len(packed))})
+    safetensors.torch.save_file(state, tmp_path / "model.safetensors", {"format": "pt"})
+    with pytest.raises(WeightsError, match=r"lacks the experts model.layers.0.mlp.experts.gate_up_proj .*"
+                                           r"model_type 'gpt_oss'.* no per-expert layout"):
+        from_pretrained(tmp_path, "dp2 ep2")

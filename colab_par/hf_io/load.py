@@ -16,7 +16,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from colab_par.hf_io.weights import SafetensorsWeights, WeightsError
+from colab_par.hf_io.family_files import FamilyWeights
+from colab_par.hf_io.weights import WeightsError
 from colab_par.layout import Layout
 
 __all__ = ["from_pretrained"]
@@ -52,8 +53,8 @@ def from_pretrained(path: str | os.PathLike, layout: Layout | str, *,
         _require_tp_plan(shapes, layout)
     from colab_par.parallel import parallelize
 
-    with SafetensorsWeights(path) as weights:
-        _refuse_per_expert_files(shapes, weights)
+    with FamilyWeights(path, shapes) as weights:
+        _refuse_unread_experts(shapes, weights)
         unused = weights.check(_expected(shapes), optional=_optional(shapes))
         if unused:
             warnings.warn(f"{path} holds {len(unused)} tensor(s) {type(shapes).__name__} does not use "
@@ -110,18 +111,19 @@ def _require_tp_plan(model: nn.Module, layout: Layout) -> None:
                          "pass from_pretrained(..., tp_plan={module pattern: style})") from None
 
 
-def _refuse_per_expert_files(model: nn.Module, weights: SafetensorsWeights) -> None:
-    """transformers stores most MoE families one tensor per expert on disk (``experts.0.gate_proj``)
-    and packs them in memory (``experts.gate_up_proj``); the kit reads packed tensors only."""
+def _refuse_unread_experts(model: nn.Module, weights: FamilyWeights) -> None:
+    """Packed experts the files hold neither packed nor in a layout transformers' conversion mapping
+    for this model describes (and the kit can slice) are refused before anything is read."""
     from colab_par.parallel.hf_experts import packed_expert_names
 
     missing = [name for name in packed_expert_names(model) if name not in weights]
     if missing:
-        raise WeightsError(f"{weights.path} stores the experts of {type(model).__name__} one tensor per expert "
-                           f"(the model packs them: {missing[0]} is not in the files), a layout the kit's "
-                           "reader does not convert yet; build the model with transformers' own "
-                           "from_pretrained and pass it to parallelize, or save it once with "
-                           "colab_par.hf_io.save_pretrained (which writes the packed tensors)")
+        model_type = getattr(model.config, "model_type", "?")
+        raise WeightsError(f"{weights.path} lacks the experts {missing[0]} of {type(model).__name__} "
+                           f"(model_type {model_type!r}) packed, and transformers' conversion mapping for "
+                           "this model names no per-expert layout the kit reads; build the model with "
+                           "transformers' own from_pretrained and pass it to parallelize, or save it once "
+                           "with colab_par.hf_io.save_pretrained")
 
 
 def _expected(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

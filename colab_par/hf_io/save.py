@@ -6,7 +6,9 @@ before any weight moves. Then the tensors go one at a time: each sharded one is 
 (`full_tensor`, a collective over its own mesh) by the ranks of the pipeline stage holding it, the
 stage's first rank sends it to global rank 0 (point to point, in the agreed order), and rank 0
 writes a shard file as soon as that shard is complete and drops it. So rank 0 holds at most one
-output shard plus one tensor, the other ranks one tensor.
+output shard plus one tensor, the other ranks one tensor. Names are those transformers writes for
+the family (`family_files.py`): a packed experts tensor is gathered once and written one tensor per
+expert and part, as transformers' own save_pretrained writes it.
 
 Rank 0 writes into a hidden sibling directory and renames it into place at the end: a failure
 leaves no half directory at `path`. A write error on rank 0 does not stop the stream (the other
@@ -32,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from colab_par import compat
+from colab_par.hf_io.family_files import DiskNames, Packed
 from colab_par.hf_io.weights import INDEX_FILE, SINGLE_FILE
 
 __all__ = ["save_pretrained", "DEFAULT_MAX_SHARD_BYTES"]
@@ -77,8 +80,10 @@ def save_pretrained(pm: Any, path: str | os.PathLike, *, max_shard_bytes: int = 
     local, write_config, single_file = _output(pm, config, merged, adapter_name)
     path, rank = Path(path), dist.get_rank()
     staging = path.parent / f".{path.name}.saving-{uuid.uuid4().hex[:12]}"
-    _agree(_start(path, staging, overwrite) if rank == 0 else None, path)
     entries = _catalogue(pm, local)
+    if single_file == SINGLE_FILE:
+        entries, local = _family_layout(pm, entries, local)
+    _agree(_start(path, staging, overwrite) if rank == 0 else None, path)
     files = _shard_files(entries, max_shard_bytes if single_file == SINGLE_FILE else None, single_file)
     error = None
     pending: dict[str, torch.Tensor] = {}
@@ -174,6 +179,70 @@ def _catalogue(pm: Any, local: dict[str, torch.Tensor]) -> list[_Entry]:
     return list(entries.values())
 
 
+def _family_layout(pm: Any, entries: list[_Entry],
+                   local: dict[str, Any]) -> tuple[list[_Entry], dict[str, Any]]:
+    """Entries and tensors under the names transformers writes for this family: renamed, and packed
+    experts one tensor per expert (each an `_ExpertPart` of the packed tensor, gathered once)."""
+    names = DiskNames(_unwrapped(pm.model_parts[0]))
+    out_entries: list[_Entry] = []
+    out_local: dict[str, Any] = {}
+    gathered = _LastGathered()
+    for entry in entries:
+        where = names.on_disk(entry.name, entry.shape)
+        if where is None:
+            model_type = getattr(_hf_config(pm), "model_type", "?")
+            raise ValueError(f"transformers stores {entry.name} (model_type {model_type!r}) through a "
+                             "conversion the kit does not write (only stacked experts, optionally "
+                             "concatenated parts); save with colab_par.save(pm, path) (a DCP checkpoint) "
+                             "or pass pm.full_state_dict() to transformers' own save_pretrained")
+        if not isinstance(where, Packed):
+            out_entries.append(_Entry(where, entry.shape, entry.dtype, entry.sender, entry.pp_rank))
+            if entry.name in local:
+                out_local[where] = local[entry.name]
+            continue
+        for expert, keys in enumerate(where.parts):
+            for part, key in enumerate(keys):
+                shape = list(entry.shape[1:])
+                shape[where.dim - 1] //= len(keys)
+                out_entries.append(_Entry(key, tuple(shape), entry.dtype, entry.sender, entry.pp_rank))
+                if entry.name in local:
+                    out_local[key] = _ExpertPart(gathered, local[entry.name], expert, where.dim,
+                                                 slice(part * shape[where.dim - 1], (part + 1) * shape[where.dim - 1]),
+                                                 tuple(shape), entry.dtype)
+    return out_entries, out_local
+
+
+class _LastGathered:
+    """The last packed tensor gathered whole, kept while its experts' parts are written."""
+
+    def __init__(self) -> None:
+        self.source: Any = None
+        self.full: torch.Tensor | None = None
+
+    def __call__(self, source: Any) -> torch.Tensor:
+        if source is not self.source:
+            self.full = None  # the last one goes before the next is gathered
+            self.full, self.source = _whole(source), source
+        return self.full
+
+
+@dataclass(frozen=True)
+class _ExpertPart:
+    """One expert's part (rows `rows` along the packed dim `dim`) of a packed tensor, as transformers'
+    reversed conversion (split the experts, chunk the parts) writes it."""
+    gathered: _LastGathered
+    source: Any
+    expert: int
+    dim: int
+    rows: slice
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __call__(self) -> torch.Tensor:
+        return self.gathered(self.source)[self.expert].narrow(self.dim - 1, self.rows.start,
+                                                              self.rows.stop - self.rows.start).detach().clone()
+
+
 def _shard_files(entries: list[_Entry], max_shard_bytes: int | None,
                  single_file: str = SINGLE_FILE) -> list[tuple[str, bool]]:
     """Per entry: its output file and whether it is that file's last tensor. Shards fill greedily
@@ -197,7 +266,7 @@ def _gathered(pm: Any, entry: _Entry, local: dict[str, torch.Tensor]) -> torch.T
     rank, full = dist.get_rank(), None
     if pm.pp_rank == entry.pp_rank:
         tensor = local[entry.name]
-        full = tensor() if callable(tensor) else tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        full = _whole(tensor)
         if rank == entry.sender and rank != 0:
             dist.send(full.detach().contiguous(), dst=0)
     if rank != 0 or entry.sender == 0:
@@ -205,6 +274,11 @@ def _gathered(pm: Any, entry: _Entry, local: dict[str, torch.Tensor]) -> torch.T
     received = torch.empty(entry.shape, dtype=entry.dtype, device=pm.device)
     dist.recv(received, src=entry.sender)
     return received
+
+
+def _whole(tensor: Any) -> torch.Tensor:
+    """A local tensor whole: computed (a callable), gathered (a DTensor, a collective), or itself."""
+    return tensor() if callable(tensor) else tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 # ---- rank 0's file work ------------------------------------------------------------------------------

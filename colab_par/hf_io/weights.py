@@ -62,6 +62,10 @@ class SafetensorsWeights:
     def names(self) -> list[str]:
         return list(self._file_of)
 
+    def where(self, name: str) -> Path:
+        """The file holding `name` (for messages)."""
+        return self._file_of[name]
+
     def header(self, name: str) -> tuple[tuple[int, ...], str]:
         """(shape, safetensors dtype such as "F32") of `name`, from its file's header."""
         block = self._handle(self._file_of[name]).get_slice(name)
@@ -86,15 +90,15 @@ class SafetensorsWeights:
                 continue
             found, found_dtype = self.header(name)
             if found != tuple(shape):
-                raise WeightsError(f"{name} in {self._file_of[name]} has shape {list(found)}, but the "
+                raise WeightsError(f"{name} in {self.where(name)} has shape {list(found)}, but the "
                                    f"model built from {self.path / 'config.json'} expects "
                                    f"{list(shape)}; the config and the weights disagree: fix the config "
                                    "(e.g. hidden_size, vocab_size, num_key_value_heads) or use the "
                                    "weights saved with it")
             if dtype.is_floating_point != (found_dtype in _FLOAT_DTYPES):
-                raise WeightsError(f"{name} in {self._file_of[name]} holds {found_dtype} values, but "
+                raise WeightsError(f"{name} in {self.where(name)} holds {found_dtype} values, but "
                                    f"the model's tensor is {dtype}; use the weights saved with this config")
-        return [name for name in self._file_of if name not in expected]
+        return [name for name in self.names() if name not in expected]
 
     # ---- handles ------------------------------------------------------------------------------------
     def _handle(self, file: Path) -> Any:
