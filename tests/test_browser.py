@@ -201,8 +201,9 @@ def test_quickstart_dashboard_updates_in_place(browser, jupyterlab):
         assert len(final) == 1 and frames[-1]["kind"] == "png", f"one final picture, last: {frames}"
         assert final[0]["step"][0] == final[0]["step"][1], f"the final picture is not the last step: {final}"
         steps = [frame["step"][0] for frame in live]
-        assert steps == sorted(set(steps)), f"live frames must show newer and newer steps: {steps}"
-        assert len(live) >= MIN_LIVE_FRAMES, f"{len(live)} live frames while training: {frames}"
+        # a rank's row for a step the lowest rank already showed redraws at that step (the bars change)
+        assert steps == sorted(steps), f"live frames must never go back a step: {steps}"
+        assert len(set(steps)) >= MIN_LIVE_FRAMES, f"{len(set(steps))} steps shown while training: {frames}"
         mean_interval = (final[0]["t"] - live[0]["t"]) / len(live)
         assert mean_interval <= MAX_FRAME_INTERVAL_S, f"a new frame every {mean_interval:.1f} s on average"
         assert page.locator(".jp-OutputArea-output img").count() == 1, "updates must replace one image"
