@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Iterator, Mapping, Union
 
+from colab_par.tier_options import MemoryTiers, tier_token
+
 __all__ = ["Layout", "LayoutError", "model_sizes", "valid_layouts", "field_options",
            "default_microbatches", "tensor_grid", "grid_batch_chunks", "DEGREES", "ZERO_LEVELS",
            "CP_MODES", "TP_MODES", "PP_SCHEDULES", "PRECISIONS", "CHECKPOINTING", "FIELDS"]
@@ -29,7 +31,7 @@ _MULTI_STAGE = ("interleaved", "zbv")
 # Field order of the enumeration: a field comes after those its choices or its default depend on.
 FIELDS = ("tp", "tp_mode", "tp_depth", "cp", "pp", "dp", "ep", "pp_schedule", "virtual_stages",
           "microbatches", "zero", "sequence_parallel", "cp_mode", "offload", "precision", "checkpointing",
-          "compile")
+          "compile", "tiers")
 _NAMED = {"zero": ZERO_LEVELS, "tp_mode": TP_MODES, "cp_mode": CP_MODES, "pp_schedule": PP_SCHEDULES,
           "precision": PRECISIONS, "checkpointing": CHECKPOINTING}
 
@@ -74,6 +76,8 @@ class Layout:
     trains as written. `compile` runs each repeated block through ``torch.compile`` (torchtitan's
     per-block placement: after activation checkpointing, before FSDP) and steps torch's Adam, AdamW,
     SGD or Adagrad as its fused kernel unless the optimizer names its implementation.
+    `tiers` (a `MemoryTiers`; tokens "mem8GiB", "disk", "disk:/path", "optimizer@disk", ...) keeps
+    each rank's model state under a memory budget across device, host and disk.
     """
 
     dp: int = 1
@@ -93,6 +97,7 @@ class Layout:
     precision: str = "fp32"
     checkpointing: str = "none"
     compile: bool = False
+    tiers: MemoryTiers = MemoryTiers()
 
     def __post_init__(self) -> None:
         """Refuse values outside a field's domain here, so no impossible Layout ever exists."""
@@ -137,7 +142,7 @@ class Layout:
             parts.append(f"ac-{self.checkpointing}")
         if self.compile:
             parts.append("compile")
-        return " ".join(parts)
+        return " ".join(parts + self.tiers.tokens())
 
     @classmethod
     def parse(cls, text: "str | Layout") -> "Layout":
@@ -148,12 +153,20 @@ class Layout:
             raise LayoutError("a layout is a string like 'dp2 tp2 zero3' or a Layout, "
                               f"not {type(text).__name__}")
         fields: dict[str, Any] = {}
+        tiers: dict[str, Any] = {}
         for token in text.replace(",", " ").split():
-            for name, value in _parse_token(token.lower()).items():
-                if name in fields and fields[name] != value:
-                    raise LayoutError(f"layout {text!r} sets {name} twice ({fields[name]!r} and "
+            try:
+                tier_fields = tier_token(token)
+            except ValueError as error:
+                raise LayoutError(str(error)) from None
+            into = tiers if tier_fields is not None else fields
+            for name, value in (tier_fields or _parse_token(token.lower())).items():
+                if name in into and into[name] != value:
+                    raise LayoutError(f"layout {text!r} sets {name} twice ({into[name]!r} and "
                                       f"{value!r}); keep one of them")
-                fields[name] = value
+                into[name] = value
+        if tiers:
+            fields["tiers"] = MemoryTiers(**tiers)
         return cls(**fields)
 
     def replace(self, **changes: Any) -> "Layout":
@@ -164,7 +177,8 @@ class Layout:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Field -> value (`tiers` stays a MemoryTiers, so ``Layout(**layout.to_dict())`` holds)."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
     # ---- validation ----------------------------------------------------------------------------
     def validate(self, world_size: int | None = None, model_config: Any = None, *,
@@ -189,6 +203,10 @@ def _check_domain(name: str, value: Any) -> None:
         if value not in allowed or type(value) is not type(allowed[0]):
             raise LayoutError(f"{name}={value!r} is unknown; choose one of "
                               f"{', '.join(map(str, allowed))}")
+    elif name == "tiers":
+        if not isinstance(value, MemoryTiers):
+            raise LayoutError(f"tiers={value!r} must be a MemoryTiers, e.g. MemoryTiers(budget='8GiB', "
+                              "disk='/scratch')")
     elif name in ("offload", "sequence_parallel", "compile"):
         if not isinstance(value, bool):
             raise LayoutError(f"{name}={value!r} must be True or False")
@@ -229,6 +247,7 @@ def _default_choices(world: int, sizes: dict[str, int]) -> dict[str, Choices]:
     # ep only where asked for (ep=(1, 2)): the planner asks in its search space
     return {**{name: _divisors(world) for name in DEGREES}, **_NAMED, "ep": (1,),
             "offload": (False, True), "sequence_parallel": (False, True), "compile": (False, True),
+            "tiers": (MemoryTiers(),),
             "tp_depth": [d for d in _divisors(world) if d < world],
             "virtual_stages": _divisors(layers) if layers else (1, 2),
             "microbatches": (None, *_divisors(batch)) if batch else (None,)}
@@ -319,7 +338,8 @@ def _parse_token(token: str) -> dict[str, Any]:
         f"unknown layout token {token!r}; use degrees like 'dp2 tp2 pp2 cp2', 'ep2', 'zero0'..'zero3', "
         "'1d'/'2d'/'2.5d'/'3d' with 'd2' (2.5d depth), "
         "'offload', 'sp', 'ring'/'ulysses', 'gpipe'/'1f1b'/'interleaved'/'zbv', 'mb4', 'v2', "
-        "'fp32'/'bf16', 'ac-selective'/'ac-full', 'compile'")
+        "'fp32'/'bf16', 'ac-selective'/'ac-full', 'compile', memory tiers 'mem8GiB', 'disk', "
+        "'disk:/path', 'optimizer@disk' (params/grads/optimizer @ device/host/disk)")
 
 
 # ---- model sizes from any config ---------------------------------------------------------------
@@ -458,6 +478,13 @@ def _check_offload(layout: Any, world: int | None, sizes: dict, device: str | No
     if layout.offload and layout.zero < 2:
         raise LayoutError("offload moves FSDP-sharded state to the CPU and needs zero=2 or zero=3 "
                           f"(got zero={layout.zero}); set zero=3")
+
+
+@_rule("offload", "tiers")
+def _check_tiers_or_offload(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    if layout.offload and layout.tiers.enabled:
+        raise LayoutError("offload (FSDP's all-or-nothing CPU offload) and memory tiers both place the "
+                          "state; keep one: drop 'offload' and let the tiers place chunks under the budget")
 
 
 @_rule("zero", "tp", "pp", "cp")

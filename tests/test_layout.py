@@ -10,6 +10,7 @@ from colab_par.layout import (CHECKPOINTING, CP_MODES, FIELDS, PP_SCHEDULES, PRE
                               ZERO_LEVELS, Layout, LayoutError, field_options, grid_batch_chunks,
                               tensor_grid, valid_layouts)
 from colab_par.models.gpt import GPTConfig
+from colab_par.tier_options import MemoryTiers
 
 CONFIG = GPTConfig(vocab_size=128, seq_len=64, n_layer=4, n_head=8, n_kv_head=4, d_model=64,
                    ffn_hidden=192)
@@ -441,7 +442,8 @@ def test_valid_layouts_are_exactly_those_validate_accepts(world: int, context: d
                 offload=(False, True) if every_option else (False,),
                 precision=PRECISIONS if every_option else ("fp32",),
                 checkpointing=("none", "full") if every_option else ("none",),
-                compile=(False, True) if every_option else (False,))
+                compile=(False, True) if every_option else (False,),
+                tiers=(MemoryTiers(), MemoryTiers(budget="1GiB")) if every_option else (MemoryTiers(),))
     assert set(grid) == set(FIELDS)
     found = list(valid_layouts(world, config, **context, **grid))
     assert len(found) == len(set(found))
@@ -464,3 +466,20 @@ def test_field_options_are_the_values_some_valid_layout_takes() -> None:
         assert options[field] == sorted({getattr(layout, field) for layout in every},
                                         key=list(options[field]).index), field
     assert options["precision"] == ["fp32"] and options["tp"] == [1, 2] and options["pp"] == [1, 2, 3, 6]
+
+
+def test_memory_tiers_tokens_round_trip_and_refusals() -> None:
+    layout = Layout.parse("dp2 zero3 mem8GiB disk:/Scratch/Run optimizer@disk grads@host")
+    assert layout.tiers == MemoryTiers(budget=8 * 2 ** 30, disk="/Scratch/Run", optimizer="disk", grads="host")
+    assert Layout.parse(str(layout)) == layout and Layout(**layout.to_dict()) == layout
+    assert Layout.parse("dp2 mem1.5GiB").tiers.budget == 3 * 2 ** 29
+    assert Layout.parse("dp2 params@disk").tiers.disk_folder == "tmp"  # pinned to disk: default folder
+    assert not Layout.parse("dp2").tiers.enabled and Layout.parse("dp2").tiers.disk_folder is None
+    with pytest.raises(LayoutError, match="not understood"):
+        Layout.parse("dp2 mem8Gx")
+    with pytest.raises(LayoutError, match="sets budget twice"):
+        Layout.parse("dp2 mem1GiB mem2GiB")
+    with pytest.raises(LayoutError, match="drop 'offload'"):
+        Layout.parse("dp2 zero3 offload mem1GiB").validate(2)
+    with pytest.raises(ValueError, match="not a tier"):
+        MemoryTiers(optimizer="nvme")

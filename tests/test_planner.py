@@ -18,6 +18,7 @@ from colab_par.devices import (CPU_COSTS_FILE, CPU_PROCESS_BYTES, CPU_WRAPPER_CO
 from colab_par.layout import (CHECKPOINTING, CP_MODES, FIELDS, PP_SCHEDULES, PRECISIONS, TP_MODES,
                               ZERO_LEVELS, Layout, LayoutError, default_microbatches)
 from colab_par.models.gpt import GPT, GPTConfig
+from colab_par.tier_options import MemoryTiers
 from colab_par.planner import (DEVICES, ModelSpec, Plan, activation_bytes_per_layer, candidate_layouts,
                                estimate, get_device, measure_cpu_device, model_state_bytes,
                                pipeline_bubble, plan, preferred, search_space)
@@ -367,7 +368,8 @@ def _accepted_in_search_space(spec: ModelSpec, world: int, global_batch: int, se
                "zero": ZERO_LEVELS, "sequence_parallel": (False, True), "cp_mode": CP_MODES,
                "tp_mode": TP_MODES, "tp_depth": (1, 2), "pp_schedule": PP_SCHEDULES, "virtual_stages": (1, 2, 3),
                "microbatches": range(1, global_batch + 1), "offload": (False, True),
-               "precision": PRECISIONS, "checkpointing": CHECKPOINTING, "compile": (False, True)}
+               "precision": PRECISIONS, "checkpointing": CHECKPOINTING, "compile": (False, True),
+               "tiers": (MemoryTiers(),)}
     assert set(domains) == set(FIELDS)
     # a fixed choice narrows the product at once; a choice that depends on other fields is checked
     grid = {name: [v for v in domain if callable(space.get(name)) or name not in space
