@@ -184,21 +184,30 @@ def _load_step_save(source: str, out: str, kind: str, layout: str) -> dict:
 def _file_keys(folder) -> set[str]:
     from safetensors import safe_open
 
-    with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
-        return set(handle.keys())
+    keys: set[str] = set()
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as handle:
+            keys |= set(handle.keys())
+    return keys
 
 
-@pytest.mark.parametrize("kind, layout", [("mixtral", "dp2 ep2"), ("qwen3-moe", "dp2 ep2"), ("olmoe", "dp2"),
-                                          ("qwen3-moe", "dp2 ep2 zero3"), ("gpt-oss", "dp2 ep2")])
-def test_hf_files_in_the_familys_own_layout_load_and_save(cluster2, tmp_path, kind: str, layout: str) -> None:
+@pytest.mark.parametrize("kind, layout, shard", [
+    ("mixtral", "dp2 ep2", None), ("qwen3-moe", "dp2 ep2", None), ("olmoe", "dp2", None),
+    ("qwen3-moe", "dp2 ep2 zero3", None), ("gpt-oss", "dp2 ep2", None),
+    ("qwen2-moe", "dp2 ep2", None), ("deepseek-v3", "dp2 ep2", "40KB")])
+def test_hf_files_in_the_familys_own_layout_load_and_save(cluster2, tmp_path, kind: str, layout: str,
+                                                          shard: str | None) -> None:
     """transformers' own files (experts one tensor per expert; Mixtral's block_sparse_moe names;
-    GPT-OSS packed) load under `layout` to transformers' exact weights and one-process loss; the kit
-    writes the very keys transformers writes, and transformers reads them back bit-exactly."""
+    GPT-OSS packed; `shard`: split over several files with an index) load under `layout` to
+    transformers' exact weights and one-process loss; the kit writes the very keys transformers
+    writes, and transformers reads them back bit-exactly."""
     import torch.nn.functional as F
     import transformers
 
     model = build_model(kind, SEED)
-    model.save_pretrained(tmp_path / "transformers")
+    model.save_pretrained(tmp_path / "transformers", **({"max_shard_size": shard} if shard else {}))
+    if shard:
+        assert len(list((tmp_path / "transformers").glob("model-*.safetensors"))) > 2
     runs = cluster2.run(_load_step_save, str(tmp_path / "transformers"), str(tmp_path / "kit"), kind, layout)
     expected = model.state_dict()
     inputs, targets = training_batches(kind, 1)[0]
