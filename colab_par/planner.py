@@ -21,6 +21,7 @@ from colab_par.layout import CP_MODES, TP_MODES, Choices, Layout, LayoutError, v
 from colab_par.module_spec import ModuleSpec
 from colab_par.tensor_costs import GridShape, grid_local_params, kept_activation_bytes, tensor_comm_bytes
 from colab_par.tier_costs import TierPlan, tier_plan
+from colab_par.tier_options import MemoryTiers
 
 __all__ = ["MemoryBreakdown", "ModelSpec", "DeviceSpec", "Plan", "DEVICES", "GiB", "INIT_MODES",
            "FROZEN_BYTES", "model_state_bytes", "init_peak_bytes",
@@ -663,13 +664,14 @@ def candidate_layouts(spec: ModelSpec, world_size: int, *, global_batch: int, se
 
 def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batch: int, seq_len: int,
          gpus_per_node: int = 8, top: int | None = 10, optimizer: str = "adam",
-         init: str = "meta", expert_load: float = 1.0) -> list[Plan]:
+         init: str = "meta", expert_load: float = 1.0, tiers: MemoryTiers | None = None) -> list[Plan]:
     """Valid layouts for `model` on `world_size` devices, best first: fitting before not fitting,
     then by predicted step time, then fewer parallel dimensions, then less memory.
     `model` is a GPTConfig, a Hugging Face config, a dict of sizes, or a `ModuleSpec` (any
     nn.Module, probed; `seq_len` is then unused). A plan fits only if building the model the
     `init` way fits too (see `estimate`). A MoE model's layouts include ep, costed at
-    `expert_load` (see `estimate`)."""
+    `expert_load` (see `estimate`). `tiers` (e.g. ``MemoryTiers(budget="8GiB", disk="tmp")``)
+    puts every candidate under that budget and those tiers instead of trying FSDP's offload."""
     _check_init(init)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer, e.g. 8")
@@ -680,7 +682,7 @@ def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batc
     options = dict(device=dev, global_batch=global_batch, seq_len=seq_len,
                    gpus_per_node=gpus_per_node, optimizer=optimizer, validate=False, init=init,
                    expert_load=expert_load)
-    plans = [_cheapest_fitting(spec, layout, options)
+    plans = [_cheapest_fitting(spec, layout.replace(tiers=tiers or MemoryTiers()), options)
              for layout in candidate_layouts(spec, world_size, global_batch=global_batch, seq_len=seq_len,
                                              bf16=dev.bf16, gpus_per_node=gpus_per_node, device=dev.name)]
     if not plans:
@@ -694,10 +696,10 @@ def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batc
 
 
 def _cheapest_fitting(spec: ModelSpec, layout: Layout, options: dict[str, Any]) -> Plan:
-    """The first of: as is, selective then full recompute, each also offloaded (zero >= 2), that
-    fits; the last tried if none does."""
+    """The first of: as is, selective then full recompute, each also offloaded (zero >= 2, no
+    memory tiers), that fits; the last tried if none does."""
     for checkpointing in ("none", "selective", "full"):
-        for offload in ((False, True) if layout.zero >= 2 else (False,)):
+        for offload in ((False, True) if layout.zero >= 2 and not layout.tiers.enabled else (False,)):
             option = estimate(spec, layout.replace(checkpointing=checkpointing, offload=offload), **options)
             if option.fits:
                 return option

@@ -160,3 +160,18 @@ def test_a_disk_tier_trains_a_larger_model_under_the_same_budget() -> None:
     larger = next(sizes for sizes in family if sizes["d_model"] > memory.sizes["d_model"])
     assert not estimate(larger, "dp2 zero3 mem4GiB", device="cpu", global_batch=2, seq_len=128).fits
     assert largest_model("dp2 zero3 mem1MiB", device="cpu", global_batch=2, seq_len=128, family=family) is None
+
+
+def test_plan_under_a_budget_puts_every_candidate_in_tiers_and_within_it() -> None:
+    from colab_par.planner import plan
+
+    config = dict(vocab_size=8192, n_layer=24, d_model=2048, n_head=16)
+    budget = 6 * 2 ** 30
+    plans = plan(config, 2, device="cpu", global_batch=2, seq_len=128, top=None,
+                 tiers=MemoryTiers(budget=budget, disk="tmp"))
+    fitting = [p for p in plans if p.fits]
+    assert fitting and all(p.layout.tiers == MemoryTiers(budget=budget, disk="tmp") for p in plans)
+    assert not any(p.layout.offload for p in plans)
+    assert all(p.memory.total <= budget * (1 + 1e-12) for p in fitting)
+    assert not plan(config, 2, device="cpu", global_batch=2, seq_len=128, top=None,
+                    tiers=MemoryTiers(budget=budget))[0].fits  # 9 GiB of state, no disk: nothing fits
