@@ -437,7 +437,8 @@ def _place_in_tiers(layout: Layout, memory: MemoryBreakdown, resting: MemoryBrea
     tiers = tier_plan(state, layout.tiers, memory.total - sum(state.values()), one_memory=one_memory,
                       compute=times["compute"], optimizer_time=times["optimizer"],
                       optimizer_bytes_per_param=optimizer_bytes_per_param, ranks_per_host=ranks,
-                      core_share=dev.core_share, host_capacity=host_memory / ranks)
+                      core_share=dev.core_share, host_capacity=host_memory / ranks,
+                      link_bandwidth=dev.host_bandwidth)
     times["tiers"] = tiers.seconds
     placed = MemoryBreakdown(
         *(getattr(memory, kind) - state[kind] + tiers.device[kind] for kind in ("params", "grads", "optimizer")),

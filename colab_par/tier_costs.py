@@ -210,7 +210,7 @@ def _io_bytes(plan: TierPlan, state: Mapping[str, float], one_memory: bool) -> d
 def tier_plan(state: Mapping[str, float], tiers: MemoryTiers, working: float, *, one_memory: bool,
               compute: float, optimizer_time: float, optimizer_bytes_per_param: float,
               ranks_per_host: int, core_share: float = 1.0, host_capacity: float = math.inf,
-              rates: TierRates = TIER_RATES) -> TierPlan:
+              link_bandwidth: float = math.inf, rates: TierRates = TIER_RATES) -> TierPlan:
     """Placement, bytes moved and exposed seconds per step of one rank's state under `tiers`.
 
     Prefetch overlaps I/O with compute: the forward + backward traffic (params read twice, grads
@@ -220,14 +220,16 @@ def tier_plan(state: Mapping[str, float], tiers: MemoryTiers, working: float, *,
         max(0, io_fb - compute) + max(0, max(io_step, host_adam) - optimizer_time) + 2 · chunk / read
     (the first chunk of each phase waits for its read). The `ranks_per_host` ranks share the disk
     and the PCIe links' host side: each gets its share of the measured rates; a CPU rank's host
-    AdamW runs at the measured rate times its `core_share`.
+    AdamW runs at the measured rate times its `core_share`. Host <-> device copies run at the
+    measured rate where the rates file has one (measured on CUDA), else at `link_bandwidth` (the
+    device catalogue's PCIe figure).
     """
     free = disk_free_bytes(tiers.disk_folder) / ranks_per_host if tiers.uses_disk else 0.0
     plan = place_state(state, tiers, working, one_memory=one_memory, chunk_bytes=rates.chunk_bytes,
                        host_capacity=host_capacity, disk_capacity=free)
     io = _io_bytes(plan, state, one_memory)
     read, write = rates.disk_read / ranks_per_host, rates.disk_write / ranks_per_host
-    copy = (rates.host_device or math.inf) / ranks_per_host
+    copy = (link_bandwidth if rates.host_device is None else rates.host_device) / ranks_per_host
     io_fb = io["fb_read"] / read + io["fb_write"] / write + io["fb_copy"] / copy
     io_step = io["step_read"] / read + io["step_write"] / write + io["step_copy"] / copy
     off_optimizer = 0.0 if one_memory else plan.host["optimizer"] + plan.disk["optimizer"]

@@ -175,3 +175,18 @@ def test_plan_under_a_budget_puts_every_candidate_in_tiers_and_within_it() -> No
     assert all(p.memory.total <= budget * (1 + 1e-12) for p in fitting)
     assert not plan(config, 2, device="cpu", global_batch=2, seq_len=128, top=None,
                     tiers=MemoryTiers(budget=budget))[0].fits  # 9 GiB of state, no disk: nothing fits
+
+
+def test_without_a_measured_copy_rate_the_catalogues_link_is_used() -> None:
+    from dataclasses import replace
+
+    options = dict(one_memory=False, compute=0.0, optimizer_time=0.0, optimizer_bytes_per_param=12,
+                   ranks_per_host=1)
+    measured = tier_plan(STATE, MemoryTiers(params="host"), 0.0, rates=RATES, **options)
+    catalogue = tier_plan(STATE, MemoryTiers(params="host"), 0.0, rates=replace(RATES, host_device=None),
+                          link_bandwidth=20.0, **options)
+    assert measured.times["io_fb"] == catalogue.times["io_fb"] == pytest.approx(200 / 20)
+    gpu = estimate(dict(vocab_size=32000, n_layer=32, d_model=4096, n_head=32), "dp8 zero3 bf16 optimizer@host",
+                   device="H100", global_batch=8, seq_len=4096)
+    assert gpu.tiers.host["optimizer"] > 0 and gpu.tiers.host_device > 0 and gpu.times["tiers"] > 0
+    assert gpu.memory.host_optimizer == gpu.tiers.host["optimizer"] and gpu.memory.optimizer == 0
