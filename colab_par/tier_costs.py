@@ -179,7 +179,9 @@ def _with_verdict(plan: TierPlan, budget: float, unplaced: float, overfull: bool
                   + ("the disk folder has too little free space; name another ('disk:/folder')" if uses_disk
                      else "add a disk tier ('disk' or 'disk:/folder') or raise the budget"))
     elif overfull:
-        reason = "a kind pinned to the host or disk exceeds that tier's free space; pin it elsewhere"
+        reason = ("a kind pinned to the host or disk exceeds that tier's room per rank (host: this "
+                  "machine's memory shared by the ranks of a host; disk: the folder's free space): pin it "
+                  "elsewhere or use more ranks")
     else:
         return plan
     return replace(plan, fits=False, reason=reason)
