@@ -124,7 +124,7 @@ def test_bytes_of_a_small_gpt_with_its_optimizer_on_disk() -> None:
 
 def test_the_predicted_peak_stays_within_the_budget() -> None:
     config = dict(vocab_size=8192, n_layer=24, d_model=2048, n_head=16)
-    budget = 6 * 2 ** 30
+    budget = 3 * 2 ** 30  # small enough to fit a small CI machine's memory too
     option = estimate(config, f"dp2 zero3 mem{budget} disk", device="cpu", global_batch=2, seq_len=128)
     assert option.fits and sum(option.tiers.disk.values()) > 0
     assert option.memory.total == pytest.approx(budget)  # filled to the budget, never over
@@ -134,9 +134,9 @@ def test_the_predicted_peak_stays_within_the_budget() -> None:
 
 
 def test_disk_free_space_of_a_folder_not_made_yet() -> None:
-    base = Path(tempfile.gettempdir())
+    base = Path(tempfile.gettempdir())  # the free space moves as other jobs write: a loose match
     assert disk_free_bytes(str(base / "not" / "made" / "yet")) == pytest.approx(shutil.disk_usage(base).free,
-                                                                                 rel=0.01)
+                                                                                 rel=0.1)
     assert disk_free_bytes(None) == 0.0
 
 
@@ -152,13 +152,13 @@ def test_rates_file_is_measured_and_says_where() -> None:
 
 def test_a_disk_tier_trains_a_larger_model_under_the_same_budget() -> None:
     family = gpt_ladder(widths=range(512, 4097, 512))
-    found = largest_under_budget("dp2 zero3", "4GiB", device="cpu", global_batch=2, seq_len=128, family=family)
+    found = largest_under_budget("dp2 zero3", "2GiB", device="cpu", global_batch=2, seq_len=128, family=family)
     memory, disk = found["memory"], found["disk"]
     assert memory is not None and disk is not None and disk.n_params > memory.n_params
     assert memory.plan.fits and disk.plan.fits and memory.plan.tiers.resident()["disk"] == 0
     # the next larger member does not fit in memory alone
     larger = next(sizes for sizes in family if sizes["d_model"] > memory.sizes["d_model"])
-    assert not estimate(larger, "dp2 zero3 mem4GiB", device="cpu", global_batch=2, seq_len=128).fits
+    assert not estimate(larger, "dp2 zero3 mem2GiB", device="cpu", global_batch=2, seq_len=128).fits
     assert largest_model("dp2 zero3 mem1MiB", device="cpu", global_batch=2, seq_len=128, family=family) is None
 
 
@@ -166,7 +166,7 @@ def test_plan_under_a_budget_puts_every_candidate_in_tiers_and_within_it() -> No
     from colab_par.planner import plan
 
     config = dict(vocab_size=8192, n_layer=24, d_model=2048, n_head=16)
-    budget = 6 * 2 ** 30
+    budget = 3 * 2 ** 30
     plans = plan(config, 2, device="cpu", global_batch=2, seq_len=128, top=None,
                  tiers=MemoryTiers(budget=budget, disk="tmp"))
     fitting = [p for p in plans if p.fits]
@@ -174,7 +174,7 @@ def test_plan_under_a_budget_puts_every_candidate_in_tiers_and_within_it() -> No
     assert not any(p.layout.offload for p in plans)
     assert all(p.memory.total <= budget * (1 + 1e-12) for p in fitting)
     assert not plan(config, 2, device="cpu", global_batch=2, seq_len=128, top=None,
-                    tiers=MemoryTiers(budget=budget))[0].fits  # 9 GiB of state, no disk: nothing fits
+                    tiers=MemoryTiers(budget=budget))[0].fits  # 9 GiB of state per rank, no disk: no fit
 
 
 def test_without_a_measured_copy_rate_the_catalogues_link_is_used() -> None:
