@@ -324,13 +324,15 @@ class LayoutPicker:
 
 
 def _tier_text(option: Plan) -> str:
-    """` · state per tier: device 1.20 GiB, disk 3.10 GiB · 6.20 GiB moved per step (+2,310.0 ms)`."""
+    """` · state per tier under a budget of 4.00 GiB: device 1.20 GiB, disk 3.10 GiB · 6.20 GiB moved
+    per step (+2,310.0 ms)`."""
     tiers = option.tiers
     if tiers is None:
         return ""
     resident = tiers.resident()
     placed = ", ".join(f"{tier} {_size(resident[tier])}" for tier in resident if resident[tier]) or "none"
-    return (f" · state per tier: {placed} · {_size(tiers.moved)} moved per step "
+    budget = f" under a budget of {_size(tiers.budget)}" if tiers.budget is not None else ""
+    return (f" · state per tier{budget}: {placed} · {_size(tiers.moved)} moved per step "
             f"(+{tiers.seconds * 1e3:,.1f} ms)")
 
 

@@ -153,7 +153,8 @@ def test_memory_budget_and_disk_tier_selectors() -> None:
     expected = estimate(config, picker.layout, device="cpu", global_batch=2, seq_len=128)
     assert picker.estimate.fits and picker.estimate.tiers == expected.tiers
     line = picker._estimate_html.value
-    assert "state per tier: device" in line and "disk" in line and "moved per step" in line
+    assert "state per tier under a budget of" in line and "device" in line and "disk" in line
+    assert "moved per step" in line
     assert "moved per step" in repr(picker)  # the text fallback says it too
 
 
