@@ -34,6 +34,10 @@ MEMORY_PARTS = (("mem_params", "params", BLUE), ("mem_grads", "grads", ORANGE),
 TIME_PARTS = (("time_data", "data", CYAN), ("time_forward_backward", "fwd+bwd", BLUE),
               ("time_clip", "clip", ORANGE), ("time_optimizer", "optimizer", GREEN),
               ("time_telemetry", "telemetry", PURPLE))
+# memory tiers (the runtime's memory_report, published as mem_tier_*): model state resident per
+# tier, and the working memory beside it on the device
+TIER_PARTS = (("mem_tier_working", "working", RED), ("mem_tier_device", "device", BLUE),
+              ("mem_tier_host", "host", ORANGE), ("mem_tier_disk", "disk", GREEN))
 
 
 @dataclass(frozen=True)
@@ -49,13 +53,14 @@ class Curve:
 @dataclass(frozen=True)
 class PanelSpec:
     """One plot: `curves` over steps, or stacked bars per rank of the latest row's `parts` (times
-    `scale`, with the row's `note` share above each bar). `{}` in `title` is the first curve's name."""
+    `scale`), with `note` above each bar: (row key, format template, factor) of the row's value.
+    `{}` in `title` is the first curve's name."""
 
     title: str
     curves: tuple[Curve, ...] = ()
     parts: tuple[tuple[str, str, str], ...] = ()
     scale: float = 1.0
-    note: str | None = None
+    note: tuple[str, str, float] | None = None
 
     @property
     def colours(self) -> tuple[str, ...]:
@@ -71,8 +76,11 @@ PANELS = (
               (Curve((("tokens_per_s", "tokens/s"), ("samples_per_s", "samples/s")), BLUE),
                Curve((("mfu", "MFU %"),), ORANGE, scale=100.0, right=True))),
     PanelSpec("memory by rank (MiB)", parts=MEMORY_PARTS, scale=2 ** -20),
-    PanelSpec("step time by rank (ms)", parts=TIME_PARTS, scale=1e3, note="bubble"),
+    PanelSpec("step time by rank (ms)", parts=TIME_PARTS, scale=1e3, note=("bubble", "bubble {:.0f}%", 100.0)),
 )
+# a run with memory tiers adds this plot after PANELS (a dense run's frame has none)
+TIER_PANEL = PanelSpec("state per tier by rank (MiB)", parts=TIER_PARTS, scale=2 ** -20,
+                       note=("mem_tier_moved", "moved {:,.0f} MiB/step", 2 ** -20))
 # MoE models add a row per heat map of the latest step's per-expert counts (layer × expert):
 # (what `telemetry.expert_counts` reads, title); a dense model's frame has none
 EXPERT_MAPS = (("tokens", "tokens per expert"), ("dropped", "dropped tokens per expert"))
@@ -223,7 +231,8 @@ class LiveDashboard:
         """What a frame shows, plot by plot: the SVG frames and the PNG picture draw these. A MoE
         run adds its heat maps below the curves and bars."""
         latest = self.latest()
-        return [self._plot(spec, latest) for spec in PANELS] + [plot for _, plot in self._expert_maps(latest)]
+        return ([self._plot(spec, latest) for spec in _panel_specs(latest)]
+                + [plot for _, plot in self._expert_maps(latest)])
 
     def _expert_maps(self, latest: dict[int, dict]) -> list[tuple[str, Plot]]:
         """(title, plot) of each layer × expert heat map of the newest step's counts, from the
@@ -244,8 +253,9 @@ class LiveDashboard:
             stacks = tuple(Stack(label, colour, [float(latest[r].get(key) or 0.0) * spec.scale
                                                  for r in ranks])
                            for key, label, colour in spec.parts)
-            notes = tuple(f"{spec.note} {100 * latest[r][spec.note]:.0f}%"
-                          if spec.note and latest[r].get(spec.note) is not None else "" for r in ranks)
+            key, template, factor = spec.note or ("", "", 1.0)
+            notes = tuple(template.format(latest[r][key] * factor) if spec.note and latest[r].get(key) is not None
+                          else "" for r in ranks)
             return Plot(spec.title, bars=True, categories=tuple(str(r) for r in ranks),
                         stacks=stacks, notes=notes)
         lines = []
@@ -276,8 +286,9 @@ class LiveDashboard:
         plots = self.plots()
         self._ensure_figure(plots)
         height = int(round(self._figure.bbox.height))
-        specs = [(_default_title(spec), spec.colours, bool(spec.parts), False) for spec in PANELS]
-        specs += [(title, HEAT_COLOURS, False, True) for title, _ in self._expert_maps(self.latest())]
+        latest = self.latest()
+        specs = [(_default_title(spec), spec.colours, bool(spec.parts), False) for spec in _panel_specs(latest)]
+        specs += [(title, HEAT_COLOURS, False, True) for title, _ in self._expert_maps(latest)]
         panels = []
         for (title, colours, bars, heat), ax in zip(specs, self._axes):
             box = ax.bbox
@@ -366,7 +377,7 @@ class LiveDashboard:
                 axes.locator_params(axis="y", nbins=4)  # every tick label is drawn text: keep few
             if spec.curves:
                 ax.locator_params(axis="x", nbins=5)
-        self._lines += [[] for _ in plots[len(PANELS):]]  # heat maps: an image per picture, no lines
+        self._lines += [[] for _ in plots[len(PANELS):]]  # the tiers bars and heat maps: no lines
         self._drawn: list[Any] = []
 
     def _draw_png(self, plots: list[Plot]) -> bytes:
@@ -462,6 +473,12 @@ def _frame_inches(plots: list[Plot]) -> tuple[float, float]:
     return FRAME_INCHES[0], FRAME_INCHES[1] + ROW_INCHES * (rows - len(PANELS) // COLUMNS)
 
 
+def _panel_specs(latest: dict[int, dict]) -> tuple[PanelSpec, ...]:
+    """PANELS, and the tiers plot when a rank's newest row reports memory tiers."""
+    tiers = any(row.get("mem_tier_device") is not None for row in latest.values())
+    return PANELS + (TIER_PANEL,) if tiers else PANELS
+
+
 def _default_title(spec: PanelSpec) -> str:
     return spec.title.format(spec.curves[0].keys[0][1] if spec.curves else "")
 
@@ -494,6 +511,9 @@ def progress_line(latest: dict[int, dict], total_steps: int) -> str:
     memory = [r.get("mem_total") for r in latest.values() if r.get("mem_total") is not None]
     if memory:
         parts.append(f"mem {max(memory) / 2 ** 20:.1f} MiB/rank")
+    moved = [r["mem_tier_moved"] for r in latest.values() if r.get("mem_tier_moved") is not None]
+    if moved:
+        parts.append(f"tiers moved {max(moved) / 2 ** 20:,.1f} MiB/step")
     if row.get("bubble") is not None:
         parts.append(f"bubble {100 * row['bubble']:.0f}%")
     if row.get("compile_s"):

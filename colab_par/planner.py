@@ -8,6 +8,8 @@ al. 2022, collective volumes from the ring algorithms, the pipeline bubble from 
 """
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping
 
@@ -18,6 +20,8 @@ from colab_par.flops import ModelSpec, flops_per_token
 from colab_par.layout import CP_MODES, TP_MODES, Choices, Layout, LayoutError, valid_layouts
 from colab_par.module_spec import ModuleSpec
 from colab_par.tensor_costs import GridShape, grid_local_params, kept_activation_bytes, tensor_comm_bytes
+from colab_par.tier_costs import TierPlan, tier_plan
+from colab_par.tier_options import MemoryTiers
 
 __all__ = ["MemoryBreakdown", "ModelSpec", "DeviceSpec", "Plan", "DEVICES", "GiB", "INIT_MODES",
            "FROZEN_BYTES", "model_state_bytes", "init_peak_bytes",
@@ -175,7 +179,10 @@ class Plan:
 
     `resting` is the model state between steps (what `memory_report` measures); `times` splits the
     step into compute, bubble and exposed communication seconds; `init` is how the model is built
-    (`INIT_MODES`), and `fits` holds only if that build's peak fits too.
+    (`INIT_MODES`), and `fits` holds only if that build's peak fits too. With memory tiers
+    (`layout.tiers`), `tiers` is the state's placement and traffic (`tier_costs.TierPlan`), `memory`
+    holds the device's share only (streaming buffers among the `buffers`), and `fits` also needs
+    the placement to fit its budget and tiers.
     """
 
     layout: Layout
@@ -189,6 +196,7 @@ class Plan:
     times: Mapping[str, float] = field(default_factory=dict)
     samples_per_s: float = 0.0
     init: str = "meta"
+    tiers: TierPlan | None = None
 
     @property
     def limit(self) -> str:
@@ -204,7 +212,14 @@ class Plan:
     def __str__(self) -> str:
         return (f"{str(self.layout):<32} {self.memory.peak / GiB:8.2f} GiB  "
                 f"{self.step_time * 1e3:9.1f} ms  {self.throughput:>18}  "
-                f"MFU {self.mfu:6.1%}  {'fits' if self.fits else 'OOM'}")
+                f"MFU {self.mfu:6.1%}  {'fits' if self.fits else 'OOM'}" + self._tier_text())
+
+    def _tier_text(self) -> str:
+        if self.tiers is None:
+            return ""
+        resident = self.tiers.resident()
+        return ("  tiers " + ", ".join(f"{tier} {resident[tier] / GiB:.2f} GiB" for tier in resident if resident[tier])
+                + f", {self.tiers.moved / GiB:.2f} GiB moved/step" + ("" if self.tiers.fits else f" ({self.tiers.reason})"))
 
 
 def _local_params(spec: ModelSpec, layout: Layout) -> tuple[float, float]:
@@ -335,13 +350,15 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
 
     times = _step_times(spec, layout, dev, precision, global_batch, seq_len, gpus_per_node,
                         local, act_bytes, resting, trainable, experts, expert_load)
+    memory, tiers = _place_in_tiers(layout, memory, resting, times, dev, gpus_per_node,
+                                    _STATE_BYTES[state_precision, optimizer][2])
     step = sum(times.values())
     tokens = global_batch * seq_len
     model_flops = tokens * flops_per_token(spec, seq_len, "none")
     mfu = model_flops / (step * layout.world_size * dev.peak_flops[precision])
     capacity = 0.9 * dev.memory  # allocator fragmentation, CUDA context, NCCL buffers
-    return Plan(layout, memory, step, mfu, memory.peak <= capacity, tokens / step, capacity,
-                resting, times, init=init)
+    return Plan(layout, memory, step, mfu, memory.peak <= capacity and (tiers is None or tiers.fits),
+                tokens / step, capacity, resting, times, init=init, tiers=tiers)
 
 
 def _estimate_module(spec: ModuleSpec, layout: Layout, dev: DeviceSpec, *, global_batch: int,
@@ -396,10 +413,38 @@ def _estimate_module(spec: ModuleSpec, layout: Layout, dev: DeviceSpec, *, globa
     times["optimizer"] = 2 * (resting.total + resting.host_total) / dev.hbm_bandwidth
     if layout.offload:
         times["offload"] = 2 * local / layout.dp * act_bytes / dev.host_bandwidth
+    memory, tiers = _place_in_tiers(layout, memory, resting, times, dev, gpus_per_node,
+                                    _STATE_BYTES[state_precision, optimizer][2])
     step = sum(times.values())
     mfu = flops / (step * layout.world_size * dev.peak_flops[precision])
-    return Plan(layout, memory, step, mfu, memory.peak <= 0.9 * dev.memory, 0.0, 0.9 * dev.memory,
-                resting, times, samples_per_s=global_batch / step, init=init)
+    return Plan(layout, memory, step, mfu, memory.peak <= 0.9 * dev.memory and (tiers is None or tiers.fits),
+                0.0, 0.9 * dev.memory, resting, times, samples_per_s=global_batch / step, init=init, tiers=tiers)
+
+
+def _place_in_tiers(layout: Layout, memory: MemoryBreakdown, resting: MemoryBreakdown, times: dict[str, float],
+                    dev: DeviceSpec, gpus_per_node: int,
+                    optimizer_bytes_per_param: float) -> tuple[MemoryBreakdown, TierPlan | None]:
+    """The training memory with the rank's local state (`resting`) placed by `layout.tiers`
+    (`tier_costs.tier_plan`), adding the exposed seconds to `times["tiers"]`; as is without tiers.
+    Working memory is the peak less that state: activations, gathered parameters, buffers. A CPU
+    (host bandwidth infinite: the host is the device) is one memory shared by all its ranks."""
+    if not layout.tiers.enabled:
+        return memory, None
+    state = {"params": resting.params, "grads": resting.grads, "optimizer": resting.optimizer}
+    one_memory = math.isinf(dev.host_bandwidth)
+    ranks = layout.world_size if one_memory else min(layout.world_size, gpus_per_node)
+    host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    tiers = tier_plan(state, layout.tiers, memory.total - sum(state.values()), one_memory=one_memory,
+                      compute=times["compute"], optimizer_time=times["optimizer"],
+                      optimizer_bytes_per_param=optimizer_bytes_per_param, ranks_per_host=ranks,
+                      core_share=dev.core_share, host_capacity=host_memory / ranks,
+                      link_bandwidth=dev.host_bandwidth)
+    times["tiers"] = tiers.seconds
+    placed = MemoryBreakdown(
+        *(getattr(memory, kind) - state[kind] + tiers.device[kind] for kind in ("params", "grads", "optimizer")),
+        memory.activations, tiers.host["params"], tiers.host["grads"], tiers.host["optimizer"],
+        memory.buffers + tiers.streaming, memory.init, memory.baseline)
+    return placed, tiers
 
 
 def _with_whole_adapters(spec: ModelSpec, local: float) -> tuple[float, float]:
@@ -620,13 +665,14 @@ def candidate_layouts(spec: ModelSpec, world_size: int, *, global_batch: int, se
 
 def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batch: int, seq_len: int,
          gpus_per_node: int = 8, top: int | None = 10, optimizer: str = "adam",
-         init: str = "meta", expert_load: float = 1.0) -> list[Plan]:
+         init: str = "meta", expert_load: float = 1.0, tiers: MemoryTiers | None = None) -> list[Plan]:
     """Valid layouts for `model` on `world_size` devices, best first: fitting before not fitting,
     then by predicted step time, then fewer parallel dimensions, then less memory.
     `model` is a GPTConfig, a Hugging Face config, a dict of sizes, or a `ModuleSpec` (any
     nn.Module, probed; `seq_len` is then unused). A plan fits only if building the model the
     `init` way fits too (see `estimate`). A MoE model's layouts include ep, costed at
-    `expert_load` (see `estimate`)."""
+    `expert_load` (see `estimate`). `tiers` (e.g. ``MemoryTiers(budget="8GiB", disk="tmp")``)
+    puts every candidate under that budget and those tiers instead of trying FSDP's offload."""
     _check_init(init)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer, e.g. 8")
@@ -637,7 +683,7 @@ def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batc
     options = dict(device=dev, global_batch=global_batch, seq_len=seq_len,
                    gpus_per_node=gpus_per_node, optimizer=optimizer, validate=False, init=init,
                    expert_load=expert_load)
-    plans = [_cheapest_fitting(spec, layout, options)
+    plans = [_cheapest_fitting(spec, layout.replace(tiers=tiers or MemoryTiers()), options)
              for layout in candidate_layouts(spec, world_size, global_batch=global_batch, seq_len=seq_len,
                                              bf16=dev.bf16, gpus_per_node=gpus_per_node, device=dev.name)]
     if not plans:
@@ -651,10 +697,10 @@ def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batc
 
 
 def _cheapest_fitting(spec: ModelSpec, layout: Layout, options: dict[str, Any]) -> Plan:
-    """The first of: as is, selective then full recompute, each also offloaded (zero >= 2), that
-    fits; the last tried if none does."""
+    """The first of: as is, selective then full recompute, each also offloaded (zero >= 2, no
+    memory tiers), that fits; the last tried if none does."""
     for checkpointing in ("none", "selective", "full"):
-        for offload in ((False, True) if layout.zero >= 2 else (False,)):
+        for offload in ((False, True) if layout.zero >= 2 and not layout.tiers.enabled else (False,)):
             option = estimate(spec, layout.replace(checkpointing=checkpointing, offload=offload), **options)
             if option.fits:
                 return option

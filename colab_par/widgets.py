@@ -10,12 +10,14 @@ import html
 from typing import Any
 
 import ipywidgets as w
+import traitlets
 
 from colab_par.layout import FIELDS, Layout, LayoutError, default_microbatches, field_options
 from colab_par.module_spec import ModuleSpec
 from colab_par.planner import GiB, DeviceSpec, ModelSpec, Plan, estimate, get_device, plan
+from colab_par.tier_options import DEFAULT_DISK, MemoryTiers, format_bytes
 
-__all__ = ["LayoutPicker"]
+__all__ = ["LayoutPicker", "TierSelector"]
 
 _CHECKBOXES = {"offload": "CPU offload", "sequence_parallel": "sequence parallel",
                "compile": "compile blocks"}
@@ -23,6 +25,44 @@ _PARTS = (("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868"),
           ("activations", "#c44e52"), ("buffers", "#8172b3"))
 _BUILDS = {"meta": "built on the meta device", "full": "built whole on every rank",
            "pretrained": "loaded from a checkpoint"}
+BUDGET_SHARES = (0.25, 0.5, 0.75, 1.0, 1.5)  # budgets offered, as shares of the predicted training memory
+
+
+class TierSelector(w.HBox):
+    """The `tiers` field as a budget dropdown and a disk-tier checkbox; `value` is the MemoryTiers.
+
+    A layout applied with its own disk folder or kinds pinned to tiers keeps them: the checkbox
+    turns that folder on and off, the dropdown sets the budget."""
+
+    value = traitlets.Instance(MemoryTiers)
+
+    def __init__(self, budgets: list[tuple[str, "int | None"]]):
+        self.budget = w.Dropdown(options=budgets, value=None, description="budget/rank")
+        self.disk = w.Checkbox(description="disk tier", indent=False)
+        self._folder, self._pins, self._syncing = DEFAULT_DISK, {}, False
+        super().__init__([self.budget, self.disk], value=MemoryTiers())
+        self.budget.observe(self._from_children, names="value")
+        self.disk.observe(self._from_children, names="value")
+        self.observe(self._to_children, names="value")
+
+    def _from_children(self, _: dict) -> None:
+        if not self._syncing:
+            self.value = MemoryTiers(budget=self.budget.value, disk=self._folder if self.disk.value else None,
+                                     **self._pins)
+
+    def _to_children(self, change: dict) -> None:
+        tiers: MemoryTiers = change["new"]
+        self._pins = {kind: tier for kind, tier in tiers.placements().items() if tier != "auto"}
+        self._folder = tiers.disk or self._folder
+        self._syncing = True
+        try:
+            if tiers.budget not in [value for _, value in self.budget.options]:
+                self.budget.options = sorted([*self.budget.options, (format_bytes(tiers.budget), tiers.budget)],
+                                             key=lambda option: -1 if option[1] is None else option[1])
+            self.budget.value = tiers.budget
+            self.disk.value = tiers.disk is not None
+        finally:
+            self._syncing = False
 
 
 class LayoutPicker:
@@ -109,15 +149,32 @@ class LayoutPicker:
                   "checkpointing": "recompute"}
         controls: dict[str, w.ValueWidget] = {
             name: w.Dropdown(options=options[name], description=labels.get(name, name))
-            for name in FIELDS if name not in _CHECKBOXES}
+            for name in FIELDS if name not in _CHECKBOXES and name != "tiers"}
         controls.update({name: w.Checkbox(description=label, indent=False)
                          for name, label in _CHECKBOXES.items()})
+        controls["tiers"] = TierSelector(self._budget_options())
         for name, control in controls.items():
             value = getattr(start, name)
             if isinstance(control, w.Dropdown) and value not in control.options:
                 control.options = tuple(sorted(set(control.options) | {value}))
             control.value = value
         return controls
+
+    def _budget_options(self) -> list[tuple[str, "int | None"]]:
+        """No budget, and `BUDGET_SHARES` of the starting plan's predicted training memory, host
+        offload included (the process baseline left out, as a budget leaves it out), rounded to
+        whole MiB (GiB from 4 GiB)."""
+        start = estimate(self.spec, self._start.replace(tiers=MemoryTiers()), device=self.device,
+                         global_batch=self.global_batch, seq_len=self.seq_len, gpus_per_node=self.gpus_per_node,
+                         validate=False, init=self.init)
+        total = start.memory.total + start.memory.host_total
+        options: list[tuple[str, "int | None"]] = [("none", None)]
+        for share in BUDGET_SHARES:
+            unit = GiB if share * total >= 4 * GiB else 2 ** 20
+            size = max(1, round(share * total / unit)) * unit
+            if size not in [value for _, value in options]:
+                options.append((f"{format_bytes(size)} ({share:.0%} of {_size(total)})", size))
+        return options
 
     def _expert_degrees(self) -> tuple[int, ...]:
         """The ep values to offer: the world's divisors for a MoE model, else 1 (no selector)."""
@@ -133,7 +190,8 @@ class LayoutPicker:
         rows = [w.HBox(degrees),
                 w.HBox([c["zero"], c["offload"], c["sequence_parallel"], c["precision"]]),
                 w.HBox([c["cp_mode"], c["pp_schedule"], c["microbatches"], c["virtual_stages"]]),
-                w.HBox([c["checkpointing"], c["compile"], self.auto_button])]
+                w.HBox([c["checkpointing"], c["compile"], self.auto_button]),
+                c["tiers"]]
         return w.VBox([title, *rows, self._message_html, self._memory_html, self._estimate_html,
                        self._table_html])
 
@@ -191,6 +249,8 @@ class LayoutPicker:
     def _verdict(self, option: Plan) -> str:
         if option.fits:
             return "fits"
+        if option.tiers is not None and not option.tiers.fits:
+            return f"does NOT fit its memory budget: {option.tiers.reason}"
         if option.limit == "training":
             return "does NOT fit in device memory"
         hint = ("; build it on the meta device instead (parallelize(lambda: Model(config), layout), "
@@ -212,7 +272,8 @@ class LayoutPicker:
                 f"{_size(e.memory.peak)} of {_size(e.capacity)} per device (building "
                 f"{_size(e.memory.baseline + e.memory.init)}, training "
                 f"{_size(e.memory.baseline + e.memory.total)})"
-                + (f" (+{_size(e.memory.host_total)} on the host)" if e.memory.host_total else ""))
+                + (f" (+{_size(e.memory.host_total)} on the host)" if e.memory.host_total else "")
+                + _tier_text(e))
 
     def _memory_bar(self) -> str:
         if self.estimate is None:
@@ -260,6 +321,19 @@ class LayoutPicker:
         bundle = self.widget._repr_mimebundle_(**kwargs)
         bundle["text/plain"] = repr(self)
         return bundle
+
+
+def _tier_text(option: Plan) -> str:
+    """` · state per tier under a budget of 4.00 GiB: device 1.20 GiB, disk 3.10 GiB · 6.20 GiB moved
+    per step (+2,310.0 ms)`."""
+    tiers = option.tiers
+    if tiers is None:
+        return ""
+    resident = tiers.resident()
+    placed = ", ".join(f"{tier} {_size(resident[tier])}" for tier in resident if resident[tier]) or "none"
+    budget = f" under a budget of {_size(tiers.budget)}" if tiers.budget is not None else ""
+    return (f" · state per tier{budget}: {placed} · {_size(tiers.moved)} moved per step "
+            f"(+{tiers.seconds * 1e3:,.1f} ms)")
 
 
 def _size(num_bytes: float) -> str:

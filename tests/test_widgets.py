@@ -7,6 +7,7 @@ import pytest
 
 from colab_par.layout import FIELDS, Layout, LayoutError, field_options, valid_layouts
 from colab_par.planner import estimate, plan
+from colab_par.tier_options import MemoryTiers
 from colab_par.widgets import LayoutPicker
 
 LLAMA_8B = {"n_layer": 32, "d_model": 4096, "n_head": 32, "n_kv_head": 8, "ffn_hidden": 14336,
@@ -130,3 +131,44 @@ def test_cpu_picker_for_the_reference_gpt() -> None:
     assert picker.layout == Layout.parse("tp2")  # dp followed down to 1
     picker.controls["zero"].value = 3
     assert "zero=3 shards over data parallel ranks but dp=1" in picker.message
+
+
+def test_memory_budget_and_disk_tier_selectors() -> None:
+    """The tiers field is a budget dropdown (none, and shares of the predicted training memory)
+    and a disk checkbox; the estimate shows the bytes per tier and per step the planner predicts."""
+    config = {"n_layer": 12, "d_model": 1024, "n_head": 8, "vocab_size": 8192}  # 1.7 GiB per rank
+    picker = LayoutPicker(2, model=config, device="cpu", global_batch=2, seq_len=128)
+    picker.apply("dp2 zero3")
+    tiers = picker.controls["tiers"]
+    budgets = [value for _, value in tiers.budget.options]
+    predicted = estimate(config, "dp2 zero3", device="cpu", global_batch=2, seq_len=128).memory.total
+    assert budgets[0] is None and min(budgets[1:]) < predicted < max(budgets[1:])
+    half = next(b for b in budgets[1:] if 0.4 * predicted < b < 0.6 * predicted)
+    tiers.budget.value = half
+    assert picker.layout.tiers == MemoryTiers(budget=half)
+    assert not picker.estimate.fits and "does NOT fit its memory budget" in picker.message
+    assert "add a disk tier" in picker.message
+    tiers.disk.value = True
+    assert picker.layout == Layout.parse(f"dp2 zero3 mem{half} disk")
+    expected = estimate(config, picker.layout, device="cpu", global_batch=2, seq_len=128)
+    assert picker.estimate.fits and picker.estimate.tiers == expected.tiers
+    line = picker._estimate_html.value
+    assert "state per tier under a budget of" in line and "device" in line and "disk" in line
+    assert "moved per step" in line
+    assert "moved per step" in repr(picker)  # the text fallback says it too
+
+
+def test_applied_tiers_keep_their_folder_and_pins() -> None:
+    from colab_par.models.gpt import GPTConfig
+
+    picker = LayoutPicker(2, model=GPTConfig(), device="cpu", global_batch=4, seq_len=64)
+    picker.apply("dp2 zero3 mem3GiB disk:/var/tmp/tiers optimizer@disk")
+    tiers = picker.controls["tiers"]
+    assert tiers.budget.value == 3 * 2 ** 30 and tiers.disk.value
+    tiers.disk.value = False  # the optimizer stays pinned to disk (then in the temporary folder)
+    assert picker.layout.tiers == MemoryTiers(budget="3GiB", optimizer="disk")
+    tiers.disk.value = True
+    assert picker.layout == Layout.parse("dp2 zero3 mem3GiB disk:/var/tmp/tiers optimizer@disk")
+    tiers.budget.value = None
+    assert picker.layout.tiers == MemoryTiers(disk="/var/tmp/tiers", optimizer="disk")
+    assert picker.estimate.tiers.disk["optimizer"] > 0
