@@ -308,7 +308,10 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
     # the gathered parameters from forward to backward (peak = ZeRO-2) and reshards after backward
     # (at rest = ZeRO-3).
     state_precision = "mixed" if precision == "bf16" else "fp32"
-    state_options = dict(precision=state_precision, optimizer=optimizer, offload=layout.offload,
+    # CPU offload moves state to host memory; where the host is the device (a CPU: host bandwidth
+    # infinite) it moves nothing and the state stays in the peak
+    offloaded = layout.offload and not math.isinf(dev.host_bandwidth)
+    state_options = dict(precision=state_precision, optimizer=optimizer, offload=offloaded,
                          trainable=trainable)
     state = _state(local, experts, layout, shard, layout.zero, **state_options)
     resting = _state(local, experts, layout, shard, 3 if layout.zero == 2 else layout.zero, **state_options)
@@ -377,11 +380,12 @@ def _estimate_module(spec: ModuleSpec, layout: Layout, dev: DeviceSpec, *, globa
     precision = layout.precision if layout.precision in dev.peak_flops else "fp32"
     act_bytes = 2 if precision == "bf16" else 4
     state_precision = "mixed" if precision == "bf16" else "fp32"
+    offloaded = layout.offload and not math.isinf(dev.host_bandwidth)  # a CPU's host is its device
     local = spec.n_params / (layout.tp * layout.pp)
     state = model_state_bytes(local, zero=layout.zero, dp=layout.dp, precision=state_precision,
-                              optimizer=optimizer, offload=layout.offload, trainable=spec.trainable)
+                              optimizer=optimizer, offload=offloaded, trainable=spec.trainable)
     resting = model_state_bytes(local, zero=3 if layout.zero == 2 else layout.zero, dp=layout.dp,
-                                precision=state_precision, optimizer=optimizer, offload=layout.offload,
+                                precision=state_precision, optimizer=optimizer, offload=offloaded,
                                 trainable=spec.trainable)
     units_in_memory = 2 if spec.n_blocks else 1
     gathered = units_in_memory * spec.unit_params / layout.tp * act_bytes if layout.zero == 3 else 0.0

@@ -66,6 +66,17 @@ def test_offload_moves_sharded_state_to_host(zero: int) -> None:
     assert moved.optimizer == 0 and moved.host_optimizer == kept.optimizer
 
 
+def test_offload_on_a_cpu_keeps_the_state_in_the_peak() -> None:
+    """A CPU's host memory is its device memory: offload moves nothing out of the peak (it once
+    made `plan` call 'dp2 zero3 offload' fitting at a quarter of its real memory)."""
+    options = dict(device="cpu", global_batch=2, seq_len=128)
+    config = {"n_layer": 24, "d_model": 2048, "n_head": 16, "vocab_size": 8192}
+    kept, moved = (estimate(config, text, **options).memory for text in ("dp2 zero3", "dp2 zero3 offload"))
+    assert moved.peak == pytest.approx(kept.peak) and moved.host_total == 0
+    assert estimate(config, "dp2 zero3 offload", device="A100-80GB", global_batch=2,
+                    seq_len=128).memory.host_total > 0
+
+
 def test_more_sharding_never_more_memory() -> None:
     for precision in ("mixed", "fp32"):
         for dp in (1, 2, 8, 64):
