@@ -11,22 +11,30 @@ books (`Client.send_apply_request` / `send_execute_request` with the engine's id
 AsyncResult is ipyparallel's: stdout, published data, errors and stranded-request handling when
 an engine dies are unchanged. Idle, nothing polls: both ends wait in zmq.
 
+Calls (`Cluster.run` and the kit's own) take a leaner route on the same sockets
+(`colab_par.lean_wire`, `colab_par.direct_call`): a small signed header and the pickled call, no
+JSON, and no status messages unless the call published output; cells keep ipyparallel's
+messages (their output streams live through the hub).
+
 Engines on other hosts keep ipyparallel's route (the client may not reach them directly).
 """
 from __future__ import annotations
 
 import sys
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import zmq
 from zmq.eventloop.zmqstream import ZMQStream
 
-from colab_par import compat
+from colab_par import compat, lean_wire
+from colab_par.direct_call import Calls
 
 __all__ = ["serve", "serving_port", "Channels"]
 
 _SERVING: dict[str, Any] = {}  # on an engine: the open channel ("url", "port", "stream")
+_REPLAYS = lean_wire.ReplayGuard()  # lean calls already run (a signed request is run once)
 
 
 # ---- on the engine --------------------------------------------------------------------------------
@@ -58,6 +66,10 @@ async def _dispatch(kernel: Any, lock: Any, dispatch_shell: Callable[[Any, list]
     logging, its waits for the output thread (`compat.after_output` keeps the order) and the
     "busy" status (client and hub act on "idle" only, which ends the task's output); anything
     else (a cell) goes to dispatch_shell."""
+    if lean_wire.is_lean(frames[1:2]):
+        async with lock:
+            _lean_call(kernel, stream, frames[0].bytes, frames[1:])
+        return
     async with lock:
         idents, parts = kernel.session.feed_identities(frames, copy=False)
         if len(parts) < 2 or kernel.session.unpack(parts[1].bytes).get("msg_type") != "apply_request":
@@ -87,6 +99,40 @@ def _apply(kernel: Any, stream: Any, idents: list, msg: dict) -> None:
                         metadata=kernel.finish_metadata(msg, metadata, reply))
 
 
+def _lean_call(kernel: Any, stream: Any, ident: bytes, parts: list) -> None:
+    """One lean call (`colab_par.lean_wire`) through ipyparallel's `do_apply`, as `_apply` runs
+    one: user namespace, IPython's traceback, SIGINT as KeyboardInterrupt. Its output is
+    published under a parent header of the call's id and the client's session, which files it
+    in the client's books; the idle status that ends that output is sent only when there was
+    some (the reply says which)."""
+    opened = lean_wire.opened(kernel.session.auth, parts, _REPLAYS)
+    if opened is None:
+        print("colab_par: refused a direct call that was not signed with this cluster's key (or "
+              "was sent twice)", file=sys.__stderr__)
+        return
+    (msg_id, session, *_), buffers = opened
+    parent = {"header": {"msg_id": msg_id, "session": session, "msg_type": "apply_request",
+                         "username": kernel.session.username},
+              "parent_header": {}, "metadata": {}, "content": {}, "buffers": buffers}
+    kernel.set_parent([ident], parent, channel="shell")
+    streams = [sys.stdout, sys.stderr]
+    mark = compat.output_mark(kernel.session, streams)
+    kernel.pre_handler_hook()
+    kernel.shell_is_blocking = True
+    try:
+        reply, result = kernel.do_apply({}, buffers, msg_id, {})
+    finally:
+        kernel.shell_is_blocking = False
+        kernel.post_handler_hook()
+    ok = reply["status"] == "ok"
+    shown = not ok or compat.output_since(mark, kernel.session, streams)
+    payload = result if ok else lean_wire.error_payload(reply, time.time())
+    stream.socket.send_multipart([ident, *lean_wire.frames(kernel.session.auth, [msg_id, reply["status"],
+                                                                          "1" if shown else "0"], payload)])
+    if shown:
+        compat.after_output(streams, lambda: kernel._publish_status("idle", "shell", parent=parent))
+
+
 def serving_port() -> int | None:
     """The port this engine serves direct requests on (its connections are not the world's)."""
     return _SERVING.get("port")
@@ -100,6 +146,7 @@ class Channels:
     def __init__(self, client: Any):
         self._client = client
         self._streams: dict[int, ZMQStream] = {}  # engine id -> stream
+        self._calls = Calls(client)  # the lean route for calls, in the caller's thread
 
     def connect(self, urls: dict[int, str | None]) -> None:
         """Connect to each engine id's URL (None: that engine keeps ipyparallel's route)."""
@@ -107,9 +154,11 @@ class Channels:
         if wanted:
             self._in_io_thread(lambda: self._streams.update(
                 {engine_id: self._open(url) for engine_id, url in wanted.items()}))
+            self._calls.connect(wanted)
 
     def forget(self, engine_ids: Sequence[int]) -> None:
         """Close the channels of engines that are gone (a replaced rank)."""
+        self._calls.forget(engine_ids)
         streams = [self._streams.pop(engine_id) for engine_id in engine_ids if engine_id in self._streams]
         if streams:
             self._in_io_thread(lambda: [stream.close(linger=0) for stream in streams])
@@ -121,9 +170,18 @@ class Channels:
     def engines(self) -> set[int]:
         return set(self._streams)
 
+    def unanswered(self) -> dict[int, int]:
+        """How many lean calls each engine id has not answered yet (ipyparallel's own books,
+        `compat.unanswered`, count the rest)."""
+        return self._calls.unanswered()
+
     def apply(self, engine_ids: Sequence[int], fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """``fn(*args, **kwargs)`` on each engine; an ipyparallel AsyncResult (results as a list)."""
+        """``fn(*args, **kwargs)`` on each engine: a `DirectCall` when every one is served here,
+        else an ipyparallel AsyncResult (results as a list either way)."""
         from ipyparallel.serialize import PrePickled
+
+        if set(engine_ids) <= self._calls.engines:
+            return self._calls.apply(engine_ids, fn, args, kwargs)
 
         shipped = (PrePickled(fn), [PrePickled(arg) for arg in args],
                    {key: PrePickled(value) for key, value in kwargs.items()})
