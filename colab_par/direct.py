@@ -68,7 +68,7 @@ async def _dispatch(kernel: Any, lock: Any, dispatch_shell: Callable[[Any, list]
     else (a cell) goes to dispatch_shell."""
     if lean_wire.is_lean(frames[1:2]):
         async with lock:
-            _lean_call(kernel, stream, frames[0].bytes, frames[1:])
+            await _lean_call(kernel, stream, frames[0].bytes, frames[1:])
         return
     async with lock:
         idents, parts = kernel.session.feed_identities(frames, copy=False)
@@ -99,28 +99,34 @@ def _apply(kernel: Any, stream: Any, idents: list, msg: dict) -> None:
                         metadata=kernel.finish_metadata(msg, metadata, reply))
 
 
-def _lean_call(kernel: Any, stream: Any, ident: bytes, parts: list) -> None:
-    """One lean call (`colab_par.lean_wire`) through ipyparallel's `do_apply`, as `_apply` runs
-    one: user namespace, IPython's traceback, SIGINT as KeyboardInterrupt. Its output is
-    published under a parent header of the call's id and the client's session, which files it
-    in the client's books; the idle status that ends that output is sent only when there was
-    some (the reply says which)."""
+async def _lean_call(kernel: Any, stream: Any, ident: bytes, parts: list) -> None:
+    """One lean request (`colab_par.lean_wire`), run as the kernel runs ipyparallel's: a call
+    through `do_apply` (user namespace, IPython's traceback), a cell through `do_execute`, SIGINT
+    as KeyboardInterrupt around both. Output is published under a parent header with the
+    request's id and the client's session, which files it in the client's books; the idle status
+    that ends it is sent only when there was some (the reply says which). Unlike
+    `execute_request`, a cell's input is not re-broadcast (nothing reads it)."""
     opened = lean_wire.opened(kernel.session.auth, parts, _REPLAYS)
     if opened is None:
-        print("colab_par: refused a direct call that was not signed with this cluster's key (or "
-              "was sent twice)", file=sys.__stderr__)
+        print("colab_par: refused a direct request that was not signed with this cluster's key "
+              "(or was sent twice)", file=sys.__stderr__)
         return
-    (msg_id, session, *_), buffers = opened
-    parent = {"header": {"msg_id": msg_id, "session": session, "msg_type": "apply_request",
-                         "username": kernel.session.username},
-              "parent_header": {}, "metadata": {}, "content": {}, "buffers": buffers}
+    (msg_id, session, kind, *_), payload = opened
+    parent = {"header": {"msg_id": msg_id, "session": session, "username": kernel.session.username,
+                         "msg_type": "apply_request" if kind == lean_wire.APPLY else "execute_request"},
+              "parent_header": {}, "metadata": {}, "content": {}, "buffers": payload}
     kernel.set_parent([ident], parent, channel="shell")
     streams = [sys.stdout, sys.stderr]
     mark = compat.output_mark(kernel.session, streams)
     kernel.pre_handler_hook()
     kernel.shell_is_blocking = True
     try:
-        reply, result = kernel.do_apply({}, buffers, msg_id, {})
+        if kind == lean_wire.APPLY:
+            reply, result = kernel.do_apply({}, payload, msg_id, {})
+        else:
+            kernel.execution_count += 1
+            reply, result = await kernel.do_execute(bytes(payload[0]).decode(), False, store_history=True,
+                                                    user_expressions={}, allow_stdin=False), []
     finally:
         kernel.shell_is_blocking = False
         kernel.post_handler_hook()
@@ -128,7 +134,7 @@ def _lean_call(kernel: Any, stream: Any, ident: bytes, parts: list) -> None:
     shown = not ok or compat.output_since(mark, kernel.session, streams)
     payload = result if ok else lean_wire.error_payload(reply, time.time())
     stream.socket.send_multipart([ident, *lean_wire.frames(kernel.session.auth, [msg_id, reply["status"],
-                                                                          "1" if shown else "0"], payload)])
+                                                                                 "1" if shown else "0"], payload)])
     if shown:
         compat.after_output(streams, lambda: kernel._publish_status("idle", "shell", parent=parent))
 
@@ -189,7 +195,10 @@ class Channels:
             self._client.send_apply_request(socket, *shipped, ident=ident, metadata={"label": None})))
 
     def execute(self, engine_ids: Sequence[int], code: str) -> Any:
-        """Run `code` as a cell on each engine (`DirectView.execute(silent=False)`'s request)."""
+        """Run `code` as a cell on each engine: a `DirectCall` when every one is served here,
+        else ipyparallel's AsyncResult of `DirectView.execute(silent=False)`'s request."""
+        if set(engine_ids) <= self._calls.engines:
+            return self._calls.execute(engine_ids, code)
         return self._submit(engine_ids, "execute", lambda socket, ident: (
             self._client.send_execute_request(socket, code, silent=False, ident=ident,
                                               metadata={"label": None})))

@@ -66,7 +66,9 @@ class Calls:
                     call.settle_lost(index)
 
     def unanswered(self) -> dict[int, int]:
-        """How many calls each engine id has not answered yet."""
+        """How many calls each engine id has not answered yet (replies that came are filed first:
+        the one waiting for them may be gone, e.g. a cell abandoned after a rank died)."""
+        self.pump(0.0)
         with self._lock:
             counts: dict[int, int] = {}
             for call, index in self._pending.values():
@@ -78,14 +80,22 @@ class Calls:
         session = self._client.session
         payload = pack_apply_message(fn, args, kwargs, buffer_threshold=session.buffer_threshold,
                                      item_threshold=session.item_threshold)
+        return self._send(engine_ids, lean_wire.APPLY, payload, getattr(fn, "__name__", "unknown"))
+
+    def execute(self, engine_ids: Sequence[int], code: str) -> "DirectCall":
+        """Run `code` as a cell on each engine (all of them served here); its DirectCall."""
+        return self._send(engine_ids, lean_wire.EXECUTE, [code.encode()], "execute")
+
+    def _send(self, engine_ids: Sequence[int], kind: str, payload: list, name: str) -> "DirectCall":
         copy = all(len(memoryview(part).cast("B")) < _COPY_BELOW for part in payload)
+        session = self._client.session.session
         msg_ids = [uuid.uuid4().hex for _ in engine_ids]
-        call = DirectCall(self, list(engine_ids), msg_ids, getattr(fn, "__name__", "unknown"))
+        call = DirectCall(self, list(engine_ids), msg_ids, name)
         with self._lock:
             for index, (engine_id, msg_id) in enumerate(zip(engine_ids, msg_ids)):
                 self._pending[msg_id] = (call, index)
                 self._sockets[engine_id].send_multipart(
-                    lean_wire.frames(self._auth, [msg_id, session.session], payload), copy=copy)
+                    lean_wire.frames(self._auth, [msg_id, session, kind], payload), copy=copy)
         return call
 
     def pump(self, timeout: float) -> None:
@@ -136,7 +146,7 @@ class DirectCall:
     # ---- filled by Calls (under its lock) --------------------------------------------------------
     def settle(self, index: int, status: str, shown: bool, payload: list) -> None:
         if status == "ok":
-            value = deserialize_object(payload)[0]
+            value = deserialize_object(payload)[0] if payload else None  # a cell returns nothing
         else:
             content = lean_wire.error_from(payload)
             value = ipp.error.unwrap_exception(content)

@@ -2,11 +2,12 @@
 
 A Jupyter message is four JSON documents (header, parent, metadata, content) built and checked by
 traitlets-heavy session code: most of a trivial call's CPU on both ends. A call here is
-``[MARKER, header, signature, *payload]``: the header is ``msg_id \\0 session \\0 status \\0 flag``
-in ASCII, the payload ipyparallel's own apply buffers (`pack_apply_message` /
-`serialize_object`), the signature the session's HMAC over header and payload (the cluster's
-key: whoever lacks it cannot run code on an engine). Replies carry the same header; an error's
-payload is one JSON document (name, value, IPython's traceback, engine info).
+``[MARKER, header, signature, *payload]``: the header is ``msg_id \\0 session \\0 kind`` in a
+request and ``msg_id \\0 status \\0 output-follows`` in a reply, in ASCII; the payload is
+ipyparallel's own apply buffers (`pack_apply_message` / `serialize_object`) or a cell's code, an
+error's payload one JSON document (name, value, IPython's traceback, engine info); the signature
+is the session's HMAC over header and payload (the cluster's key: whoever lacks it cannot run
+code on an engine).
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import json
 from collections import OrderedDict
 from typing import Any, Sequence
 
-__all__ = ["MARKER", "is_lean", "frames", "opened", "error_payload", "error_from", "ReplayGuard"]
+__all__ = ["MARKER", "APPLY", "EXECUTE", "is_lean", "frames", "opened", "error_payload", "error_from", "ReplayGuard"]
 
 MARKER = b"colab_par.call/1"  # an ipyparallel message starts with identities and b"<IDS|MSG>"
+APPLY, EXECUTE = "apply", "execute"  # a request's kind: a function call, or a cell (UTF-8 code)
 
 
 def is_lean(parts: Sequence[Any]) -> bool:
