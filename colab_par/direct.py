@@ -133,7 +133,9 @@ async def _lean_call(kernel: Any, stream: Any, ident: bytes, parts: list) -> Non
     ok = reply["status"] == "ok"
     shown = not ok or compat.output_since(mark, kernel.session, streams)
     payload = result if ok else lean_wire.error_payload(reply, time.time())
-    stream.socket.send_multipart([ident, *lean_wire.frames(kernel.session.auth, [msg_id, reply["status"],
+    # through the stream, not its socket: a send beside the stream can swallow the edge of zmq's
+    # descriptor that tells the stream another request is waiting (it would wait unseen)
+    stream.send_multipart([ident, *lean_wire.frames(kernel.session.auth, [msg_id, reply["status"],
                                                                                  "1" if shown else "0"], payload)])
     if shown:
         compat.after_output(streams, lambda: kernel._publish_status("idle", "shell", parent=parent))
