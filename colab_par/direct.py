@@ -3,18 +3,16 @@
 ipyparallel routes every request client → controller's queue → engine and every reply back the
 same way: 2-3 ms of a trivial call's round trip on a loaded 2-core host, twice Monarch's whole
 round trip. Here each engine listens on a socket of its own (`serve`, opened at bootstrap), and
-the client sends the very same ipyparallel messages there: the engine's kernel runs them as it
-runs its controller's (`compat.engine_shell`: the same handlers, namespace, SIGINT handling,
-error replies with IPython's tracebacks, busy/idle status) and its output still travels on
-ipyparallel's iopub channel. The client files the requests and replies in ipyparallel's own
-books (`Client.send_apply_request` / `send_execute_request` with the engine's identity), so the
-AsyncResult is ipyparallel's: stdout, published data, errors and stranded-request handling when
-an engine dies are unchanged. Idle, nothing polls: both ends wait in zmq.
+runs what comes there in its main thread, in turn with its controller's requests.
 
-Calls (`Cluster.run` and the kit's own) take a leaner route on the same sockets
-(`colab_par.lean_wire`, `colab_par.direct_call`): a small signed header and the pickled call, no
-JSON, and no status messages unless the call published output; cells keep ipyparallel's
-messages (their output streams live through the hub).
+Calls and cells from `Cluster` are lean requests (`colab_par.lean_wire`; the client's end is
+`colab_par.direct_call`): a signed small header and the pickled call, run through the kernel's own
+`do_apply` / `do_execute` (namespace, IPython's tracebacks, SIGINT handling), their output still
+on ipyparallel's iopub channel and no status messages unless there was output. Ipyparallel's own
+messages are served there too (`Channels.apply` / `execute` send those when some targets are on
+other hosts): the kernel runs them as its controller's (`compat.engine_shell`), and the client
+files them in ipyparallel's books, so the AsyncResult is ipyparallel's. Idle, nothing polls: both
+ends wait in zmq.
 
 Engines on other hosts keep ipyparallel's route (the client may not reach them directly).
 """
