@@ -142,30 +142,37 @@ class DirectCall:
         self._outputs = [concurrent.futures.Future() for _ in engine_ids]  # done: all output arrived
         for msg_id, future in zip(msg_ids, self._outputs):
             self._client_outputs[msg_id] = future  # the engine's idle status resolves it
+            future.add_done_callback(lambda _, msg_id=msg_id: self._client_outputs.pop(msg_id, None))
 
     # ---- filled by Calls (under its lock) --------------------------------------------------------
     def settle(self, index: int, status: str, shown: bool, payload: list) -> None:
         if status == "ok":
-            value = deserialize_object(payload)[0] if payload else None  # a cell returns nothing
+            try:
+                value = deserialize_object(payload)[0] if payload else None  # a cell returns nothing
+            except Exception as exc:  # noqa: BLE001 - the rank's answer, not the waiting thread's failure
+                value = ipp.error.RemoteError(type(exc).__name__, f"the result came back but cannot be "
+                                              f"unpickled in this process: {exc}", "",
+                                              {"engine_id": self.engine_ids[index]})
+                value.completed = datetime.datetime.now(datetime.timezone.utc)
         else:
             content = lean_wire.error_from(payload)
             value = ipp.error.unwrap_exception(content)
             value.completed = datetime.datetime.fromtimestamp(content["completed"], datetime.timezone.utc)
         if not shown:
-            self._done_with_output(index)
+            self._no_more_output(index)
         self.rank_futures[index].set_result(value)
 
     def settle_lost(self, index: int) -> None:
         error = ipp.error.RemoteError("EngineError", f"engine {self.engine_ids[index]} died during the "
                                       "call", "", {"engine_id": self.engine_ids[index]})
         error.completed = datetime.datetime.now(datetime.timezone.utc)
-        self._done_with_output(index)
+        self._no_more_output(index)
         self.rank_futures[index].set_result(error)
 
-    def _done_with_output(self, index: int) -> None:
-        msg_id = self.msg_ids[index]
-        self._client_outputs.pop(msg_id, None)
-        compat.client_metadata(self._calls._client).pop(msg_id, None)
+    def _no_more_output(self, index: int) -> None:
+        """No output will come (none was published, or the engine is gone): the client's books
+        drop the entry (so silent calls leave none behind); this call keeps what it holds."""
+        compat.client_metadata(self._calls._client).pop(self.msg_ids[index], None)
         if not self._outputs[index].done():
             self._outputs[index].set_result(None)
 
@@ -197,9 +204,6 @@ class DirectCall:
 
     def wait_for_output(self, timeout: float | None = None) -> bool:
         done, _ = concurrent.futures.wait(self._outputs, timeout=timeout)
-        for index, future in enumerate(self._outputs):
-            if future in done:
-                self._client_outputs.pop(self.msg_ids[index], None)
         return len(done) == len(self._outputs)
 
     @property
