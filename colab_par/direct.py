@@ -18,10 +18,12 @@ Engines on other hosts keep ipyparallel's route (the client may not reach them d
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
-from typing import Any, Callable, Sequence
+import traceback
+from typing import Any, Callable, Iterator, Sequence
 
 import zmq
 from zmq.eventloop.zmqstream import ZMQStream
@@ -58,12 +60,13 @@ def serve(address: str) -> str | None:
 
 async def _dispatch(kernel: Any, lock: Any, dispatch_shell: Callable[[Any, list], Any], stream: Any,
                     frames: list) -> None:
-    """One request, in turn with the controller's. A call (``apply_request``) runs through
-    ipyparallel's own `do_apply` (the user namespace, IPython's traceback on error) between the
-    kernel's own steps, as `Kernel.dispatch_shell` takes them, less what no one reads: its debug
-    logging, its waits for the output thread (`compat.after_output` keeps the order) and the
-    "busy" status (client and hub act on "idle" only, which ends the task's output); anything
-    else (a cell) goes to dispatch_shell."""
+    """One request, in turn with the controller's: a lean one (`_lean_call`), or an ipyparallel
+    message. Of those, a call (``apply_request``) runs through ipyparallel's own `do_apply` (the
+    user namespace, IPython's traceback on error) between the kernel's own steps, as
+    `Kernel.dispatch_shell` takes them, less what no one reads: its debug logging, its waits for
+    the output thread (`compat.after_output` keeps the order) and the "busy" status (client and hub
+    act on "idle" only, which ends the task's output); anything else (a cell) goes to
+    dispatch_shell."""
     if lean_wire.is_lean(frames[1:2]):
         async with lock:
             await _lean_call(kernel, stream, frames[0].bytes, frames[1:])
@@ -83,16 +86,23 @@ async def _dispatch(kernel: Any, lock: Any, dispatch_shell: Callable[[Any, list]
                                 lambda: kernel._publish_status("idle", "shell", parent=msg))
 
 
-def _apply(kernel: Any, stream: Any, idents: list, msg: dict) -> None:
-    """`IPythonParallelKernel.apply_request` with ipykernel's SIGINT handling around it."""
-    metadata = kernel.init_metadata(msg)
+@contextlib.contextmanager
+def _handling(kernel: Any) -> Iterator[None]:
+    """What ipykernel does around a handler: SIGINT raises KeyboardInterrupt, the shell blocks."""
     kernel.pre_handler_hook()
     kernel.shell_is_blocking = True
     try:
-        reply, buffers = kernel.do_apply(msg["content"], msg["buffers"], msg["header"]["msg_id"], metadata)
+        yield
     finally:
         kernel.shell_is_blocking = False
         kernel.post_handler_hook()
+
+
+def _apply(kernel: Any, stream: Any, idents: list, msg: dict) -> None:
+    """`IPythonParallelKernel.apply_request` with ipykernel's SIGINT handling around it."""
+    metadata = kernel.init_metadata(msg)
+    with _handling(kernel):
+        reply, buffers = kernel.do_apply(msg["content"], msg["buffers"], msg["header"]["msg_id"], metadata)
     kernel.session.send(stream, "apply_reply", reply, parent=msg, ident=idents, buffers=buffers,
                         metadata=kernel.finish_metadata(msg, metadata, reply))
 
@@ -116,18 +126,18 @@ async def _lean_call(kernel: Any, stream: Any, ident: bytes, parts: list) -> Non
     kernel.set_parent([ident], parent, channel="shell")
     streams = [sys.stdout, sys.stderr]
     mark = compat.output_mark(kernel.session, streams)
-    kernel.pre_handler_hook()
-    kernel.shell_is_blocking = True
     try:
-        if kind == lean_wire.APPLY:
-            reply, result = kernel.do_apply({}, payload, msg_id, {})
-        else:
-            kernel.execution_count += 1
-            reply, result = await kernel.do_execute(bytes(payload[0]).decode(), False, store_history=True,
-                                                    user_expressions={}, allow_stdin=False), []
-    finally:
-        kernel.shell_is_blocking = False
-        kernel.post_handler_hook()
+        with _handling(kernel):
+            if kind == lean_wire.APPLY:
+                reply, result = kernel.do_apply({}, payload, msg_id, {})
+            else:
+                kernel.execution_count += 1
+                reply, result = await kernel.do_execute(bytes(payload[0]).decode(), False, store_history=True,
+                                                        user_expressions={}, allow_stdin=False), []
+    except BaseException as exc:  # noqa: BLE001 - outside the user's code (both catch theirs): still answer
+        reply, result = {"status": "error", "ename": type(exc).__name__, "evalue": str(exc),
+                         "traceback": traceback.format_exc().splitlines(),
+                         "engine_info": kernel.get_engine_info(method=kind)}, []
     ok = reply["status"] == "ok"
     shown = not ok or compat.output_since(mark, kernel.session, streams)
     payload = result if ok else lean_wire.error_payload(reply, time.time())
