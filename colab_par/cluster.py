@@ -911,9 +911,9 @@ class Cluster:
         none of this client's still unanswered (the direct channel's pass the hub by)."""
         live = set(self._live_ranks())
         queues = self._client.queue_status(targets=[self._engine_ids[r] for r in ranks if r in live])
-        waiting = compat.unanswered(self._client)
+        waiting, calls = compat.unanswered(self._client), self._direct.unanswered()
         return {rank for rank in ranks if rank in live and queues[self._engine_ids[rank]]["queue"] == 0
-                and not waiting.get(self._engine_ids[rank])}
+                and not waiting.get(self._engine_ids[rank]) and not calls.get(self._engine_ids[rank])}
 
     def _live_ranks(self) -> list[int]:
         dead = set(self._dead_ranks())

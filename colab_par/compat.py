@@ -136,15 +136,28 @@ ENGINE_MAIN_FILE = "ipyparallel/engine/app.py"
 
 
 def task_futures(result: Any) -> list[Any]:
-    """One future per engine of an AsyncResult (`AsyncResult._children`, undocumented).
+    """One future per engine of an AsyncResult (`AsyncResult._children`, undocumented), or of a
+    lean direct call (`colab_par.direct_call.DirectCall.rank_futures`).
 
     The public API reports a task only once every engine is done; a rank that failed while another
     still waits in a collective is visible only here.
     """
-    futures = getattr(result, "_children", None)
+    futures = getattr(result, "rank_futures", None)
+    if futures is None:
+        futures = getattr(result, "_children", None)
     if futures is None:
         raise _missing("ipyparallel", "AsyncResult._children (per-engine futures)")
     return list(futures)
+
+
+def failed_at(future: Any, error: Any) -> Any:
+    """When an engine's part of a task failed: the lean call's `error.completed`, else the
+    reply metadata's (`MessageFuture.output.metadata`, undocumented); None when unknown."""
+    completed = getattr(error, "completed", None)
+    if completed is None:
+        output = getattr(future, "output", None)
+        completed = getattr(output, "metadata", {}).get("completed")
+    return completed
 
 
 def ipp_engine_kernel_class() -> type:
@@ -234,6 +247,40 @@ def client_io_loop(client: Any) -> Any:
 def client_reply_handler(client: Any) -> Callable[[list], None]:
     """What the client does with an execute/apply reply from its queues (`Client._dispatch_reply`)."""
     return _client_part(client, "_dispatch_reply")
+
+
+def client_metadata(client: Any) -> Any:
+    """The client's per-request books, filled from iopub (`Client.metadata`, a defaultdict of
+    `Metadata` by msg_id: stdout, data, outputs, ...)."""
+    return _client_part(client, "metadata")
+
+
+def output_futures(client: Any) -> dict[str, Any]:
+    """Futures the client resolves when an engine's idle status for a msg_id arrives, i.e. all of
+    that request's output has (`Client._output_futures`, private)."""
+    return _client_part(client, "_output_futures")
+
+
+def output_mark(session: Any, streams: list[Any]) -> tuple[int, list[Any]]:
+    """Where an engine's publishing stands (`output_since` compares): the messages its session
+    has made (`Session.message_count`, which every message's id counts) and the buffers its
+    output streams write into (`OutStream._buffers`, replaced at each flush; private)."""
+    return getattr(session, "message_count", -1), [getattr(stream, "_buffers", None) for stream in streams]
+
+
+def output_since(mark: tuple[int, list[Any]], session: Any, streams: list[Any]) -> bool:
+    """Whether anything was (or is about to be) published since `mark`: a message made (data,
+    display, an error), text written and waiting in a stream, or a stream flushed meanwhile.
+    Unknown internals answer True (then the caller waits for the output, as always)."""
+    count, buffers = mark
+    if count < 0 or getattr(session, "message_count", -1) != count:
+        return True
+    for stream, before in zip(streams, buffers):
+        now = getattr(stream, "_buffers", None)
+        if before is None or now is not before or getattr(stream, "_flush_pending", True) or any(
+                buffer.tell() for buffer in list(now.values())):
+            return True
+    return False
 
 
 def unanswered(client: Any) -> dict[int, int]:

@@ -3,30 +3,38 @@
 ipyparallel routes every request client → controller's queue → engine and every reply back the
 same way: 2-3 ms of a trivial call's round trip on a loaded 2-core host, twice Monarch's whole
 round trip. Here each engine listens on a socket of its own (`serve`, opened at bootstrap), and
-the client sends the very same ipyparallel messages there: the engine's kernel runs them as it
-runs its controller's (`compat.engine_shell`: the same handlers, namespace, SIGINT handling,
-error replies with IPython's tracebacks, busy/idle status) and its output still travels on
-ipyparallel's iopub channel. The client files the requests and replies in ipyparallel's own
-books (`Client.send_apply_request` / `send_execute_request` with the engine's identity), so the
-AsyncResult is ipyparallel's: stdout, published data, errors and stranded-request handling when
-an engine dies are unchanged. Idle, nothing polls: both ends wait in zmq.
+runs what comes there in its main thread, in turn with its controller's requests.
+
+Calls and cells from `Cluster` are lean requests (`colab_par.lean_wire`; the client's end is
+`colab_par.direct_call`): a signed small header and the pickled call, run through the kernel's own
+`do_apply` / `do_execute` (namespace, IPython's tracebacks, SIGINT handling), their output still
+on ipyparallel's iopub channel and no status messages unless there was output. Ipyparallel's own
+messages are served there too (`Channels.apply` / `execute` send those when some targets are on
+other hosts): the kernel runs them as its controller's (`compat.engine_shell`), and the client
+files them in ipyparallel's books, so the AsyncResult is ipyparallel's. Idle, nothing polls: both
+ends wait in zmq.
 
 Engines on other hosts keep ipyparallel's route (the client may not reach them directly).
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
-from typing import Any, Callable, Sequence
+import time
+import traceback
+from typing import Any, Callable, Iterator, Sequence
 
 import zmq
 from zmq.eventloop.zmqstream import ZMQStream
 
-from colab_par import compat
+from colab_par import compat, lean_wire
+from colab_par.direct_call import Calls
 
 __all__ = ["serve", "serving_port", "Channels"]
 
 _SERVING: dict[str, Any] = {}  # on an engine: the open channel ("url", "port", "stream")
+_REPLAYS = lean_wire.ReplayGuard()  # lean calls already run (a signed request is run once)
 
 
 # ---- on the engine --------------------------------------------------------------------------------
@@ -52,12 +60,17 @@ def serve(address: str) -> str | None:
 
 async def _dispatch(kernel: Any, lock: Any, dispatch_shell: Callable[[Any, list], Any], stream: Any,
                     frames: list) -> None:
-    """One request, in turn with the controller's. A call (``apply_request``) runs through
-    ipyparallel's own `do_apply` (the user namespace, IPython's traceback on error) between the
-    kernel's own steps, as `Kernel.dispatch_shell` takes them, less what no one reads: its debug
-    logging, its waits for the output thread (`compat.after_output` keeps the order) and the
-    "busy" status (client and hub act on "idle" only, which ends the task's output); anything
-    else (a cell) goes to dispatch_shell."""
+    """One request, in turn with the controller's: a lean one (`_lean_call`), or an ipyparallel
+    message. Of those, a call (``apply_request``) runs through ipyparallel's own `do_apply` (the
+    user namespace, IPython's traceback on error) between the kernel's own steps, as
+    `Kernel.dispatch_shell` takes them, less what no one reads: its debug logging, its waits for
+    the output thread (`compat.after_output` keeps the order) and the "busy" status (client and hub
+    act on "idle" only, which ends the task's output); anything else (a cell) goes to
+    dispatch_shell."""
+    if lean_wire.is_lean(frames[1:2]):
+        async with lock:
+            await _lean_call(kernel, stream, frames[0].bytes, frames[1:])
+        return
     async with lock:
         idents, parts = kernel.session.feed_identities(frames, copy=False)
         if len(parts) < 2 or kernel.session.unpack(parts[1].bytes).get("msg_type") != "apply_request":
@@ -73,18 +86,67 @@ async def _dispatch(kernel: Any, lock: Any, dispatch_shell: Callable[[Any, list]
                                 lambda: kernel._publish_status("idle", "shell", parent=msg))
 
 
-def _apply(kernel: Any, stream: Any, idents: list, msg: dict) -> None:
-    """`IPythonParallelKernel.apply_request` with ipykernel's SIGINT handling around it."""
-    metadata = kernel.init_metadata(msg)
+@contextlib.contextmanager
+def _handling(kernel: Any) -> Iterator[None]:
+    """What ipykernel does around a handler: SIGINT raises KeyboardInterrupt, the shell blocks."""
     kernel.pre_handler_hook()
     kernel.shell_is_blocking = True
     try:
-        reply, buffers = kernel.do_apply(msg["content"], msg["buffers"], msg["header"]["msg_id"], metadata)
+        yield
     finally:
         kernel.shell_is_blocking = False
         kernel.post_handler_hook()
+
+
+def _apply(kernel: Any, stream: Any, idents: list, msg: dict) -> None:
+    """`IPythonParallelKernel.apply_request` with ipykernel's SIGINT handling around it."""
+    metadata = kernel.init_metadata(msg)
+    with _handling(kernel):
+        reply, buffers = kernel.do_apply(msg["content"], msg["buffers"], msg["header"]["msg_id"], metadata)
     kernel.session.send(stream, "apply_reply", reply, parent=msg, ident=idents, buffers=buffers,
                         metadata=kernel.finish_metadata(msg, metadata, reply))
+
+
+async def _lean_call(kernel: Any, stream: Any, ident: bytes, parts: list) -> None:
+    """One lean request (`colab_par.lean_wire`), run as the kernel runs ipyparallel's: a call
+    through `do_apply` (user namespace, IPython's traceback), a cell through `do_execute`, SIGINT
+    as KeyboardInterrupt around both. Output is published under a parent header with the
+    request's id and the client's session, which files it in the client's books; the idle status
+    that ends it is sent only when there was some (the reply says which). Unlike
+    `execute_request`, a cell's input is not re-broadcast (nothing reads it)."""
+    opened = lean_wire.opened(kernel.session.auth, parts, _REPLAYS)
+    if opened is None:
+        print("colab_par: refused a direct request that was not signed with this cluster's key "
+              "(or was sent twice)", file=sys.__stderr__)
+        return
+    (msg_id, session, kind, *_), payload = opened
+    parent = {"header": {"msg_id": msg_id, "session": session, "username": kernel.session.username,
+                         "msg_type": "apply_request" if kind == lean_wire.APPLY else "execute_request"},
+              "parent_header": {}, "metadata": {}, "content": {}, "buffers": payload}
+    kernel.set_parent([ident], parent, channel="shell")
+    streams = [sys.stdout, sys.stderr]
+    mark = compat.output_mark(kernel.session, streams)
+    try:
+        with _handling(kernel):
+            if kind == lean_wire.APPLY:
+                reply, result = kernel.do_apply({}, payload, msg_id, {})
+            else:
+                kernel.execution_count += 1
+                reply, result = await kernel.do_execute(bytes(payload[0]).decode(), False, store_history=True,
+                                                        user_expressions={}, allow_stdin=False), []
+    except BaseException as exc:  # noqa: BLE001 - outside the user's code (both catch theirs): still answer
+        reply, result = {"status": "error", "ename": type(exc).__name__, "evalue": str(exc),
+                         "traceback": traceback.format_exc().splitlines(),
+                         "engine_info": kernel.get_engine_info(method=kind)}, []
+    ok = reply["status"] == "ok"
+    shown = not ok or compat.output_since(mark, kernel.session, streams)
+    payload = result if ok else lean_wire.error_payload(reply, time.time())
+    # through the stream, not its socket: a send beside the stream can swallow the edge of zmq's
+    # descriptor that tells the stream another request is waiting (it would wait unseen)
+    stream.send_multipart([ident, *lean_wire.frames(kernel.session.auth, [msg_id, reply["status"],
+                                                                                 "1" if shown else "0"], payload)])
+    if shown:
+        compat.after_output(streams, lambda: kernel._publish_status("idle", "shell", parent=parent))
 
 
 def serving_port() -> int | None:
@@ -100,6 +162,7 @@ class Channels:
     def __init__(self, client: Any):
         self._client = client
         self._streams: dict[int, ZMQStream] = {}  # engine id -> stream
+        self._calls = Calls(client)  # the lean route for calls, in the caller's thread
 
     def connect(self, urls: dict[int, str | None]) -> None:
         """Connect to each engine id's URL (None: that engine keeps ipyparallel's route)."""
@@ -107,9 +170,11 @@ class Channels:
         if wanted:
             self._in_io_thread(lambda: self._streams.update(
                 {engine_id: self._open(url) for engine_id, url in wanted.items()}))
+            self._calls.connect(wanted)
 
     def forget(self, engine_ids: Sequence[int]) -> None:
         """Close the channels of engines that are gone (a replaced rank)."""
+        self._calls.forget(engine_ids)
         streams = [self._streams.pop(engine_id) for engine_id in engine_ids if engine_id in self._streams]
         if streams:
             self._in_io_thread(lambda: [stream.close(linger=0) for stream in streams])
@@ -121,9 +186,18 @@ class Channels:
     def engines(self) -> set[int]:
         return set(self._streams)
 
+    def unanswered(self) -> dict[int, int]:
+        """How many lean calls each engine id has not answered yet (ipyparallel's own books,
+        `compat.unanswered`, count the rest)."""
+        return self._calls.unanswered()
+
     def apply(self, engine_ids: Sequence[int], fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """``fn(*args, **kwargs)`` on each engine; an ipyparallel AsyncResult (results as a list)."""
+        """``fn(*args, **kwargs)`` on each engine: a `DirectCall` when every one is served here,
+        else an ipyparallel AsyncResult (results as a list either way)."""
         from ipyparallel.serialize import PrePickled
+
+        if set(engine_ids) <= self._calls.engines:
+            return self._calls.apply(engine_ids, fn, args, kwargs)
 
         shipped = (PrePickled(fn), [PrePickled(arg) for arg in args],
                    {key: PrePickled(value) for key, value in kwargs.items()})
@@ -131,7 +205,10 @@ class Channels:
             self._client.send_apply_request(socket, *shipped, ident=ident, metadata={"label": None})))
 
     def execute(self, engine_ids: Sequence[int], code: str) -> Any:
-        """Run `code` as a cell on each engine (`DirectView.execute(silent=False)`'s request)."""
+        """Run `code` as a cell on each engine: a `DirectCall` when every one is served here,
+        else ipyparallel's AsyncResult of `DirectView.execute(silent=False)`'s request."""
+        if set(engine_ids) <= self._calls.engines:
+            return self._calls.execute(engine_ids, code)
         return self._submit(engine_ids, "execute", lambda socket, ident: (
             self._client.send_execute_request(socket, code, silent=False, ident=ident,
                                               metadata={"label": None})))

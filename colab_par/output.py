@@ -287,7 +287,7 @@ def rank_errors(result: Any, ranks: list[int]) -> dict[int, tuple[str, str, str]
     for order, (rank, future) in enumerate(zip(ranks, compat.task_futures(result))):
         reply = future.result() if future.done() else None
         if isinstance(reply, ipp.error.RemoteError):
-            completed = future.output.metadata.get("completed")
+            completed = compat.failed_at(future, reply)
             finished.append((completed is None, str(completed or ""), order, rank,
                              (reply.ename, str(reply.evalue), reply.traceback or "")))
     return {rank: error for *_, rank, error in sorted(finished, key=lambda f: f[:3])}

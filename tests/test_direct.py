@@ -114,3 +114,122 @@ def test_breaking_the_worlds_connections_keeps_the_channel(cluster2):
     assert result.get() == ["answered", "answered"]
     cluster2._join_world()  # a fresh group for the tests after this one
     assert cluster2.run(_where_am_i)[0].startswith("0:")
+
+
+def _publish_rank() -> int:
+    from ipyparallel.engine.datapub import publish_data
+
+    publish_data({"published_by": _engine_global("rank")})
+    return 0
+
+
+def _nothing() -> None:
+    return None
+
+
+def test_a_silent_call_needs_no_output_and_published_data_arrives(cluster2):
+    quiet = cluster2._apply([0, 1], _nothing)
+    assert quiet.get(timeout=30) == [None, None]
+    assert quiet.wait_for_output(0)  # the replies said nothing was published: no status to wait for
+    published = cluster2._apply([0, 1], _publish_rank)
+    assert published.get(timeout=30) == [0, 0]
+    assert published.wait_for_output(10)
+    assert published.data == [{"published_by": 0}, {"published_by": 1}]
+
+
+def _what_counts_as_output() -> dict[str, bool]:
+    """`compat.output_since` around each kind of publication, on an engine (ipykernel's streams)."""
+    import sys
+
+    from IPython import get_ipython
+    from IPython.display import display
+    from ipyparallel.engine.datapub import publish_data
+
+    from colab_par import compat
+
+    session = get_ipython().kernel.session
+    streams = [sys.stdout, sys.stderr]
+    acts = {"nothing": lambda: None, "print": lambda: print("x"),
+            "stderr": lambda: print("x", file=sys.stderr), "print then flush": lambda: (print("x"), sys.stdout.flush()),
+            "publish_data": lambda: publish_data({"x": 1}), "display": lambda: display("x")}
+    seen = {}
+    for name, act in acts.items():
+        sys.stdout.flush(), sys.stderr.flush()
+        mark = compat.output_mark(session, streams)
+        act()
+        seen[name] = compat.output_since(mark, session, streams)
+    return seen
+
+
+def test_output_is_detected_on_the_engine(cluster2):
+    """The lean reply says whether output follows; a miss would cut a call's output short, and
+    unknown internals must answer True (then the call waits for its output as before)."""
+    seen = cluster2.run(_what_counts_as_output)[0]
+    assert seen == {"nothing": False, "print": True, "stderr": True, "print then flush": True,
+                    "publish_data": True, "display": True}
+
+
+def _request(auth, msg_id: str, session: str, fn, *args) -> list:
+    from ipyparallel.serialize import pack_apply_message
+
+    from colab_par import lean_wire
+
+    return lean_wire.frames(auth, [msg_id, session, lean_wire.APPLY], pack_apply_message(fn, args, {}))
+
+
+def test_requests_without_the_key_or_sent_twice_are_refused(cluster2):
+    """Whoever reaches the port but lacks the cluster's key runs nothing; a captured request sent
+    again does not run twice. Requests are served in order, so the last reply comes after the
+    engine dealt with the others."""
+    import hmac
+
+    import zmq
+    from ipyparallel.serialize import deserialize_object
+
+    from colab_par import direct, lean_wire
+
+    url = cluster2._client[[cluster2._engine_ids[0]]].apply_sync(direct.serve, "127.0.0.1")[0]
+    auth, session = cluster2._client.session.auth, cluster2._client.session.session
+    assert auth is not None  # ipyparallel's clusters are signed
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.linger = 0
+    socket.connect(url)
+    try:
+        forged = hmac.HMAC(b"not-the-key", digestmod="sha256")
+        socket.send_multipart(_request(forged, "forged", session, exec, "lean_forged = 1"))
+        counted = _request(auth, "counted", session, exec, "lean_count = globals().get('lean_count', 0) + 1")
+        socket.send_multipart(counted)
+        socket.send_multipart(counted)  # the same frames again
+        socket.send_multipart(_request(auth, "read", session, eval, "(globals().get('lean_forged'), lean_count)"))
+        replies = {}
+        while "read" not in replies:
+            assert socket.poll(30_000), "the engine did not answer"
+            (msg_id, status, _), payload = lean_wire.opened(auth, socket.recv_multipart())
+            replies[msg_id] = (status, deserialize_object(payload)[0] if status == "ok" else None)
+        assert replies == {"counted": ("ok", None), "read": ("ok", (None, 1))}
+    finally:
+        socket.close()
+
+
+def test_calls_from_several_threads_get_their_own_replies(cluster2):
+    """Whichever thread waits files every reply that came, each into its own call."""
+    from colab_par.ship import ship_by_value
+
+    ship_by_value(_engine_global_plus)  # as Cluster.run does: this file is not on the engines' path
+    results: dict[int, list] = {}
+
+    def caller(offset: int) -> None:
+        results[offset] = [cluster2._apply([0, 1], _engine_global_plus, "rank", offset + i).get(timeout=30)
+                           for i in range(20)]
+
+    threads = [threading.Thread(target=caller, args=(offset,)) for offset in (0, 1000)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for offset in (0, 1000):
+        assert results[offset] == [[offset + i, offset + i + 1] for i in range(20)]
+
+
+def _engine_global_plus(name: str, plus: int) -> int:
+    return _engine_global(name) + plus
