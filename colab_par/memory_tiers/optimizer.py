@@ -13,6 +13,7 @@ was built (interpreter, torch, libraries), the stated fixed overhead outside the
 """
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from typing import Any
 
@@ -136,7 +137,14 @@ class TieredAdamW(torch.optim.Optimizer):
             self.tiers.grads == "auto" and self.tiers.budget is not None and self.tiers.uses_disk)
         if not may_move or not self._grads_movable:
             return []
-        return [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._params()]
+        me = weakref.ref(self)  # autograd holds hooks in C++, out of reach of Python's cycle collector
+
+        def ready(p: nn.Parameter) -> None:
+            optimizer = me()
+            if optimizer is not None:
+                optimizer._grad_ready(p)
+
+        return [p.register_post_accumulate_grad_hook(ready) for p in self._params()]
 
     # ---- chunks and placement -------------------------------------------------------------------
     def _ensure_chunks(self) -> None:

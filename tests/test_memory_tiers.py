@@ -1,0 +1,196 @@
+"""Memory tiers on real engines: a budget that forces spilling holds (measured VmHWM), training with
+state on disk matches one-process AdamW, checkpoints move between tiered and plain layouts, and
+what cannot work is refused before training.
+
+Chunks are lowered to a few KiB (parity) or 2 MiB (budget) so that every run streams several.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import cloudpickle
+import pytest
+import torch
+
+from parity import SEED, assert_parity, engine_model, reference_run, takes_tokens, training_batches
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
+
+STEPS = 4
+SMALL_CHUNK = 16 * 1024  # bytes: the tiny GPT's 0.1 MB of parameters make a dozen chunks
+BIG_CHUNK = 2 * 2 ** 20
+# 12.6 M parameters: under dp2 zero3 each rank holds 25 MB of fp32 shards, 25 MB of gradients and
+# 50 MB of AdamW state, so a budget of 80 MiB can only hold with state and gradients spilled.
+BIG_GPT = dict(vocab_size=64, seq_len=16, n_layer=4, n_head=8, d_model=512, kernels="torch")
+BUDGET = 80 * 2 ** 20
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ":"))
+
+
+def _released() -> None:
+    """Hand the memory of a dropped ParallelModel back before the next run on the same engine."""
+    import gc
+
+    from colab_par.parallel.memory import trim_host_heap
+
+    gc.collect()
+    trim_host_heap()
+
+
+def _peak_run(layout: str, steps: int = 3) -> dict:
+    """Engine side: the training peak (VmHWM) of the big GPT above the RSS before parallelize."""
+    import colab_par.memory_tiers.chunks as chunks
+    from colab_par import parallelize
+    from colab_par.models import GPT, GPTConfig
+    from colab_par.parallel import memory_report
+    from parity import batches
+
+    chunks.CHUNK_BYTES = BIG_CHUNK
+    _released()
+    baseline = _status("VmRSS")
+    pm = parallelize(lambda: GPT(GPTConfig(**BIG_GPT)), layout,
+                     optimizer_fn=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    losses = [pm.train_step(*batch) for batch in batches(64, 16, steps, batch=2)]
+    peak = _status("VmHWM")
+    report = memory_report(pm)
+    del pm
+    _released()
+    return {"over_baseline": peak - baseline, "losses": losses, "report": report}
+
+
+def test_a_budget_that_forces_spilling_holds_and_fails_without_tiers(cluster2) -> None:
+    """First in this module, on engines nothing has trained on yet: the peak of each rank stays
+    within budget + the RSS it had before the model was built; the same run without tiers does not
+    fit that budget (so the check can fail), and auto placement really spilled to disk."""
+    tiered = cluster2.run(_peak_run, f"dp2 zero3 mem{BUDGET // 2 ** 20}MiB disk")
+    plain = cluster2.run(_peak_run, "dp2 zero3")
+    for rank, (mine, without) in enumerate(zip(tiered, plain)):
+        assert mine["report"]["tier_disk"] > 0, f"rank {rank}: nothing was placed on disk"
+        assert mine["report"]["tier_moved"] > 0 and mine["report"]["tier_working"] > 0
+        assert mine["over_baseline"] <= BUDGET, (
+            f"rank {rank}: peak {mine['over_baseline'] / 2 ** 20:.1f} MiB over the baseline, budget 80 MiB")
+        assert without["over_baseline"] > BUDGET, (
+            f"rank {rank}: without tiers the run fits 80 MiB ({without['over_baseline'] / 2 ** 20:.1f} MiB): "
+            "the budget proves nothing")
+        torch.testing.assert_close(torch.tensor(mine["losses"]), torch.tensor(without["losses"]), rtol=1e-5, atol=0)
+
+
+def _tiered_run(layout: str, kind: str = "gpt", steps: int = STEPS) -> dict:
+    """Engine side: parity's training run with small chunks, plus the memory report."""
+    import colab_par.memory_tiers.chunks as chunks
+    from colab_par.parallel import memory_report
+    from parity import _parallelized, _train
+
+    chunks.CHUNK_BYTES = SMALL_CHUNK
+    pm = _parallelized(engine_model(kind, "module"), layout)
+    run = _train(pm, kind, training_batches(kind, steps))
+    result = {**run, "state": pm.full_state_dict(), "report": memory_report(pm),
+              "chunks": len(pm.optimizer._chunks), "folder": getattr(pm.optimizer._folder, "path", None)}
+    del pm
+    _released()
+    result["folder_left"] = result["folder"] is not None and os.path.exists(result["folder"])
+    return result
+
+
+@pytest.mark.parametrize("layout,on_disk", [
+    ("dp2 mem1GiB disk", False),  # fits: auto keeps everything resident
+    ("dp2 optimizer@disk", True),
+    ("dp2 zero3 optimizer@disk", True),
+    ("dp2 zero3 optimizer@disk grads@disk", True),
+])
+def test_tiered_gpt_trains_like_single_process(cluster2, layout: str, on_disk: bool) -> None:
+    results = cluster2.run(_tiered_run, layout)
+    assert_parity(results, reference_run("gpt", STEPS))
+    for result in results:
+        assert result["chunks"] > 3
+        assert (result["report"]["tier_disk"] > 0) == on_disk
+        assert (result["report"]["tier_moved"] > 0) == on_disk
+        assert not result["folder_left"], "the disk tier's folder outlived the model"
+    if "grads@disk" in layout:
+        grads_on_disk = results[0]["report"]["tier_disk"] - results[0]["report"]["optimizer"]
+        assert results[0]["report"]["grads"] == 0 and grads_on_disk > 0
+
+
+def test_hugging_face_decoder_with_optimizer_on_disk_trains_like_single_process(cluster2) -> None:
+    results = cluster2.run(_tiered_run, "dp2 zero3 optimizer@disk", "llama")
+    assert_parity(results, reference_run("llama", STEPS))
+    assert all(result["report"]["tier_disk"] > 0 for result in results)
+
+
+def _moved_between_layouts(first: str, second: str, folder: str) -> dict:
+    """Engine side: 2 steps under `first`, saved; loaded under `second`: its next loss, and the
+    next loss `first` itself goes on to."""
+    import colab_par.memory_tiers.chunks as chunks
+    from colab_par import load, parallelize, save
+
+    chunks.CHUNK_BYTES = SMALL_CHUNK
+    batches = training_batches("gpt", 3)
+    optimizer_fn = lambda p: torch.optim.AdamW(p, lr=1e-2)  # noqa: E731  (large steps: a lost state shows)
+    before = parallelize(engine_model("gpt", "module"), first, optimizer_fn=optimizer_fn)
+    for batch in batches[:2]:
+        before.train_step(*batch)
+    save(before, folder)
+    after = parallelize(engine_model("gpt", "module"), second, optimizer_fn=optimizer_fn)
+    load(after, folder)
+    return {"continued": before.train_step(*batches[2]), "loaded": after.train_step(*batches[2]),
+            "again": after.train_step(*batches[2]), "first_again": before.train_step(*batches[2])}
+
+
+@pytest.mark.parametrize("first,second", [("dp2 zero3 optimizer@disk grads@disk", "dp2 zero3"),
+                                          ("dp2", "dp2 optimizer@disk")])
+def test_checkpoint_moves_between_tiered_and_plain_layouts(cluster2, tmp_path, first: str, second: str) -> None:
+    """Save with tiers -> load without (and back): the same next losses, two steps on, so the
+    AdamW state (not only the weights) came across."""
+    for result in cluster2.run(_moved_between_layouts, first, second, str(tmp_path / "ckpt")):
+        assert result["loaded"] == pytest.approx(result["continued"], rel=1e-6)
+        assert result["again"] == pytest.approx(result["first_again"], rel=1e-6)
+
+
+def _parallelize_error(layout: str, optimizer: str = "AdamW") -> str:
+    from colab_par import parallelize
+    from colab_par.models import GPT, GPTConfig
+
+    try:
+        pm = parallelize(lambda: GPT(GPTConfig(**BIG_GPT)), layout,
+                         optimizer_fn=lambda p: getattr(torch.optim, optimizer)(p, lr=1e-3))
+        pm.train_step(*training_batches("gpt", 1)[0])
+    except Exception as error:  # noqa: BLE001 - the message is what is tested
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_a_budget_below_the_parameters_is_refused_before_training(cluster2) -> None:
+    for message in cluster2.run(_parallelize_error, "dp2 zero3 mem16MiB disk"):
+        assert message.startswith("TierBudgetError") and "give at least" in message and "zero3" in message
+
+
+def test_an_optimizer_tiers_cannot_reproduce_is_refused(cluster2) -> None:
+    for message in cluster2.run(_parallelize_error, "dp2 optimizer@disk", "SGD"):
+        assert message.startswith("ValueError") and "use torch.optim.AdamW" in message
+
+
+@pytest.mark.parametrize("layout,words", [
+    ("dp2 zero1 optimizer@disk", "use zero2 or zero3"),
+    ("dp2 grads@disk", "grads@disk needs zero2 or zero3"),
+    ("dp2 zero3 params@disk", "parameters stay resident"),
+    ("dp2 zero3 offload optimizer@disk", "keep one"),
+])
+def test_what_tiers_cannot_do_is_a_layout_error(layout: str, words: str) -> None:
+    from colab_par.layout import Layout, LayoutError
+
+    with pytest.raises(LayoutError, match=words):
+        Layout.parse(layout).validate(2)
+
+
+def test_adam_with_l2_weight_decay_is_refused() -> None:
+    from colab_par.memory_tiers.optimizer import check_optimizer
+
+    with pytest.raises(ValueError, match="use torch.optim.AdamW"):
+        check_optimizer(torch.optim.Adam([torch.nn.Parameter(torch.ones(2))], weight_decay=0.1))
+    check_optimizer(torch.optim.Adam([torch.nn.Parameter(torch.ones(2))]))  # weight_decay=0 is AdamW's update
