@@ -66,7 +66,10 @@ class TieredAdamW(torch.optim.Optimizer):
         self._chunks: list[Chunk] | None = None
         self._stores: list[dict[str, Any]] = []
         self._grads_tier = FAST
-        self._placed = self._measured = False
+        pinned = tiers.grads if tiers.grads in ("disk", "host") and grads_movable else None
+        self._grads_pinned = None if pinned == "host" and device.type != "cuda" else pinned
+        self._placed = False
+        self._training_steps = 0  # steps with a forward since the tiers were applied
         self._steps: dict[int, torch.Tensor] = {}
         self._written: set[int] = set()  # parameters whose gradient of this step is in a grads store
         self._written_per_chunk: dict[int, int] = defaultdict(int)
@@ -159,10 +162,10 @@ class TieredAdamW(torch.optim.Optimizer):
         self._slot_of = {id(slot.param): (chunk, slot) for chunk in self._chunks for slot in chunk.slots}
 
     def _place(self, measured: bool) -> None:
-        grads_held = sum(local(p.grad).numel() * local(p.grad).element_size()
-                         for p in self._params() if p.grad is not None)
+        """Place every chunk's state: pessimistically (auto kinds in the overflow tier) before a
+        step was measured, else from the measurement; values move with their chunks."""
         if measured:
-            self.working = max(0, peak_bytes(self.device) - self._at_apply - grads_held)
+            self.working = max(self.working, self._measured_working())
         grad_bytes = sum(chunk.bytes_of("grads") for chunk in self._chunks)
         sizes = [{kind: chunk.bytes_of(kind) for kind in chunk.state_kinds()} for chunk in self._chunks]
         grads, plan = place(self.tiers, sizes, Measured(self._fixed, self.working, grad_bytes), cuda=self._cuda,
@@ -179,8 +182,8 @@ class TieredAdamW(torch.optim.Optimizer):
     def _move(self, chunk: Chunk, wanted: dict[str, str]) -> None:
         """Give each kind of `chunk` a store in its wanted tier, carrying values over."""
         stores = self._stores[chunk.index]
-        for kind in set(stores) - set(wanted):  # gradients back to ordinary .grad tensors
-            stores.pop(kind).close()
+        if "grads" in stores and "grads" not in wanted:  # gradients back to ordinary .grad tensors
+            self._return_gradients(chunk, stores.pop("grads"))
         for kind, tier in wanted.items():
             old = stores.get(kind)
             if old is not None and old.tier == tier:
@@ -195,6 +198,23 @@ class TieredAdamW(torch.optim.Optimizer):
             new.evict(dirty=True)
             stores[kind] = new
         self._bind(chunk)
+
+    def _measured_working(self) -> int:
+        """The peak since the last reset beyond what was resident when the tiers were applied and
+        the state resident now: activations, gathered parameters, temporaries, allocator slack."""
+        resident = sum(local(p.grad).numel() * local(p.grad).element_size()
+                       for p in self._params() if p.grad is not None)
+        resident += sum(store.nbytes for stores in self._stores for store in stores.values()
+                        if not store.tier_on_disk)
+        return max(0, peak_bytes(self.device) - self._at_apply - resident)
+
+    def _return_gradients(self, chunk: Chunk, store: Any) -> None:
+        for slot in chunk.slots:
+            if id(slot.param) in self._written:
+                slot.param.grad = _like(slot.param, slot.of(store.tensor).clone())
+                self._written.discard(id(slot.param))
+        self._written_per_chunk.pop(chunk.index, None)
+        store.close()
 
     def _new_store(self, chunk: Chunk, kind: str, tier: str) -> Any:
         dtype = chunk.dtype if kind == "grads" else torch.float32
@@ -226,8 +246,10 @@ class TieredAdamW(torch.optim.Optimizer):
     # ---- gradients ------------------------------------------------------------------------------
     @torch.no_grad()
     def _grad_ready(self, p: nn.Parameter) -> None:
-        if not self._placed or self._grads_tier == FAST or p.grad is None:
-            return  # warm-up, or gradients stay ordinary tensors
+        if not self._placed and self._grads_tier == FAST and self._grads_pinned is not None:
+            self._pin_gradients()  # pinned off the fast tier: already from the warm-up's backward
+        if self._grads_tier == FAST or p.grad is None:
+            return  # gradients stay ordinary tensors (for now: auto placement waits for the warm-up)
         chunk, slot = self._slot_of[id(p)]
         store = self._stores[chunk.index]["grads"]
         view = slot.of(store.tensor)
@@ -240,6 +262,12 @@ class TieredAdamW(torch.optim.Optimizer):
         p.grad = None
         if self._written_per_chunk[chunk.index] == len(chunk.slots):
             self._moving += store.evict(dirty=True)
+
+    def _pin_gradients(self) -> None:
+        self._ensure_chunks()
+        self._grads_tier = self._grads_pinned
+        for chunk in self._chunks:
+            self._stores[chunk.index]["grads"] = self._new_store(chunk, "grads", self._grads_tier)
 
     def held_gradients(self) -> dict[int, torch.Tensor]:
         """id(param) -> its gradient where a grads store holds it (as a DTensor like the parameter)."""
@@ -269,11 +297,13 @@ class TieredAdamW(torch.optim.Optimizer):
                 loss = closure()
         self._ensure_chunks()
         forward_seen, self._forward_seen = self._forward_seen, False
-        if forward_seen and not self._measured:
-            self._place(measured=True)  # the first training step is the warm-up measured
-            self._measured = True
-        elif not self._placed:
+        self._training_steps += forward_seen
+        if forward_seen and self._training_steps == 1:
+            self.working = self._measured_working()  # the warm-up; the second step is measured too
+        if not self._placed:
             self._place(measured=False)
+        elif forward_seen and self._training_steps == 2 and self.tiers.budget is not None:
+            self._place(measured=True)  # from the second step, whose peak no first-call growth inflates
         self._stream(0, prefetch=True)
         for chunk in self._chunks:
             if chunk.index + 1 < len(self._chunks):
@@ -281,6 +311,8 @@ class TieredAdamW(torch.optim.Optimizer):
             self._update(chunk)
             self._stream(chunk.index, prefetch=False)
         self.last_moved, self._moving = self._moving, 0
+        if forward_seen and self._training_steps == 1:
+            reset_peak(self.device)  # the warm-up's one-off growth is not the step's working memory
         return loss
 
     def _stream(self, index: int, prefetch: bool) -> None:
