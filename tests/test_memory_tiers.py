@@ -197,3 +197,41 @@ def test_adam_with_l2_weight_decay_is_refused() -> None:
     with pytest.raises(ValueError, match="use torch.optim.AdamW"):
         check_optimizer(torch.optim.Adam([torch.nn.Parameter(torch.ones(2))], weight_decay=0.1))
     check_optimizer(torch.optim.Adam([torch.nn.Parameter(torch.ones(2))]))  # weight_decay=0 is AdamW's update
+
+
+@pytest.mark.parametrize("optimizer_tier", ["device", "disk"])
+def test_bf16_parameters_update_through_a_float32_master_in_the_chunk(tmp_path, optimizer_tier: str) -> None:
+    """Working parameters in bf16 (as a bf16 ZeRO layout holds them): the chunk keeps the float32
+    master, AdamW updates it exactly as float32 AdamW updates float32 weights on the same gradients
+    (bf16 values, so both see the same numbers), and the working copy is the master rounded."""
+    from colab_par.memory_tiers.optimizer import TieredAdamW
+    from colab_par.tier_options import MemoryTiers
+
+    torch.manual_seed(SEED)
+    reference = torch.nn.Linear(48, 40)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(p.to(torch.bfloat16))  # representable in bf16: both start equal
+    working = torch.nn.Linear(48, 40).to(torch.bfloat16)
+    working.load_state_dict(reference.state_dict())
+    expected = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    tiers = MemoryTiers(optimizer=optimizer_tier, disk=str(tmp_path))
+    tiered = TieredAdamW(torch.optim.AdamW(working.parameters(), lr=1e-2, weight_decay=0.1), tiers, [working],
+                         device=torch.device("cpu"), rank=0, baseline=0, grads_movable=False, chunk_bytes=4096)
+    for _ in range(3):
+        for p, q in zip(reference.parameters(), working.parameters()):
+            q.grad = torch.randn_like(p).to(torch.bfloat16)
+            p.grad = q.grad.float()
+        expected.step()
+        tiered.step()
+    assert len(tiered._chunks) > 1
+    for (name, p), q in zip(reference.named_parameters(), working.parameters()):
+        chunk, slot = tiered._slot_of[id(q)]
+        torch.testing.assert_close(slot.of(tiered._stores[chunk.index]["master"].tensor), p.detach(),
+                                   rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(q.detach(), p.detach().to(torch.bfloat16), rtol=0, atol=0, msg=name)
+        assert not torch.equal(q.detach().float(), p.detach()), f"{name}: the master adds nothing"
+    state = tiered.state_dict()["state"]
+    assert set(state[0]) == {"step", "exp_avg", "exp_avg_sq"} and state[0]["step"].item() == 3
+    tiered.release()
+    assert list(tmp_path.iterdir()) == []
