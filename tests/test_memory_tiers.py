@@ -126,6 +126,40 @@ def test_hugging_face_decoder_with_optimizer_on_disk_trains_like_single_process(
     assert all(result["report"]["tier_disk"] > 0 for result in results)
 
 
+def _reports(layout: str) -> dict:
+    """Engine side: memory_report after the first backward and after the first and second steps."""
+    import colab_par.memory_tiers.chunks as chunks
+    from colab_par.memory_tiers.chunks import local
+    from colab_par.parallel import memory_report
+    from parity import _parallelized
+
+    chunks.CHUNK_BYTES = SMALL_CHUNK
+    pm = _parallelized(engine_model("gpt", "module"), layout)
+    first, second = training_batches("gpt", 2)
+    pm.forward_backward(*first)
+    backward = memory_report(pm)
+    pm.optimizer_step()
+    step = memory_report(pm)
+    pm.train_step(*second)
+    elements = sum(local(p).numel() for p in pm.model.parameters())
+    return {"backward": backward, "step": step, "second": memory_report(pm), "elements": elements}
+
+
+def test_memory_report_counts_state_per_tier(cluster2) -> None:
+    """zero3 fp32 AdamW, optimizer and gradients pinned to disk: per rank 4 bytes per local element
+    of parameters stay on the device, 4 of gradients and 8 of state are on disk, and a step moves
+    the gradients in and the state in and out."""
+    for report in cluster2.run(_reports, "dp2 zero3 optimizer@disk grads@disk"):
+        n = report["elements"]
+        assert report["backward"]["grads"] == 0 and report["backward"]["tier_disk"] == 4 * n
+        for after in (report["step"], report["second"]):
+            assert after["tier_device"] == after["params"] == 4 * n and after["optimizer"] == 0
+            assert after["tier_disk"] == 12 * n and after["tier_host"] == 0
+        # gradients written and read, state written (first step) / read and written (second)
+        assert report["step"]["tier_moved"] == 4 * n + 4 * n + 8 * n
+        assert report["second"]["tier_moved"] == 4 * n + 4 * n + 16 * n
+
+
 def _moved_between_layouts(first: str, second: str, folder: str) -> dict:
     """Engine side: 2 steps under `first`, saved; loaded under `second`: its next loss, and the
     next loss `first` itself goes on to."""

@@ -195,7 +195,7 @@ class TieredAdamW(torch.optim.Optimizer):
             elif kind == "master":
                 for slot in chunk.slots:
                     slot.of(new.tensor).copy_(local(slot.param).detach())
-            new.evict(dirty=True)
+            new.evict(dirty=old is not None or kind == "master")
             stores[kind] = new
         self._bind(chunk)
 

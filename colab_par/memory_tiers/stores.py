@@ -60,17 +60,19 @@ class DiskStore:
             os.close(descriptor)
         self.tensor = torch.frombuffer(self._map, dtype=dtype, count=numel)
         self._resident = False
+        self._written = False  # a fresh (sparse) file holds nothing to read
 
     def prefetch(self) -> int:
         """Start reading the chunk in; the bytes that will come from the disk tier."""
         self._map.madvise(mmap.MADV_WILLNEED)
         was, self._resident = self._resident, True
-        return 0 if was else self.nbytes
+        return 0 if was or not self._written else self.nbytes
 
     def evict(self, dirty: bool) -> int:
         """Write the chunk back (when `dirty`) and drop its pages; the bytes written."""
         if dirty:
             self._map.flush()
+            self._written = True
         self._map.madvise(mmap.MADV_DONTNEED)
         self._resident = False
         return self.nbytes if dirty else 0
