@@ -106,6 +106,8 @@ def _tiered_run(layout: str, kind: str = "gpt", steps: int = STEPS) -> dict:
     ("dp2 optimizer@disk", True),
     ("dp2 zero3 optimizer@disk", True),
     ("dp2 zero3 optimizer@disk grads@disk", True),
+    ("tp2 optimizer@disk", True),  # DTensor local shards
+    ("pp2 optimizer@disk", True),  # each rank its stage's parameters
 ])
 def test_tiered_gpt_trains_like_single_process(cluster2, layout: str, on_disk: bool) -> None:
     results = cluster2.run(_tiered_run, layout)
