@@ -162,6 +162,37 @@ def test_memory_report_counts_state_per_tier(cluster2) -> None:
         assert report["second"]["tier_moved"] == 4 * n + 4 * n + 16 * n
 
 
+def _bf16_shards(layout: str, source: str) -> dict:
+    import colab_par.memory_tiers.chunks as chunks
+    from colab_par.memory_tiers.chunks import local
+    from parity import _parallelized
+
+    chunks.CHUNK_BYTES = SMALL_CHUNK
+    pm = _parallelized(engine_model("gpt", source), layout)
+    pm.forward_backward(*training_batches("gpt", 1)[0])
+    grads = sorted({str(local(p.grad).dtype) for p in pm.model.parameters() if p.grad is not None})
+    pm.optimizer_step()
+    optimizer = pm.optimizer
+    return {"params": sorted({str(local(p).dtype) for p in pm.model.parameters()}), "grads": grads,
+            "master": sorted({store.tier for stores in optimizer._stores for kind, store in stores.items()
+                              if kind == "master"})}
+
+
+def test_bf16_zero3_with_optimizer_on_disk_keeps_bf16_shards_and_a_float32_master_on_disk(cluster2) -> None:
+    """What a model larger than memory needs: each rank holds bf16 working shards (and bf16
+    gradients), master and AdamW state on disk; it trains like float32 within bf16's rounding."""
+    for source in ("module", "factory"):  # built whole, or shard-first on meta
+        for shards in cluster2.run(_bf16_shards, "dp2 zero3 bf16 optimizer@disk", source):
+            assert shards == {"params": ["torch.bfloat16"], "grads": ["torch.bfloat16"], "master": ["disk"]}
+    results = cluster2.run(_tiered_run, "dp2 zero3 bf16 optimizer@disk")
+    reference = reference_run("gpt", STEPS)
+    losses, expected = torch.tensor(results[0]["losses"]), torch.tensor(reference["losses"])
+    torch.testing.assert_close(losses, expected, rtol=2e-2, atol=0.0)
+    assert losses[-1] < losses[0]
+    for key, value in reference["state"].items():  # 5e-3: see parity.assert_close_to_fp32
+        torch.testing.assert_close(results[0]["state"][key].float(), value, rtol=0.0, atol=5e-3)
+
+
 def _moved_between_layouts(first: str, second: str, folder: str) -> dict:
     """Engine side: 2 steps under `first`, saved; loaded under `second`: its next loss, and the
     next loss `first` itself goes on to."""

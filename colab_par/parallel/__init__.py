@@ -45,7 +45,7 @@ from colab_par.parallel.mesh import broadcast_from_rank0, build_grid_mesh, build
 from colab_par.parallel.pipeline import PipelineRunner, split_model
 from colab_par.parallel.tensor_grid import apply_tensor_grid
 from colab_par.parallel.tensor_parallel import apply_tensor_parallel, tp_plan_for
-from colab_par.parallel.tiering import apply_memory_tiers
+from colab_par.parallel.tiering import apply_memory_tiers, cast_working_parameters
 
 __all__ = ["parallelize", "ParallelModel", "WeightSource", "memory_report"]
 
@@ -535,6 +535,7 @@ def _parallelize_part(part: nn.Module, layout: Layout, mesh: Any, dp_cp_mesh: An
     apply_activation_checkpointing(part, layout.checkpointing, blocks)
     blocks = apply_compile(blocks, layout.compile)
     if layout.zero >= 2:
+        cast_working_parameters(part, layout)
         part = apply_fsdp(part, layout, dp_cp_mesh, blocks)
         fill(part)
         return part
