@@ -13,7 +13,7 @@ import cloudpickle
 import pytest
 import torch
 
-from parity import SEED, assert_parity, engine_model, reference_run, takes_tokens, training_batches
+from parity import SEED, assert_parity, engine_model, reference_run, training_batches
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 

@@ -25,7 +25,7 @@ from torch.optim.adamw import adamw
 from colab_par.memory_tiers import chunks as chunking
 from colab_par.memory_tiers.chunks import Chunk, Slot, build_chunks, local
 from colab_par.memory_tiers.measure import peak_bytes, reset_peak, resident_bytes
-from colab_par.memory_tiers.placement import FAST, Measured, TierBudgetError, place
+from colab_par.memory_tiers.placement import FAST, Measured, TierBudgetError, budget_text, place
 from colab_par.memory_tiers.stores import DiskStore, MemoryStore, RunFolder
 from colab_par.tier_options import MemoryTiers, format_bytes
 
@@ -102,8 +102,8 @@ class TieredAdamW(torch.optim.Optimizer):
         if self._fixed + stream > budget:
             raise TierBudgetError(
                 f"rank {self.rank}: a budget of {format_bytes(budget)} is below what this rank holds before "
-                f"training: parameters and layout buffers {format_bytes(self._fixed)} plus two streamed "
-                f"chunks {format_bytes(stream)}; give at least {format_bytes(_mib(self._fixed + stream))}, or "
+                f"training: parameters and layout buffers {self._fixed / 2 ** 20:.0f} MiB plus two streamed "
+                f"chunks {stream / 2 ** 20:.0f} MiB; give at least {budget_text(self._fixed + stream)}, or "
                 "shard the parameters (zero3, more dp ranks)")
 
     def _record_first_use(self, modules: list[nn.Module]) -> list[Any]:
@@ -224,9 +224,8 @@ class TieredAdamW(torch.optim.Optimizer):
             store = DiskStore(self._folder.path, f"chunk{chunk.index}.{kind}", chunk.numel, dtype)
         else:
             on_host = tier == "host" and self._cuda
-            store = MemoryStore(chunk.numel, dtype, torch.device("cpu") if on_host else chunk.device,
+            store = MemoryStore(chunk.numel, dtype, torch.device("cpu") if on_host else chunk.device, tier,
                                 pinned=on_host)
-        store.tier = tier
         return store
 
     def _bind(self, chunk: Chunk) -> None:
@@ -409,6 +408,3 @@ def _on(tensor: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch
     """(the tensor on `device`, the tensor): host/disk chunks are staged to the GPU for the update."""
     return (tensor if tensor.device == device else tensor.to(device, non_blocking=True)), tensor
 
-
-def _mib(count: int) -> int:
-    return -(-count // 2 ** 20) * 2 ** 20

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from colab_par.tier_options import MemoryTiers, format_bytes
 
-__all__ = ["TierBudgetError", "Measured", "place"]
+__all__ = ["TierBudgetError", "Measured", "place", "budget_text"]
 
 FAST = "device"
 # The fast tier is filled to (1 - SLACK) of the budget: a rank's resident memory varies by a few per
@@ -81,14 +81,18 @@ def place(tiers: MemoryTiers, chunks: list[dict[str, int]], measured: Measured, 
                    if overflow is None else "")
         raise TierBudgetError(
             f"rank {rank}: a budget of {format_bytes(tiers.budget)} cannot hold this step: parameters and layout "
-            f"buffers {format_bytes(measured.fixed)}, measured working memory (activations, gathered "
-            f"parameters) {format_bytes(measured.working)}, streaming buffers {format_bytes(stream)}, "
-            f"resident state {format_bytes(used - measured.fixed - measured.working - stream)}; the "
-            f"smallest budget that works is about {format_bytes(_round_up(smallest))}. Raise the budget, "
+            f"buffers {_show(measured.fixed)}, measured working memory (activations, gathered "
+            f"parameters) {_show(measured.working)}, streaming buffers {_show(stream)}, "
+            f"resident state {_show(used - measured.fixed - measured.working - stream)}; the "
+            f"smallest budget that works is about {budget_text(smallest)}. Raise the budget, "
             f"{way_out}shard more (zero3, more dp ranks) or recompute activations ('ac-full')")
     return {"grads": grads}, plan
 
 
-def _round_up(count: int) -> int:
-    """Up to whole MiB, so the figure in the message is one a user can type."""
-    return -(-int(count) // 2 ** 20) * 2 ** 20
+def budget_text(count: float) -> str:
+    """A budget a user can type: `count` rounded up to whole MiB, e.g. "648MiB"."""
+    return format_bytes(-(-int(count) // 2 ** 20) * 2 ** 20)
+
+
+def _show(count: int) -> str:
+    return f"{count / 2 ** 20:.0f} MiB"

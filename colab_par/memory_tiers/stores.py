@@ -13,21 +13,20 @@ import os
 import shutil
 import tempfile
 import weakref
-from typing import Any
-
 import torch
 
 from colab_par.tier_options import DEFAULT_DISK
 
-__all__ = ["MemoryStore", "DiskStore", "RunFolder", "Store"]
+__all__ = ["MemoryStore", "DiskStore", "RunFolder"]
 
 
 class MemoryStore:
-    """A chunk held in memory: on the device, or in pinned host memory when `pinned` (CUDA)."""
+    """A chunk held in memory: on the device, or in pinned host memory for the host tier on CUDA."""
 
     tier_on_disk = False
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, *, pinned: bool = False):
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, tier: str, *, pinned: bool = False):
+        self.tier = tier
         self.tensor = torch.zeros(numel, dtype=dtype, device=device, pin_memory=pinned)
         self.nbytes = numel * self.tensor.element_size()
 
@@ -46,6 +45,7 @@ class DiskStore:
     caller from what `prefetch` / `evict` return."""
 
     tier_on_disk = True
+    tier = "disk"
 
     def __init__(self, folder: str, name: str, numel: int, dtype: torch.dtype):
         self.path = os.path.join(folder, name)
@@ -88,9 +88,6 @@ class DiskStore:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
-
-
-Store = Any  # MemoryStore | DiskStore
 
 
 class RunFolder:
