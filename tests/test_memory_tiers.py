@@ -133,6 +133,7 @@ def _reports(layout: str) -> dict:
     import colab_par.memory_tiers.chunks as chunks
     from colab_par.memory_tiers.chunks import local
     from colab_par.parallel import memory_report
+    from colab_par.telemetry import memory_sample
     from parity import _parallelized
 
     chunks.CHUNK_BYTES = SMALL_CHUNK
@@ -144,13 +145,15 @@ def _reports(layout: str) -> dict:
     step = memory_report(pm)
     pm.train_step(*second)
     elements = sum(local(p).numel() for p in pm.model.parameters())
-    return {"backward": backward, "step": step, "second": memory_report(pm), "elements": elements}
+    published = {k: v for k, v in memory_sample(pm, 0, 0).items() if k.startswith("mem_tier_")}
+    return {"backward": backward, "step": step, "second": memory_report(pm), "elements": elements,
+            "published": published}
 
 
 def test_memory_report_counts_state_per_tier(cluster2) -> None:
     """zero3 fp32 AdamW, optimizer and gradients pinned to disk: per rank 4 bytes per local element
     of parameters stay on the device, 4 of gradients and 8 of state are on disk, and a step moves
-    the gradients in and the state in and out."""
+    the gradients in and the state in and out; telemetry publishes the same figures."""
     for report in cluster2.run(_reports, "dp2 zero3 optimizer@disk grads@disk"):
         n = report["elements"]
         assert report["backward"]["grads"] == 0 and report["backward"]["tier_disk"] == 4 * n
@@ -160,6 +163,9 @@ def test_memory_report_counts_state_per_tier(cluster2) -> None:
         # gradients written and read, state written (first step) / read and written (second)
         assert report["step"]["tier_moved"] == 4 * n + 4 * n + 8 * n
         assert report["second"]["tier_moved"] == 4 * n + 4 * n + 16 * n
+        # what telemetry publishes to the dashboard: the same figures under mem_tier_*
+        assert report["published"] == {f"mem_{key}": float(value) for key, value in report["second"].items()
+                                       if key.startswith("tier_")}
 
 
 def _bf16_shards(layout: str, source: str) -> dict:

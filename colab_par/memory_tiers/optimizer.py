@@ -72,7 +72,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self._training_steps = 0  # steps with a forward since the tiers were applied
         self._steps: dict[int, torch.Tensor] = {}
         self._written: set[int] = set()  # parameters whose gradient of this step is in a grads store
-        self._written_per_chunk: dict[int, int] = defaultdict(int)
+        self._arrivals: dict[int, int] = defaultdict(int)  # gradients written per chunk since zero_grad
         self._slot_of: dict[int, tuple[Chunk, Slot]] = {}
         self._moving = 0
         self.last_moved = 0  # bytes read + written between tiers in the last step
@@ -213,7 +213,7 @@ class TieredAdamW(torch.optim.Optimizer):
             if id(slot.param) in self._written:
                 slot.param.grad = _like(slot.param, slot.of(store.tensor).clone())
                 self._written.discard(id(slot.param))
-        self._written_per_chunk.pop(chunk.index, None)
+        self._arrivals.pop(chunk.index, None)
         store.close()
 
     def _new_store(self, chunk: Chunk, kind: str, tier: str) -> Any:
@@ -252,14 +252,14 @@ class TieredAdamW(torch.optim.Optimizer):
         chunk, slot = self._slot_of[id(p)]
         store = self._stores[chunk.index]["grads"]
         view = slot.of(store.tensor)
-        if id(p) in self._written:
+        if id(p) in self._written:  # gradient accumulation: a second backward adds in place
             view.add_(local(p.grad))
         else:
             view.copy_(local(p.grad))
             self._written.add(id(p))
-            self._written_per_chunk[chunk.index] += 1
         p.grad = None
-        if self._written_per_chunk[chunk.index] == len(chunk.slots):
+        self._arrivals[chunk.index] += 1
+        if self._arrivals[chunk.index] % len(chunk.slots) == 0:  # every slot's gradient of this backward is in
             self._moving += store.evict(dirty=True)
 
     def _pin_gradients(self) -> None:
@@ -285,7 +285,7 @@ class TieredAdamW(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self._written.clear()
-        self._written_per_chunk.clear()
+        self._arrivals.clear()
 
     # ---- the step -------------------------------------------------------------------------------
     @torch.no_grad()
