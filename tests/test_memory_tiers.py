@@ -128,6 +128,29 @@ def test_hugging_face_decoder_with_optimizer_on_disk_trains_like_single_process(
     assert all(result["report"]["tier_disk"] > 0 for result in results)
 
 
+def _accumulated_run(layout: str) -> dict:
+    """Engine side: every step's gradient accumulated from two synchronised backward passes of
+    half weight on the same batch (0.5 g + 0.5 g is g exactly): the reference's training."""
+    import math
+
+    import colab_par.memory_tiers.chunks as chunks
+    from parity import _parallelized
+
+    chunks.CHUNK_BYTES = SMALL_CHUNK
+    pm = _parallelized(engine_model("gpt", "module"), layout)
+    losses, grad_norms = [], []
+    for batch in training_batches("gpt", STEPS):
+        losses.append(pm.forward_backward(*batch, loss_scale=0.5))
+        pm.forward_backward(*batch, loss_scale=0.5)
+        grad_norms.append(pm.clip_grad_norm_(math.inf))
+        pm.optimizer_step()
+    return {"losses": losses, "grad_norms": grad_norms, "state": pm.full_state_dict()}
+
+
+def test_gradients_on_disk_accumulate_over_backward_passes(cluster2) -> None:
+    assert_parity(cluster2.run(_accumulated_run, "dp2 zero3 optimizer@disk grads@disk"), reference_run("gpt", STEPS))
+
+
 def _reports(layout: str) -> dict:
     """Engine side: memory_report after the first backward and after the first and second steps."""
     import colab_par.memory_tiers.chunks as chunks
