@@ -487,6 +487,27 @@ def _check_tiers_or_offload(layout: Any, world: int | None, sizes: dict, device:
                           "state; keep one: drop 'offload' and let the tiers place chunks under the budget")
 
 
+@_rule("tiers", "zero")
+def _check_tiers(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    """What memory tiers cannot do, decided from the layout alone."""
+    tiers = layout.tiers
+    if not tiers.enabled:
+        return
+    if layout.zero == 1:
+        raise LayoutError("memory tiers replace the optimizer by a chunked AdamW over this rank's own tensors, "
+                          "and zero1's ZeroRedundancyOptimizer shards the state another way; use zero2 or zero3 "
+                          "(they shard gradients and state too) or zero0")
+    apart = ("disk",) if device != "cuda" else ("host", "disk")
+    if tiers.params in apart:
+        raise LayoutError(f"params@{tiers.params}: parameters stay resident with memory tiers (their optimizer "
+                          "state, master copies and gradients move); shard them instead with zero3 or more dp "
+                          "ranks, or drop the params@ token")
+    if tiers.grads in apart and layout.zero < 2:
+        raise LayoutError(f"grads@{tiers.grads} needs zero2 or zero3: under zero{layout.zero} DDP (or the "
+                          "gradient averager) holds every gradient until backward ends, so moving them frees "
+                          "nothing; with FSDP each shard is written out as its reduce-scatter completes")
+
+
 @_rule("zero", "tp", "pp", "cp")
 def _check_zero1(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     if layout.zero == 1 and (layout.tp > 1 or layout.pp > 1 or layout.cp > 1):

@@ -1,4 +1,7 @@
 """Heterogeneous memory: a rank's model state in chunks across device, host and disk under a budget.
 
-See `colab_par.tier_options.MemoryTiers` for the options and docs/design.md for the design.
+chunks.py (grouping in first-use order) -> placement.py (tiers from the budget and the measured
+warm-up) -> stores.py (memory / memory-mapped file per chunk and kind) -> optimizer.py
+(`TieredAdamW`, the streamed step). See `colab_par.tier_options.MemoryTiers` for the options and
+docs/design.md ("Memory tiers") for the design.
 """

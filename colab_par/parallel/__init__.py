@@ -4,7 +4,8 @@ Runs on every engine (torch.distributed already initialised). The order is the o
 and each step is a file of its own: mesh -> experts (expert parallel) -> tensor (+ sequence)
 parallel -> context parallel -> activation checkpointing -> per-block compile -> FSDP / ZeRO / DDP
 -> pipeline split and schedule (for pipeline parallel the model is split first and every step is
-applied to each local stage module).
+applied to each local stage module) -> optimizer -> memory tiers (`tiering.py`: with a budget or
+pinned tiers the optimizer becomes a chunked `TieredAdamW` over the local tensors).
 The returned `ParallelModel` trains on the GLOBAL batch: it takes this rank's data- and
 context-parallel slice itself, so a training loop is the same for every layout.
 """
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from colab_par.layout import Layout
+from colab_par.memory_tiers.measure import resident_bytes
 from colab_par.models.hf import causal_lm_logits, is_hf_model
 from colab_par.parallel.adapters import (Adapters, adapt_to_grid, adapter_tp_plan, attach_adapters, base_layer_of,
                                         wraps_output_layer)
@@ -43,6 +45,7 @@ from colab_par.parallel.mesh import broadcast_from_rank0, build_grid_mesh, build
 from colab_par.parallel.pipeline import PipelineRunner, split_model
 from colab_par.parallel.tensor_grid import apply_tensor_grid
 from colab_par.parallel.tensor_parallel import apply_tensor_parallel, tp_plan_for
+from colab_par.parallel.tiering import apply_memory_tiers, cast_working_parameters
 
 __all__ = ["parallelize", "ParallelModel", "WeightSource", "memory_report"]
 
@@ -221,13 +224,13 @@ class ParallelModel:
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale gradients so their total 2-norm over ALL shards (dp/tp/pp) is at most `max_norm`."""
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
+        grads = self._gradients()
         copies = self._runner.duplicate_copies() if self._runner is not None else set()
         # One reduction per kind of sharding, not one per parameter: DTensors sharing a mesh and
         # placements stack into one norm whose full_tensor() is a single collective. A tensor tied
         # across pipeline stages counts once.
         kinds: dict[Any, list[torch.Tensor]] = {}
-        for grad in (p.grad for p in params if id(p) not in copies):
+        for grad in (grad for p, grad in grads if id(p) not in copies):
             key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
             kinds.setdefault(key, []).append(grad)
         # Norms in the gradients' own dtype (torch's foreach kernels, no float64 copies); float32
@@ -240,9 +243,16 @@ class ParallelModel:
         total = squares.sqrt().item()
         scale = max_norm / (total + 1e-6)
         if scale < 1.0:
-            for param in params:
-                param.grad.mul_(scale)
+            for _, grad in grads:
+                grad.mul_(scale)
         return total
+
+    def _gradients(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, gradient) of this rank: .grad, or where memory tiers moved it, its chunk."""
+        held = getattr(self.optimizer, "held_gradients", None)
+        moved = held() if held is not None else {}
+        return [(p, moved.get(id(p), p.grad)) for part in self.model_parts for p in part.parameters()
+                if p.grad is not None or id(p) in moved]
 
     @property
     def last_bubble(self) -> float:
@@ -334,6 +344,7 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; run parallelize on the engines of a "
                            "colab_par.Cluster (e.g. inside a %%colossal cell)")
+    baseline = resident_bytes(default_device())  # before the model: outside a memory-tiers budget
     factory = model if not isinstance(model, nn.Module) else None
     built_on_meta = factory is None and is_meta_model(model)
     layout.validate(dist.get_world_size(), getattr(model, "config", None))  # before building anything
@@ -380,6 +391,7 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
     params = [p for part in parts for p in part.parameters() if p.requires_grad]  # frozen ones get no state
     optimizer = build_optimizer(params, fused_optimizer_fn(optimizer_fn, layout.compile), layout,
                                 mesh["dp"].get_group())
+    optimizer = apply_memory_tiers(parts, optimizer, layout, device, baseline=baseline)
     expert_params = set(map(id, experts.averager.params)) if experts.averager else set()
     averager = (GradientAverager([p for p in params if id(p) not in expert_params], dp_cp_mesh.get_group(),
                                  then=experts.averager)
@@ -523,6 +535,7 @@ def _parallelize_part(part: nn.Module, layout: Layout, mesh: Any, dp_cp_mesh: An
     apply_activation_checkpointing(part, layout.checkpointing, blocks)
     blocks = apply_compile(blocks, layout.compile)
     if layout.zero >= 2:
+        cast_working_parameters(part, layout)
         part = apply_fsdp(part, layout, dp_cp_mesh, blocks)
         fill(part)
         return part

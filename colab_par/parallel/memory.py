@@ -1,7 +1,10 @@
 """Bytes of model state this rank really holds: counted from the local shards, not from formulas.
 
 The planner predicts these numbers; this module measures them, so the two can be compared.
-Tensors that CPU offload keeps in host memory are reported under ``host_*`` keys.
+Tensors that CPU offload keeps in host memory are reported under ``host_*`` keys. The ``tier_*``
+keys are memory tiers' view: model state resident per tier now (on a CPU-only machine device and
+host are one memory, counted as ``tier_device``), bytes moved between tiers in the last step and
+the measured working memory (0 without tiers or before the first step).
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
+
+from colab_par.memory_tiers.optimizer import TieredAdamW
 
 if TYPE_CHECKING:
     from colab_par.parallel import ParallelModel
@@ -37,6 +42,8 @@ def _bytes(tensors: Iterable[torch.Tensor], offloaded: bool) -> tuple[int, int]:
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    if isinstance(optimizer, TieredAdamW):  # its state is counted per tier
+        return []
     inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
     return [value for state in inner.state.values() for value in state.values()
             if isinstance(value, torch.Tensor) and value.dim() > 0]
@@ -50,9 +57,24 @@ def memory_report(pm: "ParallelModel") -> dict[str, int]:
     for name, tensors in (("params", params), ("grads", [p.grad for p in params if p.grad is not None]),
                           ("optimizer", _optimizer_tensors(pm.optimizer))):
         report[name], report[f"host_{name}"] = _bytes(tensors, offloaded)
+    _add_tiers(report, pm.optimizer)
     report["total"] = report["params"] + report["grads"] + report["optimizer"]
     report["host_total"] = report["host_params"] + report["host_grads"] + report["host_optimizer"]
     return report
+
+
+def _add_tiers(report: dict[str, int], optimizer: torch.optim.Optimizer) -> None:
+    """The tier_* keys; the chunks a TieredAdamW holds in memory count as optimizer / grads bytes."""
+    placed = optimizer.placed_bytes() if isinstance(optimizer, TieredAdamW) else None
+    if placed is not None:
+        for kind in ("optimizer", "grads"):
+            report[kind] += placed["device"][kind]
+            report[f"host_{kind}"] += placed["host"][kind]
+    report["tier_device"] = report["params"] + report["grads"] + report["optimizer"]
+    report["tier_host"] = report["host_params"] + report["host_grads"] + report["host_optimizer"]
+    report["tier_disk"] = placed["disk"]["optimizer"] + placed["disk"]["grads"] if placed else 0
+    report["tier_moved"] = optimizer.last_moved if placed else 0
+    report["tier_working"] = optimizer.working if placed else 0
 
 
 @functools.cache

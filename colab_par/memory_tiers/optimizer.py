@@ -1,0 +1,410 @@
+"""`TieredAdamW`: torch's AdamW over chunks of state placed across device, host and disk.
+
+The optimizer a layout with memory tiers trains with. It is a `torch.optim.Optimizer` (param_groups,
+LR schedulers, zero_grad and torch's state_dict format per parameter work as with AdamW), built
+from the user's Adam/AdamW settings. Its state lives in chunks (`chunks.py`) whose stores
+(`stores.py`) the placement (`placement.py`) puts in a tier after measuring the first training
+step. The step streams: chunk i+1 is prefetched while chunk i updates with torch's own AdamW
+function (the user's foreach/fused choice, so a model whose state stays resident steps exactly
+as under AdamW), then chunk i is written back and evicted.
+
+Memory this rank may use = the budget + the process's baseline: what it held before the model
+was built (interpreter, torch, libraries), the stated fixed overhead outside the budget.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.adamw import adamw
+
+from colab_par.memory_tiers import chunks as chunking
+from colab_par.memory_tiers.chunks import Chunk, Slot, build_chunks, local
+from colab_par.memory_tiers.measure import peak_bytes, reset_peak, resident_bytes
+from colab_par.memory_tiers.placement import FAST, Measured, TierBudgetError, budget_text, place
+from colab_par.memory_tiers.stores import DiskStore, MemoryStore, RunFolder
+from colab_par.tier_options import MemoryTiers, format_bytes
+
+__all__ = ["TieredAdamW", "check_optimizer"]
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, naming the way out, what the tiered step cannot reproduce exactly."""
+    kind = type(optimizer)
+    if kind not in (torch.optim.AdamW, torch.optim.Adam):
+        raise ValueError(f"memory tiers update the state where it lives with AdamW's arithmetic; "
+                         f"{kind.__name__} is not supported: use torch.optim.AdamW (or Adam) in "
+                         "optimizer_fn, or drop the tiers tokens from the layout")
+    for group in optimizer.param_groups:
+        if group.get("amsgrad") or group.get("differentiable") or group.get("capturable"):
+            raise ValueError("memory tiers support AdamW without amsgrad, differentiable or capturable; "
+                             "build the optimizer without them")
+        if kind is torch.optim.Adam and group["weight_decay"] and not group.get("decoupled_weight_decay"):
+            raise ValueError("torch Adam's weight_decay adds an L2 term to the gradient, which the tiered "
+                             "AdamW step does not; use torch.optim.AdamW (decoupled decay) or weight_decay=0")
+
+
+class TieredAdamW(torch.optim.Optimizer):
+    """AdamW over this rank's local tensors (DDP parameters, FSDP / tensor-parallel local shards,
+    pipeline stage parameters) with state in chunks across tiers; see the module docstring."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, tiers: MemoryTiers, modules: list[nn.Module], *,
+                 device: torch.device, rank: int, baseline: int, grads_movable: bool,
+                 chunk_bytes: int | None = None):
+        check_optimizer(optimizer)
+        groups = [{**group, "params": list(group["params"])} for group in optimizer.param_groups]
+        super().__init__(groups, dict(optimizer.defaults))
+        self.tiers, self.device, self.rank = tiers, device, rank
+        self.chunk_bytes = chunk_bytes or chunking.CHUNK_BYTES
+        self._grads_movable = grads_movable
+        self._cuda = device.type == "cuda"
+        self._folder: RunFolder | None = None
+        self._chunks: list[Chunk] | None = None
+        self._stores: list[dict[str, Any]] = []
+        self._grads_tier = FAST
+        pinned = tiers.grads if tiers.grads in ("disk", "host") and grads_movable else None
+        self._grads_pinned = None if pinned == "host" and device.type != "cuda" else pinned
+        self._placed = False
+        self._training_steps = 0  # steps with a forward since the tiers were applied
+        self._steps: dict[int, torch.Tensor] = {}
+        self._written: set[int] = set()  # parameters whose gradient of this step is in a grads store
+        self._arrivals: dict[int, int] = defaultdict(int)  # gradients written per chunk since zero_grad
+        self._slot_of: dict[int, tuple[Chunk, Slot]] = {}
+        self._moving = 0
+        self.last_moved = 0  # bytes read + written between tiers in the last step
+        self.working = 0  # measured working memory of a step (0 until measured)
+        self._forward_seen = False
+        held = sum(local(p).numel() * local(p).element_size() for p in self._params())
+        self._at_apply = resident_bytes(device)
+        self.baseline = min(baseline, self._at_apply - held)
+        self._fixed = self._at_apply - self.baseline
+        self._check_streaming_fits()
+        self._hooks = self._record_first_use(modules) + self._grad_hooks()
+        reset_peak(device)
+
+    # ---- construction ---------------------------------------------------------------------------
+    def _params(self) -> list[nn.Parameter]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _check_streaming_fits(self) -> None:
+        """Before training: what this rank holds now plus two streamed chunks must fit the budget,
+        whatever the warm-up step will measure."""
+        budget = self.tiers.budget
+        if budget is None:
+            return
+        elements = [local(p).numel() for p in self._params()]
+        chunk = min(sum(elements), max([self.chunk_bytes // 4] + elements))
+        stream = 2 * 3 * 4 * chunk  # current + prefetched chunk of master, exp_avg, exp_avg_sq
+        if self._fixed + stream > budget:
+            raise TierBudgetError(
+                f"rank {self.rank}: a budget of {format_bytes(budget)} is below what this rank holds before "
+                f"training: parameters and layout buffers {self._fixed / 2 ** 20:.0f} MiB plus two streamed "
+                f"chunks {stream / 2 ** 20:.0f} MiB; give at least {budget_text(self._fixed + stream)}, or "
+                "shard the parameters (zero3, more dp ranks)")
+
+    def _record_first_use(self, modules: list[nn.Module]) -> list[Any]:
+        """Forward pre-hooks: the order the first forward uses the parameters (chunks follow it),
+        and a mark that a training forward ran before a step (a warm-up to measure)."""
+        trainable = {id(p) for p in self._params()}
+        self._order: list[nn.Parameter] = []
+        seen: set[int] = set()
+
+        def used(owned: list[nn.Parameter]) -> Any:
+            def hook(module: nn.Module, args: Any) -> None:
+                for p in owned:
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        self._order.append(p)
+            return hook
+
+        def mark(module: nn.Module, args: Any) -> None:
+            self._forward_seen = True
+
+        hooks = [module.register_forward_pre_hook(mark) for module in modules]
+        for module in modules:
+            for sub in module.modules():
+                owned = [p for p in sub.parameters(recurse=False) if id(p) in trainable]
+                if owned:
+                    hooks.append(sub.register_forward_pre_hook(used(owned)))
+        self._order_hooks = hooks[len(modules):]
+        return hooks[:len(modules)]
+
+    def _grad_hooks(self) -> list[Any]:
+        """Where gradients may leave the fast tier: write each into its chunk as soon as it is
+        complete (FSDP calls these hooks after its reduce-scatter) and free it."""
+        may_move = self.tiers.grads in ("disk", "host") or (
+            self.tiers.grads == "auto" and self.tiers.budget is not None and self.tiers.uses_disk)
+        if not may_move or not self._grads_movable:
+            return []
+        me = weakref.ref(self)  # autograd holds hooks in C++, out of reach of Python's cycle collector
+
+        def ready(p: nn.Parameter) -> None:
+            optimizer = me()
+            if optimizer is not None:
+                optimizer._grad_ready(p)
+
+        return [p.register_post_accumulate_grad_hook(ready) for p in self._params()]
+
+    # ---- chunks and placement -------------------------------------------------------------------
+    def _ensure_chunks(self) -> None:
+        if self._chunks is not None:
+            return
+        groups = [list(group["params"]) for group in self.param_groups]
+        self._chunks = build_chunks(groups, self._order, self.chunk_bytes)
+        for handle in self._order_hooks:
+            handle.remove()
+        self._order_hooks = []
+        self._stores = [{} for _ in self._chunks]
+        self._slot_of = {id(slot.param): (chunk, slot) for chunk in self._chunks for slot in chunk.slots}
+
+    def _place(self, measured: bool) -> None:
+        """Place every chunk's state: pessimistically (auto kinds in the overflow tier) before a
+        step was measured, else from the measurement; values move with their chunks."""
+        if measured:
+            self.working = max(self.working, self._measured_working())
+        grad_bytes = sum(chunk.bytes_of("grads") for chunk in self._chunks)
+        sizes = [{kind: chunk.bytes_of(kind) for kind in chunk.state_kinds()} for chunk in self._chunks]
+        grads, plan = place(self.tiers, sizes, Measured(self._fixed, self.working, grad_bytes), cuda=self._cuda,
+                            grads_movable=self._grads_movable, has_disk=self.tiers.uses_disk, rank=self.rank,
+                            pessimistic=not measured)
+        self._grads_tier = grads["grads"] if self._grads_movable else FAST
+        for chunk, tiers in zip(self._chunks, plan):
+            wanted = dict(tiers)
+            if self._grads_tier != FAST:
+                wanted["grads"] = self._grads_tier
+            self._move(chunk, wanted)
+        self._placed = True
+
+    def _move(self, chunk: Chunk, wanted: dict[str, str]) -> None:
+        """Give each kind of `chunk` a store in its wanted tier, carrying values over."""
+        stores = self._stores[chunk.index]
+        if "grads" in stores and "grads" not in wanted:  # gradients back to ordinary .grad tensors
+            self._return_gradients(chunk, stores.pop("grads"))
+        for kind, tier in wanted.items():
+            old = stores.get(kind)
+            if old is not None and old.tier == tier:
+                continue
+            new = self._new_store(chunk, kind, tier)
+            if old is not None:
+                new.tensor.copy_(old.tensor)
+                old.close()
+            elif kind == "master":
+                for slot in chunk.slots:
+                    slot.of(new.tensor).copy_(local(slot.param).detach())
+            new.evict(dirty=old is not None or kind == "master")
+            stores[kind] = new
+        self._bind(chunk)
+
+    def _measured_working(self) -> int:
+        """The peak since the last reset beyond what was resident when the tiers were applied and
+        the state resident now: activations, gathered parameters, temporaries, allocator slack."""
+        resident = sum(local(p.grad).numel() * local(p.grad).element_size()
+                       for p in self._params() if p.grad is not None)
+        resident += sum(store.nbytes for stores in self._stores for store in stores.values()
+                        if not store.tier_on_disk)
+        return max(0, peak_bytes(self.device) - self._at_apply - resident)
+
+    def _return_gradients(self, chunk: Chunk, store: Any) -> None:
+        for slot in chunk.slots:
+            if id(slot.param) in self._written:
+                slot.param.grad = _like(slot.param, slot.of(store.tensor).clone())
+                self._written.discard(id(slot.param))
+        self._arrivals.pop(chunk.index, None)
+        store.close()
+
+    def _new_store(self, chunk: Chunk, kind: str, tier: str) -> Any:
+        dtype = chunk.dtype if kind == "grads" else torch.float32
+        if tier == "disk":
+            if self._folder is None:
+                self._folder = RunFolder(self.tiers.disk_folder or "tmp", self, self.rank)
+            store = DiskStore(self._folder.path, f"chunk{chunk.index}.{kind}", chunk.numel, dtype)
+        else:
+            on_host = tier == "host" and self._cuda
+            store = MemoryStore(chunk.numel, dtype, torch.device("cpu") if on_host else chunk.device, tier,
+                                pinned=on_host)
+        return store
+
+    def _bind(self, chunk: Chunk) -> None:
+        """torch's AdamW state of each parameter: views of the chunk's stores (DTensors like their
+        parameter), so state_dict / load_state_dict / DCP see AdamW's own format."""
+        stores = self._stores[chunk.index]
+        for slot in chunk.slots:
+            p = slot.param
+            step = self._steps.setdefault(id(p), torch.zeros((), dtype=torch.float32, device=self._step_device(p)))
+            self.state[p] = {"step": step, **{kind: _like(p, slot.of(stores[kind].tensor))
+                                             for kind in ("exp_avg", "exp_avg_sq")}}
+
+    def _step_device(self, p: nn.Parameter) -> torch.device:
+        fused = self.param_groups[self._slot_of[id(p)][0].group].get("fused")
+        return local(p).device if fused else torch.device("cpu")
+
+    # ---- gradients ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _grad_ready(self, p: nn.Parameter) -> None:
+        if not self._placed and self._grads_tier == FAST and self._grads_pinned is not None:
+            self._pin_gradients()  # pinned off the fast tier: already from the warm-up's backward
+        if self._grads_tier == FAST or p.grad is None:
+            return  # gradients stay ordinary tensors (for now: auto placement waits for the warm-up)
+        chunk, slot = self._slot_of[id(p)]
+        store = self._stores[chunk.index]["grads"]
+        view = slot.of(store.tensor)
+        if id(p) in self._written:  # gradient accumulation: a second backward adds in place
+            view.add_(local(p.grad))
+        else:
+            view.copy_(local(p.grad))
+            self._written.add(id(p))
+        p.grad = None
+        self._arrivals[chunk.index] += 1
+        if self._arrivals[chunk.index] % len(chunk.slots) == 0:  # every slot's gradient of this backward is in
+            self._moving += store.evict(dirty=True)
+
+    def _pin_gradients(self) -> None:
+        self._ensure_chunks()
+        self._grads_tier = self._grads_pinned
+        for chunk in self._chunks:
+            self._stores[chunk.index]["grads"] = self._new_store(chunk, "grads", self._grads_tier)
+
+    def held_gradients(self) -> dict[int, torch.Tensor]:
+        """id(param) -> its gradient where a grads store holds it (as a DTensor like the parameter)."""
+        out = {}
+        for key in self._written:
+            chunk, slot = self._slot_of[key]
+            out[key] = _like(slot.param, slot.of(self._stores[chunk.index]["grads"].tensor))
+        return out
+
+    def _grad_of(self, chunk: Chunk, slot: Slot) -> torch.Tensor | None:
+        if id(slot.param) in self._written:
+            return slot.of(self._stores[chunk.index]["grads"].tensor)
+        grad = slot.param.grad
+        return None if grad is None else local(grad)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._written.clear()
+        self._arrivals.clear()
+
+    # ---- the step -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._ensure_chunks()
+        forward_seen, self._forward_seen = self._forward_seen, False
+        self._training_steps += forward_seen
+        if forward_seen and self._training_steps == 1:
+            self.working = self._measured_working()  # the warm-up; the second step is measured too
+        if not self._placed:
+            self._place(measured=False)
+        elif forward_seen and self._training_steps == 2 and self.tiers.budget is not None:
+            self._place(measured=True)  # from the second step, whose peak no first-call growth inflates
+        self._stream(0, prefetch=True)
+        for chunk in self._chunks:
+            if chunk.index + 1 < len(self._chunks):
+                self._stream(chunk.index + 1, prefetch=True)
+            self._update(chunk)
+            self._stream(chunk.index, prefetch=False)
+        self.last_moved, self._moving = self._moving, 0
+        if forward_seen and self._training_steps == 1:
+            reset_peak(self.device)  # the warm-up's one-off growth is not the step's working memory
+        return loss
+
+    def _stream(self, index: int, prefetch: bool) -> None:
+        for kind, store in self._stores[index].items():
+            self._moving += store.prefetch() if prefetch else store.evict(dirty=kind != "grads")
+
+    def _update(self, chunk: Chunk) -> None:
+        group = self.param_groups[chunk.group]
+        stores = self._stores[chunk.index]
+        params, grads, avgs, squares, steps, back = [], [], [], [], [], []
+        for slot in chunk.slots:
+            grad = self._grad_of(chunk, slot)
+            if grad is None:
+                continue
+            target = slot.of(stores["master"].tensor) if chunk.master else local(slot.param)
+            params.append(target)
+            grads.append(grad if grad.dtype == target.dtype else grad.to(target.dtype))
+            avgs.append(slot.of(stores["exp_avg"].tensor))
+            squares.append(slot.of(stores["exp_avg_sq"].tensor))
+            steps.append(self._steps[id(slot.param)])
+            if chunk.master:
+                back.append((local(slot.param), target))
+        if not params:
+            return
+        staged = [_on(t, chunk.device) for t in params + avgs + squares] if self._cuda else None
+        work = [s for s, _ in staged] if staged else params + avgs + squares
+        n = len(params)
+        beta1, beta2 = group["betas"]
+        adamw(work[:n], [g.to(chunk.device) for g in grads], work[n:2 * n], work[2 * n:], [], steps,
+              foreach=group.get("foreach"), fused=group.get("fused"), amsgrad=False, beta1=beta1, beta2=beta2,
+              lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+              maximize=group.get("maximize", False))
+        for on_device, home in staged or []:
+            if on_device is not home:
+                home.copy_(on_device)
+        for working, master in back:
+            working.copy_(master.to(working.device))
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch AdamW's format; the values land in the chunks wherever they are placed."""
+        self._ensure_chunks()
+        if not self._placed:
+            self._place(measured=False)
+        super().load_state_dict(state_dict)
+        loaded, self.state = self.state, defaultdict(dict)
+        for chunk in self._chunks:
+            self._bind(chunk)
+            for slot in chunk.slots:
+                values = loaded.get(slot.param, {})
+                mine = self.state[slot.param]
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    if kind in values and values[kind] is not mine[kind]:
+                        local(mine[kind]).copy_(local(values[kind]))
+                if "step" in values:
+                    mine["step"].copy_(values["step"])
+            if chunk.master:  # the model's own (loaded) parameters are the master values
+                for slot in chunk.slots:
+                    slot.of(self._stores[chunk.index]["master"].tensor).copy_(local(slot.param).detach())
+            self._stream(chunk.index, prefetch=False)
+        self._moving = 0
+
+    # ---- reports --------------------------------------------------------------------------------
+    def placed_bytes(self) -> dict[str, dict[str, int]]:
+        """tier -> {"optimizer": bytes, "grads": bytes} of the state this optimizer's stores hold."""
+        out = {tier: {"optimizer": 0, "grads": 0} for tier in ("device", "host", "disk")}
+        for stores in self._stores:
+            for kind, store in stores.items():
+                out[store.tier]["grads" if kind == "grads" else "optimizer"] += store.nbytes
+        return out
+
+    def release(self) -> None:
+        """Close the stores and remove the disk tier's files now (else at garbage collection / exit)."""
+        for handle in self._hooks:
+            handle.remove()
+        for stores in self._stores:
+            for store in stores.values():
+                store.close()
+        self._stores = [{} for _ in self._stores]
+        self.state = defaultdict(dict)
+        if self._folder is not None:
+            self._folder.remove()
+
+
+def _like(param: nn.Parameter, view: torch.Tensor) -> torch.Tensor:
+    """`view` (this rank's piece) as its parameter is: a DTensor of the same mesh and placements."""
+    if not isinstance(param, DTensor):
+        return view
+    return DTensor.from_local(view, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the tensor on `device`, the tensor): host/disk chunks are staged to the GPU for the update."""
+    return (tensor if tensor.device == device else tensor.to(device, non_blocking=True)), tensor
+

@@ -1,0 +1,109 @@
+"""Where one chunk of one kind of state lives: a tensor in memory, or a memory-mapped file on disk.
+
+Why memory-mapped files: the optimizer updates a disk chunk in place through a tensor view of the
+mapping (`torch.frombuffer`), with no copy of its own. `madvise(MADV_WILLNEED)` starts the kernel's
+readahead of the next chunk while the current one updates (asynchronous by itself, so no I/O
+thread is needed), and after an update `flush` (msync) writes the dirty range back and
+`madvise(MADV_DONTNEED)` drops its pages from this process, so its resident memory really falls.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import tempfile
+import weakref
+import torch
+
+from colab_par.tier_options import DEFAULT_DISK
+
+__all__ = ["MemoryStore", "DiskStore", "RunFolder"]
+
+
+class MemoryStore:
+    """A chunk held in memory: on the device, or in pinned host memory for the host tier on CUDA."""
+
+    tier_on_disk = False
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, tier: str, *, pinned: bool = False):
+        self.tier = tier
+        self.tensor = torch.zeros(numel, dtype=dtype, device=device, pin_memory=pinned)
+        self.nbytes = numel * self.tensor.element_size()
+
+    def prefetch(self) -> int:
+        return 0
+
+    def evict(self, dirty: bool) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.tensor = None  # type: ignore[assignment]
+
+
+class DiskStore:
+    """A chunk in its own file under `folder`, mapped shared; bytes read/written are counted by the
+    caller from what `prefetch` / `evict` return."""
+
+    tier_on_disk = True
+    tier = "disk"
+
+    def __init__(self, folder: str, name: str, numel: int, dtype: torch.dtype):
+        self.path = os.path.join(folder, name)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.nbytes = numel * itemsize
+        size = max(-(-self.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE)
+        descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(descriptor, size)  # sparse: reads as zeros, as fresh Adam state starts
+            self._map = mmap.mmap(descriptor, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(descriptor)
+        self.tensor = torch.frombuffer(self._map, dtype=dtype, count=numel)
+        self._resident = False
+        self._written = False  # a fresh (sparse) file holds nothing to read
+
+    def prefetch(self) -> int:
+        """Start reading the chunk in; the bytes that will come from the disk tier."""
+        self._map.madvise(mmap.MADV_WILLNEED)
+        was, self._resident = self._resident, True
+        return 0 if was or not self._written else self.nbytes
+
+    def evict(self, dirty: bool) -> int:
+        """Write the chunk back (when `dirty`) and drop its pages; the bytes written."""
+        if dirty:
+            self._map.flush()
+            self._written = True
+        self._map.madvise(mmap.MADV_DONTNEED)
+        self._resident = False
+        return self.nbytes if dirty else 0
+
+    def close(self) -> None:
+        """Unmap (once no view of the chunk is left) and delete the file."""
+        self.tensor = None  # type: ignore[assignment]
+        try:
+            self._map.close()
+        except BufferError:  # a view still exists: the mapping goes with it, the file goes now
+            pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class RunFolder:
+    """This run's own subfolder of the disk tier's folder ("tmp": the system's temporary folder),
+    removed when `owner` is garbage-collected or the process exits, whichever comes first."""
+
+    def __init__(self, root: str, owner: object, rank: int):
+        base = tempfile.gettempdir() if root == DEFAULT_DISK else os.path.expanduser(root)
+        try:
+            os.makedirs(base, exist_ok=True)
+            self.path = tempfile.mkdtemp(prefix=f"colab_par_tiers_rank{rank}_", dir=base)
+        except OSError as error:
+            raise ValueError(f"rank {rank}: the disk tier's folder {base!r} cannot be written ({error}); "
+                             "name a writable folder with 'disk:/path' or use 'disk' for the temporary "
+                             "folder") from error
+        self._finalizer = weakref.finalize(owner, shutil.rmtree, self.path, True)
+
+    def remove(self) -> None:
+        self._finalizer()

@@ -1,0 +1,51 @@
+"""The memory-tiers step of parallelize: after the data-parallel step and the optimizer build, the
+optimizer becomes a `TieredAdamW` over this rank's local tensors as the layout left them (DDP
+parameters, FSDP / tensor-parallel local shards, pipeline stage parameters), so tiers compose
+with dp, zero2/3, tp and pp. Off (`layout.tiers.enabled` false) nothing changes."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from colab_par.layout import Layout
+from colab_par.memory_tiers.optimizer import TieredAdamW
+
+__all__ = ["apply_memory_tiers", "cast_working_parameters", "bf16_working_shards"]
+
+
+def bf16_working_shards(layout: Layout) -> bool:
+    """bf16 FSDP layouts whose optimizer is pinned off the device keep their working shards (and
+    so their gradients) in bf16 while the float32 master lives with the state, as ZeRO-Offload
+    splits them. Auto placement keeps FSDP's float32 shards, so a model that fits its budget
+    trains exactly as without tiers."""
+    return (layout.tiers.optimizer in ("host", "disk") and layout.precision == "bf16"
+            and layout.zero >= 2)
+
+
+def cast_working_parameters(part: nn.Module, layout: Layout) -> None:
+    """Before fully_shard: the part's floating parameters in bf16 where `bf16_working_shards`
+    (buffers such as rotary tables stay as they are; tied parameters stay tied)."""
+    if not bf16_working_shards(layout):
+        return
+    cast: dict[int, nn.Parameter] = {}
+    for module in part.modules():
+        for name, param in module._parameters.items():
+            if param is None or not param.is_floating_point():
+                continue
+            if id(param) not in cast:
+                cast[id(param)] = nn.Parameter(param.detach().to(torch.bfloat16), requires_grad=param.requires_grad)
+            module._parameters[name] = cast[id(param)]
+
+
+def apply_memory_tiers(parts: list[nn.Module], optimizer: torch.optim.Optimizer, layout: Layout,
+                       device: torch.device, *, baseline: int) -> torch.optim.Optimizer:
+    """`optimizer` itself without tiers, else a TieredAdamW of its class's settings.
+
+    `baseline`: the process's resident bytes before the model was built, the fixed overhead the
+    budget does not cover. Gradients may leave the fast tier only where the layout shards them
+    (zero2/3, written out after each reduce-scatter); DDP keeps them in its own buckets."""
+    if not layout.tiers.enabled:
+        return optimizer
+    return TieredAdamW(optimizer, layout.tiers, parts, device=device, rank=dist.get_rank(), baseline=baseline,
+                       grads_movable=layout.zero >= 2)
