@@ -13,7 +13,8 @@ import cloudpickle
 import pytest
 import torch
 
-from parity import SEED, assert_parity, engine_model, reference_run, training_batches
+from parity import (SEED, _parallelized, _train, assert_parity, batches, engine_model, reference_run,
+                    training_batches)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 
@@ -49,7 +50,6 @@ def _peak_run(layout: str, steps: int = 4) -> dict:
     from colab_par import parallelize
     from colab_par.models import GPT, GPTConfig
     from colab_par.parallel import memory_report
-    from parity import batches
 
     chunks.CHUNK_BYTES = BIG_CHUNK
     _released()
@@ -88,7 +88,6 @@ def _tiered_run(layout: str, kind: str = "gpt", steps: int = STEPS) -> dict:
     """Engine side: parity's training run with small chunks, plus the memory report."""
     import colab_par.memory_tiers.chunks as chunks
     from colab_par.parallel import memory_report
-    from parity import _parallelized, _train
 
     chunks.CHUNK_BYTES = SMALL_CHUNK
     pm = _parallelized(engine_model(kind, "module"), layout)
@@ -134,7 +133,6 @@ def _accumulated_run(layout: str) -> dict:
     import math
 
     import colab_par.memory_tiers.chunks as chunks
-    from parity import _parallelized
 
     chunks.CHUNK_BYTES = SMALL_CHUNK
     pm = _parallelized(engine_model("gpt", "module"), layout)
@@ -157,7 +155,6 @@ def _reports(layout: str) -> dict:
     from colab_par.memory_tiers.chunks import local
     from colab_par.parallel import memory_report
     from colab_par.telemetry import memory_sample
-    from parity import _parallelized
 
     chunks.CHUNK_BYTES = SMALL_CHUNK
     pm = _parallelized(engine_model("gpt", "module"), layout)
@@ -194,7 +191,6 @@ def test_memory_report_counts_state_per_tier(cluster2) -> None:
 def _bf16_shards(layout: str, source: str) -> dict:
     import colab_par.memory_tiers.chunks as chunks
     from colab_par.memory_tiers.chunks import local
-    from parity import _parallelized
 
     chunks.CHUNK_BYTES = SMALL_CHUNK
     pm = _parallelized(engine_model("gpt", source), layout)
@@ -299,7 +295,9 @@ def test_adam_with_l2_weight_decay_is_refused() -> None:
 def test_bf16_parameters_update_through_a_float32_master_in_the_chunk(tmp_path, optimizer_tier: str) -> None:
     """Working parameters in bf16 (as a bf16 ZeRO layout holds them): the chunk keeps the float32
     master, AdamW updates it exactly as float32 AdamW updates float32 weights on the same gradients
-    (bf16 values, so both see the same numbers), and the working copy is the master rounded."""
+    (bf16 values, so both see the same numbers), and the working copy is the master rounded. State
+    on disk steps with torch's fused kernel (the fast host step), state in memory with the user's
+    AdamW as built: the reference is the same AdamW implementation."""
     from colab_par.memory_tiers.optimizer import TieredAdamW
     from colab_par.tier_options import MemoryTiers
 
@@ -310,7 +308,8 @@ def test_bf16_parameters_update_through_a_float32_master_in_the_chunk(tmp_path, 
             p.copy_(p.to(torch.bfloat16))  # representable in bf16: both start equal
     working = torch.nn.Linear(48, 40).to(torch.bfloat16)
     working.load_state_dict(reference.state_dict())
-    expected = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    expected = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1,
+                                 fused=optimizer_tier == "disk")
     tiers = MemoryTiers(optimizer=optimizer_tier, disk=str(tmp_path))
     tiered = TieredAdamW(torch.optim.AdamW(working.parameters(), lr=1e-2, weight_decay=0.1), tiers, [working],
                          device=torch.device("cpu"), rank=0, baseline=0, grads_movable=False, chunk_bytes=4096)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adamw import adamw
 
-__all__ = ["AdamWHyper", "adamw_chunk_step"]
+__all__ = ["AdamWHyper", "adamw_chunk_step", "host_adamw_step"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,13 @@ def adamw_chunk_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
         wide = scratch[:grad.numel()] if scratch is not None else torch.empty_like(param)
         wide.copy_(grad)
         grad = wide
-    adamw([param], [grad], [exp_avg], [exp_avg_sq], [], [step], fused=param.device.type in ("cpu", "cuda"),
-          amsgrad=False, beta1=hyper.beta1, beta2=hyper.beta2, lr=hyper.lr,
-          weight_decay=hyper.weight_decay, eps=hyper.eps, maximize=hyper.maximize)
+    host_adamw_step([param], [grad], [exp_avg], [exp_avg_sq], [step], hyper)
+
+
+def host_adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                    exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], hyper: AdamWHyper) -> None:
+    """AdamW on tensors of one dtype where they live (host memory, a memory-mapped chunk): torch's
+    fused kernel, one vectorized pass per tensor; what the tiers step state off the device with."""
+    adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True, amsgrad=False, beta1=hyper.beta1,
+          beta2=hyper.beta2, lr=hyper.lr, weight_decay=hyper.weight_decay, eps=hyper.eps,
+          maximize=hyper.maximize)

@@ -24,6 +24,7 @@ from torch.optim.adamw import adamw
 
 from colab_par.memory_tiers import chunks as chunking
 from colab_par.memory_tiers.chunks import Chunk, Slot, build_chunks, local
+from colab_par.memory_tiers.host_adam import AdamWHyper, host_adamw_step
 from colab_par.memory_tiers.measure import peak_bytes, reset_peak, resident_bytes
 from colab_par.memory_tiers.placement import FAST, Measured, TierBudgetError, budget_text, place
 from colab_par.memory_tiers.stores import DiskStore, MemoryStore, RunFolder
@@ -336,10 +337,17 @@ class TieredAdamW(torch.optim.Optimizer):
                 back.append((local(slot.param), target))
         if not params:
             return
+        beta1, beta2 = group["betas"]
+        if self._host_step(group, stores):
+            host_adamw_step(params, grads, avgs, squares, steps,
+                            AdamWHyper(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                                       weight_decay=group["weight_decay"], maximize=group.get("maximize", False)))
+            for working, master in back:
+                working.copy_(master.to(working.device))
+            return
         staged = [_on(t, chunk.device) for t in params + avgs + squares] if self._cuda else None
         work = [s for s, _ in staged] if staged else params + avgs + squares
         n = len(params)
-        beta1, beta2 = group["betas"]
         adamw(work[:n], [g.to(chunk.device) for g in grads], work[n:2 * n], work[2 * n:], [], steps,
               foreach=group.get("foreach"), fused=group.get("fused"), amsgrad=False, beta1=beta1, beta2=beta2,
               lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
@@ -349,6 +357,13 @@ class TieredAdamW(torch.optim.Optimizer):
                 home.copy_(on_device)
         for working, master in back:
             working.copy_(master.to(working.device))
+
+    def _host_step(self, group: dict[str, Any], stores: dict[str, Any]) -> bool:
+        """Whether this chunk steps with the fast host kernel: its state is off the fast tier of a
+        CPU rank (host memory is the device there) and the user named no implementation. A chunk
+        kept resident steps with the user's own choice, exactly as plain AdamW."""
+        return (not self._cuda and group.get("foreach") is None and not group.get("fused")
+                and any(store.tier != FAST for store in stores.values()))
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
