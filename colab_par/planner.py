@@ -292,8 +292,10 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
                                 optimizer=optimizer, validate=validate, init=init)
     if validate:
         layout.validate(layout.world_size, spec.config(seq_len), device=dev.name, global_batch=global_batch)
+    # bytes follow what the kit holds (bf16 layouts run in bf16 on any device, a CPU included);
+    # speed follows the device's peaks (fp32's where it has no bf16 figure)
     precision = layout.precision if layout.precision in dev.peak_flops else "fp32"
-    act_bytes = 2 if precision == "bf16" else 4
+    act_bytes = 2 if layout.precision == "bf16" else 4
     shard = layout.dp * layout.cp if layout.zero >= 2 else layout.dp
     grid = layout.tp_mode != "1d"
     local, layer_params = grid_local_params(spec, layout) if grid else _local_params(spec, layout)
@@ -307,7 +309,7 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
     # model state: the ZeRO accounting; zero=2 is FSDP with reshard_after_forward=False, which keeps
     # the gathered parameters from forward to backward (peak = ZeRO-2) and reshards after backward
     # (at rest = ZeRO-3).
-    state_precision = "mixed" if precision == "bf16" else "fp32"
+    state_precision = "mixed" if layout.precision == "bf16" else "fp32"
     # CPU offload moves state to host memory; where the host is the device (a CPU: host bandwidth
     # infinite) it moves nothing and the state stays in the peak
     offloaded = layout.offload and not math.isinf(dev.host_bandwidth)
@@ -377,9 +379,9 @@ def _estimate_module(spec: ModuleSpec, layout: Layout, dev: DeviceSpec, *, globa
     """
     if validate:
         layout.validate(layout.world_size, spec.config(), device=dev.name, global_batch=global_batch)
-    precision = layout.precision if layout.precision in dev.peak_flops else "fp32"
-    act_bytes = 2 if precision == "bf16" else 4
-    state_precision = "mixed" if precision == "bf16" else "fp32"
+    precision = layout.precision if layout.precision in dev.peak_flops else "fp32"  # speed, as above
+    act_bytes = 2 if layout.precision == "bf16" else 4
+    state_precision = "mixed" if layout.precision == "bf16" else "fp32"
     offloaded = layout.offload and not math.isinf(dev.host_bandwidth)  # a CPU's host is its device
     local = spec.n_params / (layout.tp * layout.pp)
     state = model_state_bytes(local, zero=layout.zero, dp=layout.dp, precision=state_precision,
