@@ -1,12 +1,13 @@
 """The rates the planner's memory-tier model reads, written to `colab_par/tier_costs.json`
 (`colab_par.tier_costs.TIER_RATES`).
 
-- `disk_write` / `disk_read`: bytes/s of one file in a folder (`--folder`, default the system's
-  temporary folder, where the disk tier writes by default), sequential, in chunk-sized pieces
-  (`--chunk-mib`, the runtime's chunks are tens of MiB): the writes end with an fsync inside the
-  timing (the bytes are on the disk, not in the page cache); before the reads the file's pages are
-  dropped from the page cache (`os.posix_fadvise(..., POSIX_FADV_DONTNEED)` after the fsync), so
-  they come from the disk. The file is removed afterwards, whatever happens.
+- `disk_write` / `disk_read`: bytes/s of the runtime's own disk store in a folder (`--folder`,
+  default the system's temporary folder, where the disk tier writes by default), chunk by chunk
+  (`--chunk-mib`, default the runtime's chunk size): each write ends with the store's msync inside
+  the timing (the bytes are on the disk, not in the page cache); before the reads the files' pages
+  are dropped from the page cache (`os.posix_fadvise(..., POSIX_FADV_DONTNEED)`), so they come
+  from the disk, read with the next chunk prefetched as the optimizer step does. The files are
+  removed afterwards, whatever happens.
 - `host_device`: bytes/s of chunk-sized copies between pinned host memory and the GPU, the slower
   direction (CUDA only; on a CPU machine the host tier is the device and it is null).
 - `host_adam`: optimizer-state bytes (exp_avg + exp_avg_sq, 8 per parameter) per second that
@@ -24,6 +25,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -32,51 +34,59 @@ from typing import Callable
 
 import torch
 
+from colab_par.memory_tiers.chunks import CHUNK_BYTES
 from colab_par.memory_tiers.host_adam import AdamWHyper, adamw_chunk_step
+from colab_par.memory_tiers.stores import DiskStore
 
 PACKAGE_FILE = Path(__file__).resolve().parents[1] / "colab_par" / "tier_costs.json"
 MiB = 2 ** 20
 
 
 class DiskProbe:
-    """Writes and reads one file of `size` bytes in `folder` in `chunk`-sized pieces; `close`
-    removes it."""
+    """`pieces` chunks of the runtime's own disk store (`memory_tiers.stores.DiskStore`: a
+    memory-mapped file per chunk, written back with msync and dropped with MADV_DONTNEED, read in
+    after MADV_WILLNEED), so the rates are those of the path the tiers take; `close` removes them."""
 
     def __init__(self, folder: Path, size: int, chunk: int):
-        self.chunk = bytearray(os.urandom(chunk))  # incompressible
-        self.pieces = max(1, size // chunk)
-        handle, name = tempfile.mkstemp(prefix="colab_par_tier_probe_", dir=folder)
-        os.close(handle)
-        self.path = Path(name)
+        self.folder = Path(tempfile.mkdtemp(prefix="colab_par_tier_probe_", dir=folder))
+        self.source = torch.rand(chunk // 4)  # incompressible float32
+        self.stores = [DiskStore(str(self.folder), f"probe{i}", chunk // 4, torch.float32)
+                       for i in range(max(1, size // chunk))]
 
     @property
     def size(self) -> int:
-        return self.pieces * len(self.chunk)
+        return sum(store.nbytes for store in self.stores)
 
     def write(self) -> float:
-        """Bytes/s of writing the file, fsync included; its pages are then dropped from the cache."""
-        with open(self.path, "wb", buffering=0) as out:
-            start = time.perf_counter()
-            for _ in range(self.pieces):
-                out.write(self.chunk)
-            os.fsync(out.fileno())
-            seconds = time.perf_counter() - start
-            os.posix_fadvise(out.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        """Bytes/s of filling each chunk and evicting it dirty (msync inside the timing); the
+        file pages are then dropped from the page cache too, so `read` comes from the disk."""
+        start = time.perf_counter()
+        for store in self.stores:
+            store.prefetch()
+            store.tensor.copy_(self.source)
+            store.evict(dirty=True)
+        seconds = time.perf_counter() - start
+        for store in self.stores:
+            with open(store.path, "rb") as handle:
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         return self.size / seconds
 
     def read(self) -> float:
-        """Bytes/s of reading the file back into one reused buffer (pages dropped before)."""
-        buffer = bytearray(len(self.chunk))
-        with open(self.path, "rb", buffering=0) as source:
-            os.posix_fadvise(source.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-            start = time.perf_counter()
-            while source.readinto(buffer):
-                pass
-            seconds = time.perf_counter() - start
-        return self.size / seconds
+        """Bytes/s of prefetching the next chunk while the current one is read (summed), then
+        dropping it: the tiers' optimizer step without its arithmetic."""
+        start = time.perf_counter()
+        self.stores[0].prefetch()
+        for index, store in enumerate(self.stores):
+            if index + 1 < len(self.stores):
+                self.stores[index + 1].prefetch()
+            store.tensor.sum()
+            store.evict(dirty=False)
+        return self.size / (time.perf_counter() - start)
 
     def close(self) -> None:
-        self.path.unlink(missing_ok=True)
+        for store in self.stores:
+            store.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def host_adam_rate(chunk: int, chunks: int, steps: int = 3) -> float:
@@ -163,7 +173,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--file-mib", type=int, default=1024, help="size of the probe file")
-    parser.add_argument("--chunk-mib", type=int, default=32)
+    parser.add_argument("--chunk-mib", type=int, default=CHUNK_BYTES // MiB, help="default: the runtime's chunks")
     parser.add_argument("--adam-chunks", type=int, default=8, help="chunks per host AdamW sample")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
