@@ -21,7 +21,7 @@ from colab_par.layout import CP_MODES, TP_MODES, Choices, Layout, LayoutError, v
 from colab_par.module_spec import ModuleSpec
 from colab_par.tensor_costs import GridShape, grid_local_params, kept_activation_bytes, tensor_comm_bytes
 from colab_par.tier_costs import TierPlan, tier_plan
-from colab_par.tier_options import MemoryTiers
+from colab_par.tier_options import MemoryTiers, bf16_working_shards
 
 __all__ = ["MemoryBreakdown", "ModelSpec", "DeviceSpec", "Plan", "DEVICES", "GiB", "INIT_MODES",
            "FROZEN_BYTES", "model_state_bytes", "init_peak_bytes",
@@ -117,7 +117,7 @@ def _check_init(init: str) -> None:
 
 
 def init_peak_bytes(init: str, *, model_params: float, local_params: float, largest_tensor: float,
-                    block_params: float, param_bytes: int = INIT_BYTES) -> float:
+                    block_params: float, param_bytes: int = INIT_BYTES, shard_bytes: int | None = None) -> float:
     """Bytes one rank holds at the peak of building (or loading) and sharding its model.
 
     `local_params` is what the rank keeps once sharded, `largest_tensor` the largest parameter
@@ -129,11 +129,15 @@ def init_peak_bytes(init: str, *, model_params: float, local_params: float, larg
       of the per-tensor broadcast from rank 0; sharding happens after this peak.
     - "pretrained" (`from_pretrained`): the rank's own shards plus one block read from the
       safetensors files.
+    `shard_bytes`: bytes per kept parameter where the shards are kept narrower than they are
+    computed (memory tiers' bf16 working shards); default `param_bytes`.
     """
     _check_init(init)
-    extra = {"meta": local_params + 2 * largest_tensor, "full": model_params + largest_tensor,
-             "pretrained": local_params + block_params}
-    return extra[init] * param_bytes
+    kept = (param_bytes if shard_bytes is None else shard_bytes) * local_params
+    extra = {"meta": kept + 2 * largest_tensor * param_bytes,
+             "full": (model_params + largest_tensor) * param_bytes,
+             "pretrained": kept + block_params * param_bytes}
+    return extra[init]
 
 
 # ---- activations (Korthikanti et al. 2022) -------------------------------------------------------
@@ -348,7 +352,9 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
                                  local_params=local / shard if layout.zero >= 2 else local,
                                  largest_tensor=spec.largest_tensor,
                                  block_params=layer_params if grid else
-                                 (spec.layer_matrix_params + 2 * spec.d_model) / layout.tp)
+                                 (spec.layer_matrix_params + 2 * spec.d_model) / layout.tp,
+                                 shard_bytes=2 if bf16_working_shards(layout.tiers, layout.precision,
+                                                                      layout.zero) else None)
     memory = MemoryBreakdown(state.params + gathered, state.grads, state.optimizer, activations,
                              state.host_params, state.host_grads, state.host_optimizer, buffers,
                              init_bytes, dev.process_memory)
@@ -362,7 +368,9 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
     model_flops = tokens * flops_per_token(spec, seq_len, "none")
     mfu = model_flops / (step * layout.world_size * dev.peak_flops[precision])
     capacity = 0.9 * dev.memory  # allocator fragmentation, CUDA context, NCCL buffers
-    return Plan(layout, memory, step, mfu, memory.peak <= capacity and (tiers is None or tiers.fits),
+    # a budget holds the build too: the tiers place the training state, not the shards being built
+    built = layout.tiers.budget is None or memory.init <= layout.tiers.budget
+    return Plan(layout, memory, step, mfu, memory.peak <= capacity and (tiers is None or tiers.fits) and built,
                 tokens / step, capacity, resting, times, init=init, tiers=tiers)
 
 

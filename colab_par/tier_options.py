@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["MemoryTiers", "TIERS", "STATE_KINDS", "parse_bytes", "format_bytes", "tier_token",
-           "DEFAULT_DISK"]
+           "DEFAULT_DISK", "bf16_working_shards"]
 
 TIERS = ("auto", "device", "host", "disk")
 STATE_KINDS = ("params", "grads", "optimizer")
@@ -113,3 +113,11 @@ def tier_token(token: str) -> "dict[str, Any] | None":
     if match:
         return {match[1].lower(): match[2].lower()}
     return None
+
+
+def bf16_working_shards(tiers: MemoryTiers, precision: str, zero: int) -> bool:
+    """Whether a layout keeps its FSDP working shards (and so its gradients) in bf16 with the
+    float32 master beside the optimizer state, as ZeRO-Offload splits them: bf16, zero2/3, the
+    optimizer pinned off the device. Auto placement keeps FSDP's float32 shards, so a model that
+    fits its budget trains exactly as without tiers."""
+    return tiers.optimizer in ("host", "disk") and precision == "bf16" and zero >= 2

@@ -136,3 +136,19 @@ def test_cpu_engines_count_their_process_and_the_fsdp_root() -> None:
     assert option.memory.buffers == pytest.approx(2 * root * 4)
     assert option.memory.init == pytest.approx((params / 2 + 2 * largest) * 4)
     assert option.memory.peak == pytest.approx(CPU_PROCESS_BYTES + option.memory.total)
+
+
+def test_tiers_bf16_working_shards_build_narrow_and_a_budget_holds_the_build() -> None:
+    """bf16 with the optimizer pinned off the device materialises bf16 shards (2 bytes kept per
+    parameter, fp32 temporaries as before); a budget below the build peak does not fit."""
+    sizes = dict(model_params=1000, local_params=100, largest_tensor=30, block_params=20)
+    assert init_peak_bytes("meta", **sizes, shard_bytes=2) == 100 * 2 + 2 * 30 * 4
+    assert init_peak_bytes("pretrained", **sizes, shard_bytes=2) == 100 * 2 + 20 * 4
+    config = dict(n_layer=8, d_model=1024, n_head=8, vocab_size=8192)
+    options = dict(device=CPU, global_batch=2, seq_len=128)
+    plain, narrow = (estimate(config, text, **options) for text in ("dp2 zero3 bf16", "dp2 zero3 bf16 optimizer@disk"))
+    local = plain.memory.init - narrow.memory.init
+    assert local == pytest.approx(estimate(config, "dp2 zero3", **options).resting.params / 2)
+    roomy = estimate(config, "dp2 zero3 bf16 optimizer@disk mem64GiB", **options)
+    tight = estimate(config, f"dp2 zero3 bf16 optimizer@disk mem{int(narrow.memory.init * 0.9)}", **options)
+    assert roomy.fits and not tight.fits

@@ -10,17 +10,14 @@ from torch import nn
 
 from colab_par.layout import Layout
 from colab_par.memory_tiers.optimizer import TieredAdamW
+from colab_par.tier_options import bf16_working_shards as working_shards_in_bf16
 
 __all__ = ["apply_memory_tiers", "cast_working_parameters", "bf16_working_shards"]
 
 
 def bf16_working_shards(layout: Layout) -> bool:
-    """bf16 FSDP layouts whose optimizer is pinned off the device keep their working shards (and
-    so their gradients) in bf16 while the float32 master lives with the state, as ZeRO-Offload
-    splits them. Auto placement keeps FSDP's float32 shards, so a model that fits its budget
-    trains exactly as without tiers."""
-    return (layout.tiers.optimizer in ("host", "disk") and layout.precision == "bf16"
-            and layout.zero >= 2)
+    """See `tier_options.bf16_working_shards` (the planner reads the same rule)."""
+    return working_shards_in_bf16(layout.tiers, layout.precision, layout.zero)
 
 
 def cast_working_parameters(part: nn.Module, layout: Layout) -> None:
