@@ -115,11 +115,13 @@ class TierPlan:
 
 def place_state(state: Mapping[str, float], tiers: MemoryTiers, working: float, *, one_memory: bool,
                 chunk_bytes: float, host_capacity: float = math.inf,
-                disk_capacity: float = math.inf) -> TierPlan:
+                disk_capacity: float = math.inf, optimizer_arrays: int = 1) -> TierPlan:
     """Bytes of each kind per tier under `tiers` (see the module docstring for the policy).
 
     `one_memory`: host and device are the same memory (a CPU), so "host" means "device".
-    `host_capacity` / `disk_capacity`: what this rank may put there."""
+    `host_capacity` / `disk_capacity`: what this rank may put there. `optimizer_arrays`: float32
+    arrays a chunk's optimizer state has (AdamW's two moments, plus the master for bf16 working
+    shards): a streamed optimizer chunk is that many chunks of bytes."""
     pins = tiers.placements()
     budget = math.inf if tiers.budget is None else float(tiers.budget)
 
@@ -134,7 +136,8 @@ def place_state(state: Mapping[str, float], tiers: MemoryTiers, working: float, 
         for kind in STATE_KINDS:
             if pins[kind] != "auto":
                 placed[tier_of(pins[kind])][kind] = state[kind]
-        buffers = {kind: 2 * min(chunk_bytes, state[kind]) for kind in streamed}
+        arrays = {"optimizer": optimizer_arrays}
+        buffers = {kind: 2 * min(chunk_bytes * arrays.get(kind, 1), state[kind]) for kind in streamed}
         room = budget - working - sum(placed["device"].values()) - sum(buffers.values())
         overflow: dict[str, float] = {}
         for kind in (k for k in STATE_KINDS if pins[k] == "auto"):
@@ -228,6 +231,7 @@ def tier_plan(state: Mapping[str, float], tiers: MemoryTiers, working: float, *,
     """
     free = disk_free_bytes(tiers.disk_folder) / ranks_per_host if tiers.uses_disk else 0.0
     plan = place_state(state, tiers, working, one_memory=one_memory, chunk_bytes=rates.chunk_bytes,
+                       optimizer_arrays=max(1, round(optimizer_bytes_per_param / 4)),
                        host_capacity=host_capacity, disk_capacity=free)
     io = _io_bytes(plan, state, one_memory)
     read, write = rates.disk_read / ranks_per_host, rates.disk_write / ranks_per_host

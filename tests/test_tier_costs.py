@@ -34,6 +34,14 @@ def test_auto_kinds_fill_the_budget_in_order_and_reserve_two_chunks_per_streamed
     assert plan.device_total == 450.0  # the budget covers state, working memory and buffers
 
 
+def test_a_streamed_optimizer_chunk_reserves_each_of_its_arrays() -> None:
+    """The runtime streams a chunk's moments (and a bf16 layout's float32 master) together: two
+    chunks of three arrays each, as its own check before training counts them."""
+    plan = place_state(STATE, MemoryTiers(optimizer="disk"), 100.0, one_memory=True, chunk_bytes=10,
+                       optimizer_arrays=3)
+    assert plan.streaming == 2 * 3 * 10
+
+
 def test_everything_fitting_stays_on_the_device_without_buffers() -> None:
     plan = place_state(STATE, MemoryTiers(budget=10_000, disk="tmp"), 100.0, one_memory=True, chunk_bytes=10)
     assert dict(plan.device) == STATE and plan.streaming == 0 and not any(plan.disk.values())

@@ -246,7 +246,12 @@ class TieredAdamW(torch.optim.Optimizer):
     # ---- gradients ------------------------------------------------------------------------------
     @torch.no_grad()
     def _grad_ready(self, p: nn.Parameter) -> None:
-        if not self._placed and self._grads_tier == FAST and self._grads_pinned is not None:
+        if not self._placed and self.tiers.budget is not None and self._grads_movable:
+            # a budget holds from the first backward: place pessimistically now (gradients leave
+            # as they arrive), not at the first step, after every gradient was already resident
+            self._ensure_chunks()
+            self._place(measured=False)
+        elif not self._placed and self._grads_tier == FAST and self._grads_pinned is not None:
             self._pin_gradients()  # pinned off the fast tier: already from the warm-up's backward
         if self._grads_tier == FAST or p.grad is None:
             return  # gradients stay ordinary tensors (for now: auto placement waits for the warm-up)
