@@ -26,13 +26,13 @@ def cast_working_parameters(part: nn.Module, layout: Layout) -> None:
     if not bf16_working_shards(layout):
         return
     cast: dict[int, nn.Parameter] = {}
-    for module in part.modules():
-        for name, param in module._parameters.items():
-            if param is None or not param.is_floating_point():
-                continue
-            if id(param) not in cast:
-                cast[id(param)] = nn.Parameter(param.detach().to(torch.bfloat16), requires_grad=param.requires_grad)
-            module._parameters[name] = cast[id(param)]
+    for name, param in list(part.named_parameters(remove_duplicate=False)):  # every name of a tied one
+        if not param.is_floating_point():
+            continue
+        if id(param) not in cast:
+            cast[id(param)] = nn.Parameter(param.detach().to(torch.bfloat16), requires_grad=param.requires_grad)
+        owner, _, leaf = name.rpartition(".")
+        setattr(part.get_submodule(owner), leaf, cast[id(param)])
 
 
 def apply_memory_tiers(parts: list[nn.Module], optimizer: torch.optim.Optimizer, layout: Layout,
