@@ -4,7 +4,7 @@ The planner predicts these numbers; this module measures them, so the two can be
 Tensors that CPU offload keeps in host memory are reported under ``host_*`` keys. The ``tier_*``
 keys are memory tiers' view: model state resident per tier now (on a CPU-only machine device and
 host are one memory, counted as ``tier_device``), bytes moved between tiers in the last step and
-the measured working memory (0 without tiers or before the first step).
+the measured working memory (0 before the first step); a layout without tiers has none of them.
 """
 from __future__ import annotations
 
@@ -64,8 +64,12 @@ def memory_report(pm: "ParallelModel") -> dict[str, int]:
 
 
 def _add_tiers(report: dict[str, int], optimizer: torch.optim.Optimizer) -> None:
-    """The tier_* keys; the chunks a TieredAdamW holds in memory count as optimizer / grads bytes."""
-    placed = optimizer.placed_bytes() if isinstance(optimizer, TieredAdamW) else None
+    """The tier_* keys of a layout with memory tiers (none without: the dashboard draws tiers
+    only for runs that have them); the chunks a TieredAdamW holds in memory count as optimizer /
+    grads bytes."""
+    if not isinstance(optimizer, TieredAdamW):
+        return
+    placed = optimizer.placed_bytes()
     if placed is not None:
         for kind in ("optimizer", "grads"):
             report[kind] += placed["device"][kind]
