@@ -136,7 +136,7 @@ def test_cpu_picker_for_the_reference_gpt() -> None:
 def test_memory_budget_and_disk_tier_selectors() -> None:
     """The tiers field is a budget dropdown (none, and shares of the predicted training memory)
     and a disk checkbox; the estimate shows the bytes per tier and per step the planner predicts."""
-    config = {"n_layer": 12, "d_model": 1024, "n_head": 8, "vocab_size": 8192}  # 1.7 GiB per rank
+    config = {"n_layer": 24, "d_model": 1024, "n_head": 8, "vocab_size": 8192}  # 2.9 GiB per rank
     picker = LayoutPicker(2, model=config, device="cpu", global_batch=2, seq_len=128)
     picker.apply("dp2 zero3")
     tiers = picker.controls["tiers"]
