@@ -73,6 +73,14 @@ _STATE_BYTES = {
 }
 
 
+def _state_precision(layout: Layout) -> str:
+    """The state accounting of `_STATE_BYTES` the kit's bf16 really holds: float32 parameters and
+    gradients with bf16 compute (autocast; FSDP's MixedPrecisionPolicy keeps float32 shards and
+    reduces in float32), so "fp32"; only bf16 working shards with the master beside the optimizer
+    state (memory tiers, `bf16_working_shards`) are the ZeRO paper's "mixed" 2 + 2 + 12."""
+    return "mixed" if bf16_working_shards(layout.tiers, layout.precision, layout.zero) else "fp32"
+
+
 FROZEN_BYTES = 4  # a frozen weight holds its stored copy only: fp32, the kit's (and from_pretrained's) dtype
 
 
@@ -313,7 +321,7 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
     # model state: the ZeRO accounting; zero=2 is FSDP with reshard_after_forward=False, which keeps
     # the gathered parameters from forward to backward (peak = ZeRO-2) and reshards after backward
     # (at rest = ZeRO-3).
-    state_precision = "mixed" if layout.precision == "bf16" else "fp32"
+    state_precision = _state_precision(layout)
     # CPU offload moves state to host memory; where the host is the device (a CPU: host bandwidth
     # infinite) it moves nothing and the state stays in the peak
     offloaded = layout.offload and not math.isinf(dev.host_bandwidth)
@@ -389,7 +397,7 @@ def _estimate_module(spec: ModuleSpec, layout: Layout, dev: DeviceSpec, *, globa
         layout.validate(layout.world_size, spec.config(), device=dev.name, global_batch=global_batch)
     precision = layout.precision if layout.precision in dev.peak_flops else "fp32"  # speed, as above
     act_bytes = 2 if layout.precision == "bf16" else 4
-    state_precision = "mixed" if layout.precision == "bf16" else "fp32"
+    state_precision = _state_precision(layout)
     offloaded = layout.offload and not math.isinf(dev.host_bandwidth)  # a CPU's host is its device
     local = spec.n_params / (layout.tp * layout.pp)
     state = model_state_bytes(local, zero=layout.zero, dp=layout.dp, precision=state_precision,

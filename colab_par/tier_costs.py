@@ -6,10 +6,11 @@ Pure arithmetic, below the planner. It models the runtime's contract (`colab_par
 - a rank's local state (params, grads, optimizer: exp_avg + exp_avg_sq, and the fp32 master when
   the working params are bf16, i.e. the ZeRO accounting's 2 + 2 + 12 or 4 + 4 + 8 bytes) is cut
   into chunks of `chunk_bytes`;
-- kinds pinned to a tier go there; "auto" kinds fill the device in the order params, grads,
-  optimizer under budget - working memory - streaming buffers (two chunks, the one in use and the
-  prefetched one, per kind that is not wholly on the device); what does not fit goes to the host
-  (CUDA; on a CPU the host is the device) and then the disk. Working memory (activations, gathered
+- kinds pinned to a tier go there; "auto" parameters stay on the device (the runtime never moves
+  them); "auto" grads, then optimizer state, fill the device under budget - parameters - working
+  memory - streaming buffers (two chunks, the one in use and the prefetched one, per kind that is
+  not wholly on the device); what does not fit goes to the host (CUDA; on a CPU the host is the
+  device) and then the disk. Working memory (activations, gathered
   parameters, communication buffers) is the planner's peak less the local state.
 - per step the disk reads optimizer state, grads once and params twice (forward, backward) of
   what it holds, and writes optimizer state, grads and params once each (`TierPlan.disk_read`,
@@ -125,6 +126,8 @@ def place_state(state: Mapping[str, float], tiers: MemoryTiers, working: float, 
     pins = tiers.placements()
     budget = math.inf if tiers.budget is None else float(tiers.budget)
 
+    pins["params"] = "device" if pins["params"] == "auto" else pins["params"]  # as the runtime keeps them
+
     def tier_of(pin: str) -> str:
         return "device" if pin == "host" and one_memory else pin
 
@@ -174,7 +177,8 @@ def _with_verdict(plan: TierPlan, budget: float, unplaced: float, overfull: bool
                   f"budget of {budget / gib:.2f} GiB: raise it, or shrink the working memory "
                   "(ac-full, a smaller batch, more sharding)")
     elif plan.device_total > budget:
-        reason = (f"the state pinned to the device needs {plan.device_total / gib:.2f} GiB, over the "
+        reason = (f"the state kept on the device (the parameters, and kinds pinned there) needs "
+                  f"{plan.device_total / gib:.2f} GiB, over the "
                   f"budget of {budget / gib:.2f} GiB: pin less to the device or raise the budget")
     elif unplaced > 0:
         where = "disk" if one_memory else "host or disk"

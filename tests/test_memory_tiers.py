@@ -38,7 +38,7 @@ def _released() -> None:
     """Hand the memory of a dropped ParallelModel back before the next run on the same engine."""
     import gc
 
-    from colab_par.parallel.memory import trim_host_heap
+    from colab_par.host_heap import trim_host_heap
 
     gc.collect()
     trim_host_heap()
@@ -47,6 +47,7 @@ def _released() -> None:
 def _peak_run(layout: str, steps: int = 4) -> dict:
     """Engine side: the training peak (VmHWM) of the big GPT above the RSS before parallelize."""
     import colab_par.memory_tiers.chunks as chunks
+    from colab_par import host_heap
     from colab_par import parallelize
     from colab_par.models import GPT, GPTConfig
     from colab_par.parallel import memory_report
@@ -62,20 +63,24 @@ def _peak_run(layout: str, steps: int = 4) -> dict:
     losses = [pm.train_step(*batch) for batch in batches(64, 16, steps, batch=2)]
     peak = _status("VmHWM")
     report = memory_report(pm)
+    tightened = getattr(pm.optimizer, "heap_tightened", False)
     del pm
     _released()
-    return {"baseline": baseline, "peak": peak, "losses": losses, "report": report}
+    return {"baseline": baseline, "peak": peak, "losses": losses, "report": report, "tightened": tightened,
+            "loosened": not host_heap._tight}
 
 
 def test_a_budget_that_forces_spilling_holds_and_fails_without_tiers(cluster2) -> None:
     """First in this module, on engines nothing has trained on yet: the training peak of each rank
     stays within budget + the RSS it had before the model was built; the same run without tiers
-    does not fit that budget (so the check can fail), and auto placement really spilled to disk."""
+    does not fit that budget (so the check can fail), and auto placement really spilled to disk.
+    The budget binds, so the heap was tightened for the run, and loosened when the model went."""
     tiered = cluster2.run(_peak_run, f"dp2 mem{BUDGET // 2 ** 20}MiB disk")
     plain = cluster2.run(_peak_run, "dp2")  # measured against the same, clean baseline
     for rank, (mine, without) in enumerate(zip(tiered, plain)):
         assert mine["report"]["tier_disk"] > 0, f"rank {rank}: nothing was placed on disk"
         assert mine["report"]["tier_moved"] > 0 and mine["report"]["tier_working"] > 0
+        assert mine["tightened"] and mine["loosened"] and not without["tightened"]
         over, over_without = mine["peak"] - mine["baseline"], without["peak"] - mine["baseline"]
         assert over <= BUDGET, f"rank {rank}: peak {over / 2 ** 20:.1f} MiB over the baseline, budget 900 MiB"
         assert over_without > BUDGET, (
@@ -93,6 +98,7 @@ def _tiered_run(layout: str, kind: str = "gpt", steps: int = STEPS) -> dict:
     pm = _parallelized(engine_model(kind, "module"), layout)
     run = _train(pm, kind, training_batches(kind, steps))
     result = {**run, "state": pm.full_state_dict(), "report": memory_report(pm),
+              "tightened": pm.optimizer.heap_tightened,
               "chunks": len(pm.optimizer._chunks), "folder": getattr(pm.optimizer._folder, "path", None)}
     del pm
     _released()
@@ -115,6 +121,7 @@ def test_tiered_gpt_trains_like_single_process(cluster2, layout: str, on_disk: b
         assert result["chunks"] > 3
         assert (result["report"]["tier_disk"] > 0) == on_disk
         assert (result["report"]["tier_moved"] > 0) == on_disk
+        assert not result["tightened"], "the heap was tightened though no budget bound"
         assert not result["folder_left"], "the disk tier's folder outlived the model"
     if "grads@disk" in layout:
         grads_on_disk = results[0]["report"]["tier_disk"] - results[0]["report"]["optimizer"]

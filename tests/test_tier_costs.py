@@ -74,7 +74,7 @@ def test_no_room_says_why_and_what_to_do() -> None:
     assert not working.fits and "working memory" in working.reason
     pinned = place_state(STATE, MemoryTiers(budget=300, optimizer="device"), 100.0, one_memory=True,
                          chunk_bytes=10)
-    assert not pinned.fits and "pinned to the device" in pinned.reason
+    assert not pinned.fits and "kinds pinned there" in pinned.reason
 
 
 def test_disk_traffic_per_step_follows_the_contract() -> None:
@@ -132,7 +132,7 @@ def test_bytes_of_a_small_gpt_with_its_optimizer_on_disk() -> None:
 
 def test_the_predicted_peak_stays_within_the_budget() -> None:
     config = dict(vocab_size=8192, n_layer=24, d_model=2048, n_head=16)
-    budget = 3 * 2 ** 30  # small enough to fit a small CI machine's memory too
+    budget = 5 * 2 ** 30  # float32 shards 2.3 GiB stay resident; gradients and AdamW state (6.9 GiB) spill
     option = estimate(config, f"dp2 zero3 mem{budget} disk", device="cpu", global_batch=2, seq_len=128)
     assert option.fits and sum(option.tiers.disk.values()) > 0
     assert option.memory.total == pytest.approx(budget)  # filled to the budget, never over
@@ -160,13 +160,14 @@ def test_rates_file_is_measured_and_says_where() -> None:
 
 def test_a_disk_tier_trains_a_larger_model_under_the_same_budget() -> None:
     family = gpt_ladder(widths=range(512, 4097, 512))
-    found = largest_under_budget("dp2 zero3", "2GiB", device="cpu", global_batch=2, seq_len=128, family=family)
+    # 3 GiB: the parameters stay resident, so the disk tier helps once the state beside them is most
+    found = largest_under_budget("dp2 zero3", "3GiB", device="cpu", global_batch=2, seq_len=128, family=family)
     memory, disk = found["memory"], found["disk"]
     assert memory is not None and disk is not None and disk.n_params > memory.n_params
     assert memory.plan.fits and disk.plan.fits and memory.plan.tiers.resident()["disk"] == 0
     # the next larger member does not fit in memory alone
     larger = next(sizes for sizes in family if sizes["d_model"] > memory.sizes["d_model"])
-    assert not estimate(larger, "dp2 zero3 mem2GiB", device="cpu", global_batch=2, seq_len=128).fits
+    assert not estimate(larger, "dp2 zero3 mem3GiB", device="cpu", global_batch=2, seq_len=128).fits
     assert largest_model("dp2 zero3 mem1MiB", device="cpu", global_batch=2, seq_len=128, family=family) is None
 
 
@@ -198,3 +199,13 @@ def test_without_a_measured_copy_rate_the_catalogues_link_is_used() -> None:
                    device="H100", global_batch=8, seq_len=4096)
     assert gpu.tiers.host["optimizer"] > 0 and gpu.tiers.host_device > 0 and gpu.times["tiers"] > 0
     assert gpu.memory.host_optimizer == gpu.tiers.host["optimizer"] and gpu.memory.optimizer == 0
+
+
+def test_auto_parameters_stay_on_the_device_as_the_runtime_keeps_them() -> None:
+    # the runtime never moves parameters it was not told to: a budget that leaves them no room
+    # is refused, not met by putting them on disk (which the runtime would not do)
+    squeezed = place_state(STATE, MemoryTiers(budget=260, disk="tmp"), 100.0, one_memory=True, chunk_bytes=10)
+    assert squeezed.fits and squeezed.device["params"] == 100.0 and squeezed.disk["params"] == 0.0
+    assert squeezed.disk["grads"] + squeezed.disk["optimizer"] > 0
+    over = place_state(STATE, MemoryTiers(budget=150, disk="tmp"), 30.0, one_memory=True, chunk_bytes=10)
+    assert not over.fits and over.disk["params"] == 0.0 and "the parameters" in over.reason

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
+from colab_par.host_heap import loosen_heap, tighten_heap
 from colab_par.memory_tiers import chunks as chunking
 from colab_par.memory_tiers.chunks import Chunk, Slot, build_chunks, local
 from colab_par.memory_tiers.host_adam import AdamWHyper, host_adamw_step
@@ -78,6 +79,8 @@ class TieredAdamW(torch.optim.Optimizer):
         self._moving = 0
         self.last_moved = 0  # bytes read + written between tiers in the last step
         self.working = 0  # measured working memory of a step (0 until measured)
+        self._measure_at = 2  # the training step whose working memory places the state
+        self._loosen: weakref.finalize | None = None  # set while glibc hands freed large blocks back (_settle)
         self._forward_seen = False
         held = sum(local(p).numel() * local(p).element_size() for p in self._params())
         self._at_apply = resident_bytes(device)
@@ -162,16 +165,40 @@ class TieredAdamW(torch.optim.Optimizer):
         self._stores = [{} for _ in self._chunks]
         self._slot_of = {id(slot.param): (chunk, slot) for chunk in self._chunks for slot in chunk.slots}
 
-    def _place(self, measured: bool) -> None:
-        """Place every chunk's state: pessimistically (auto kinds in the overflow tier) before a
-        step was measured, else from the measurement; values move with their chunks."""
-        if measured:
-            self.working = max(self.working, self._measured_working())
+    def _plan(self, working: int, pessimistic: bool) -> tuple[dict[str, str], list[dict[str, str]]]:
         grad_bytes = sum(chunk.bytes_of("grads") for chunk in self._chunks)
         sizes = [{kind: chunk.bytes_of(kind) for kind in chunk.state_kinds()} for chunk in self._chunks]
-        grads, plan = place(self.tiers, sizes, Measured(self._fixed, self.working, grad_bytes), cuda=self._cuda,
-                            grads_movable=self._grads_movable, has_disk=self.tiers.uses_disk, rank=self.rank,
-                            pessimistic=not measured)
+        return place(self.tiers, sizes, Measured(self._fixed, working, grad_bytes), cuda=self._cuda,
+                     grads_movable=self._grads_movable, has_disk=self.tiers.uses_disk, rank=self.rank,
+                     pessimistic=pessimistic)
+
+    def _budget_binds(self, working: int) -> bool:
+        """Whether, with this working memory, the budget pushes auto state off the fast tier (or
+        cannot hold the step at all)."""
+        try:
+            grads, plan = self._plan(working, pessimistic=False)
+        except TierBudgetError:
+            return True
+        auto_grads_out = self.tiers.grads == "auto" and self._grads_movable and grads["grads"] != FAST
+        auto_state_out = self.tiers.optimizer == "auto" and any(tier != FAST for chunk in plan for tier in chunk.values())
+        return auto_grads_out or auto_state_out
+
+    def _settle(self) -> None:
+        """At the measured step: place from its working memory. Where the budget binds and glibc's
+        heap still keeps freed blocks resident (about half a step's working memory), hand them back
+        from now on (`host_heap.tighten_heap`, undone at `release`) and measure the next step instead."""
+        working = self._measured_working()
+        if not self._cuda and self._loosen is None and self._budget_binds(working) and tighten_heap():
+            self._loosen = weakref.finalize(self, loosen_heap)  # undone with this optimizer
+            self._measure_at += 1
+            return
+        self.working = working
+        self._place(measured=True)
+
+    def _place(self, measured: bool) -> None:
+        """Place every chunk's state: pessimistically (auto kinds in the overflow tier) before a
+        step was measured, else from the measured working memory; values move with their chunks."""
+        grads, plan = self._plan(self.working, pessimistic=not measured)
         self._grads_tier = grads["grads"] if self._grads_movable else FAST
         for chunk, tiers in zip(self._chunks, plan):
             wanted = dict(tiers)
@@ -304,11 +331,11 @@ class TieredAdamW(torch.optim.Optimizer):
         forward_seen, self._forward_seen = self._forward_seen, False
         self._training_steps += forward_seen
         if forward_seen and self._training_steps == 1:
-            self.working = self._measured_working()  # the warm-up; the second step is measured too
+            self.working = self._measured_working()  # the warm-up's, reported until a step is measured
         if not self._placed:
             self._place(measured=False)
-        elif forward_seen and self._training_steps == 2 and self.tiers.budget is not None:
-            self._place(measured=True)  # from the second step, whose peak no first-call growth inflates
+        elif forward_seen and self._training_steps == self._measure_at and self.tiers.budget is not None:
+            self._settle()  # from a later step, whose peak no first-call growth inflates
         self._stream(0, prefetch=True)
         for chunk in self._chunks:
             if chunk.index + 1 < len(self._chunks):
@@ -316,8 +343,8 @@ class TieredAdamW(torch.optim.Optimizer):
             self._update(chunk)
             self._stream(chunk.index, prefetch=False)
         self.last_moved, self._moving = self._moving, 0
-        if forward_seen and self._training_steps == 1:
-            reset_peak(self.device)  # the warm-up's one-off growth is not the step's working memory
+        if forward_seen and self._training_steps < self._measure_at:
+            reset_peak(self.device)  # the next step's peak is the one measured
         return loss
 
     def _stream(self, index: int, prefetch: bool) -> None:
@@ -395,6 +422,11 @@ class TieredAdamW(torch.optim.Optimizer):
         self._moving = 0
 
     # ---- reports --------------------------------------------------------------------------------
+    @property
+    def heap_tightened(self) -> bool:
+        """Whether the budget bound at the measured step, so glibc now returns freed large blocks."""
+        return self._loosen is not None and self._loosen.alive
+
     def placed_bytes(self) -> dict[str, dict[str, int]]:
         """tier -> {"optimizer": bytes, "grads": bytes} of the state this optimizer's stores hold."""
         out = {tier: {"optimizer": 0, "grads": 0} for tier in ("device", "host", "disk")}
@@ -412,6 +444,8 @@ class TieredAdamW(torch.optim.Optimizer):
                 store.close()
         self._stores = [{} for _ in self._stores]
         self.state = defaultdict(dict)
+        if self._loosen is not None:
+            self._loosen()
         if self._folder is not None:
             self._folder.remove()
 

@@ -8,9 +8,7 @@ the measured working memory (0 before the first step); a layout without tiers ha
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -21,7 +19,7 @@ from colab_par.memory_tiers.optimizer import TieredAdamW
 if TYPE_CHECKING:
     from colab_par.parallel import ParallelModel
 
-__all__ = ["memory_report", "trim_host_heap"]
+__all__ = ["memory_report"]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -79,20 +77,3 @@ def _add_tiers(report: dict[str, int], optimizer: torch.optim.Optimizer) -> None
     report["tier_disk"] = placed["disk"]["optimizer"] + placed["disk"]["grads"] if placed else 0
     report["tier_moved"] = optimizer.last_moved if placed else 0
     report["tier_working"] = optimizer.working if placed else 0
-
-
-@functools.cache
-def _libc_trim() -> Any:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to hand back by hand
-        return None
-
-
-def trim_host_heap() -> None:
-    """Hand freed heap pages back to the system. Shard-first init frees one full tensor after
-    another while small long-lived allocations land between them; glibc then keeps the freed
-    pages resident and a rank's peak would grow with the model instead of with one tensor."""
-    trim = _libc_trim()
-    if trim is not None:
-        trim(0)
