@@ -63,7 +63,7 @@ class TieredAdamW(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, tiers: MemoryTiers, modules: list[nn.Module], *,
                  device: torch.device, rank: int, baseline: int, grads_movable: bool,
-                 chunk_bytes: int | None = None, zero1_group: "dist.ProcessGroup | None" = None):
+                 chunk_bytes: int | None = None, zero1_group: dist.ProcessGroup | None = None):
         check_optimizer(optimizer)
         groups = [{**group, "params": list(group["params"])} for group in optimizer.param_groups]
         super().__init__(groups, dict(optimizer.defaults))
@@ -180,7 +180,7 @@ class TieredAdamW(torch.optim.Optimizer):
         step was measured, else from the measurement; values move with their chunks."""
         if measured:
             self.working = max(self.working, self._measured_working())
-        grad_bytes = sum(local(p).numel() * local(p).element_size() for p in self._params())  # zero1: all
+        grad_bytes = sum(local(p).numel() * local(p).element_size() for p in self._params())  # zero1: DDP holds all
         sizes = [{kind: chunk.bytes_of(kind) for kind in chunk.state_kinds()} for chunk in self._chunks]
         grads, plan = place(self.tiers, sizes, Measured(self._fixed, self.working, grad_bytes), cuda=self._cuda,
                             grads_movable=self._grads_movable, has_disk=self.tiers.uses_disk, rank=self.rank,
