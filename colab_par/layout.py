@@ -493,10 +493,6 @@ def _check_tiers(layout: Any, world: int | None, sizes: dict, device: str | None
     tiers = layout.tiers
     if not tiers.enabled:
         return
-    if layout.zero == 1:
-        raise LayoutError("memory tiers replace the optimizer by a chunked AdamW over this rank's own tensors, "
-                          "and zero1's ZeroRedundancyOptimizer shards the state another way; use zero2 or zero3 "
-                          "(they shard gradients and state too) or zero0")
     apart = ("disk",) if device != "cuda" else ("host", "disk")
     if tiers.params in apart:
         raise LayoutError(f"params@{tiers.params}: parameters stay resident with memory tiers (their optimizer "

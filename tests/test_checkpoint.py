@@ -99,7 +99,8 @@ def test_checkpoint_loads_under_another_layout(cluster2, saved, layout):
     assert result["losses"] == pytest.approx(uninterrupted[SAVE_AT:], rel=1e-5)
 
 
-@pytest.mark.parametrize("first,second", [("dp2 zero3", "tp2"), ("dp2 zero1", "pp2 gpipe mb2")])
+@pytest.mark.parametrize("first,second", [("dp2 zero3", "tp2"), ("dp2 zero1", "pp2 gpipe mb2"),
+                                          ("dp2 zero1 optimizer@disk", "dp2 zero3")])
 def test_live_relayout_continues_with_the_same_losses(cluster2, saved, first, second):
     _, uninterrupted = saved
     result = cluster2.run(relayout_midway, first, second)[0]

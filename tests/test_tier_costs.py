@@ -130,6 +130,24 @@ def test_bytes_of_a_small_gpt_with_its_optimizer_on_disk() -> None:
     assert "disk" in str(option) and plain.tiers is None
 
 
+def test_zero1_counts_a_ranks_share_of_the_optimizer_state() -> None:
+    """dp2 zero1, optimizer on disk: a rank holds the whole parameters and gradients (4 + 4 bytes
+    per parameter) but only its half of the AdamW state (8 / 2), on disk, read and written once per
+    step: half of what dp2 zero0 puts and moves there."""
+    from colab_par.tier_costs import TIER_RATES
+
+    n = sum(p.numel() for p in GPT(SMALL).parameters())
+    options = dict(device="cpu", global_batch=4, seq_len=64)
+    zero1, zero0 = (estimate(SMALL, f"dp2 {zero}optimizer@disk", **options) for zero in ("zero1 ", ""))
+    tiers = zero1.tiers
+    assert zero1.fits and dict(tiers.device) == {"params": n * 4, "grads": n * 4, "optimizer": 0.0}
+    assert tiers.disk["optimizer"] == n * 8 / 2 == zero0.tiers.disk["optimizer"] / 2
+    assert tiers.disk_read == tiers.disk_write == n * 8 / 2
+    assert tiers.streaming == 2 * min(TIER_RATES.chunk_bytes, n * 8 / 2)
+    plain = estimate(SMALL, "dp2 zero1", **options)
+    assert zero1.memory.total == pytest.approx(plain.memory.total - n * 8 / 2 + tiers.streaming)
+
+
 def test_the_predicted_peak_stays_within_the_budget() -> None:
     config = dict(vocab_size=8192, n_layer=24, d_model=2048, n_head=16)
     budget = 5 * 2 ** 30  # float32 shards 2.3 GiB stay resident; gradients and AdamW state (6.9 GiB) spill

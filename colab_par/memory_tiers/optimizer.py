@@ -10,6 +10,11 @@ as under AdamW), then chunk i is written back and evicted.
 
 Memory this rank may use = the budget + the process's baseline: what it held before the model
 was built (interpreter, torch, libraries), the stated fixed overhead outside the budget.
+
+Under zero1 (`zero1_group`) the optimizer still spans every parameter (param_groups, schedulers,
+zero_grad as with AdamW) but keeps state, chunks and tiers for this rank's share only
+(`ownership.py`), updates those and broadcasts them; its state_dict holds that share, as
+ZeroRedundancyOptimizer's inner optimizer does, so DCP saves the union and reshards it.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
@@ -27,6 +33,7 @@ from colab_par.memory_tiers import chunks as chunking
 from colab_par.memory_tiers.chunks import Chunk, Slot, build_chunks, local
 from colab_par.memory_tiers.host_adam import AdamWHyper, host_adamw_step
 from colab_par.memory_tiers.measure import peak_bytes, reset_peak, resident_bytes
+from colab_par.memory_tiers.ownership import Ownership
 from colab_par.memory_tiers.placement import FAST, Measured, TierBudgetError, budget_text, place
 from colab_par.memory_tiers.stores import DiskStore, MemoryStore, RunFolder
 from colab_par.tier_options import MemoryTiers, format_bytes
@@ -52,16 +59,18 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 class TieredAdamW(torch.optim.Optimizer):
     """AdamW over this rank's local tensors (DDP parameters, FSDP / tensor-parallel local shards,
-    pipeline stage parameters) with state in chunks across tiers; see the module docstring."""
+    pipeline stage parameters) with state in chunks across tiers; see the module docstring.
+    `zero1_group`: the data-parallel group a zero1 layout partitions the state over (else None)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, tiers: MemoryTiers, modules: list[nn.Module], *,
                  device: torch.device, rank: int, baseline: int, grads_movable: bool,
-                 chunk_bytes: int | None = None):
+                 chunk_bytes: int | None = None, zero1_group: dist.ProcessGroup | None = None):
         check_optimizer(optimizer)
         groups = [{**group, "params": list(group["params"])} for group in optimizer.param_groups]
         super().__init__(groups, dict(optimizer.defaults))
         self.tiers, self.device, self.rank = tiers, device, rank
         self.chunk_bytes = chunk_bytes or chunking.CHUNK_BYTES
+        self._ownership = None if zero1_group is None else Ownership(self._params(), zero1_group, self.chunk_bytes)
         self._grads_movable = grads_movable
         self._cuda = device.type == "cuda"
         self._folder: RunFolder | None = None
@@ -94,13 +103,17 @@ class TieredAdamW(torch.optim.Optimizer):
     def _params(self) -> list[nn.Parameter]:
         return [p for group in self.param_groups for p in group["params"]]
 
+    def _owns(self, p: nn.Parameter) -> bool:
+        """Whether this rank keeps `p`'s state: always, or under zero1 for its share."""
+        return self._ownership is None or self._ownership.owns(p)
+
     def _check_streaming_fits(self) -> None:
         """Before training: what this rank holds now plus two streamed chunks must fit the budget,
         whatever the warm-up step will measure."""
         budget = self.tiers.budget
         if budget is None:
             return
-        elements = [local(p).numel() for p in self._params()]
+        elements = [local(p).numel() for p in self._params() if self._owns(p)]
         chunk = min(sum(elements), max([self.chunk_bytes // 4] + elements))
         stream = 2 * 3 * 4 * chunk  # current + prefetched chunk of master, exp_avg, exp_avg_sq
         if self._fixed + stream > budget:
@@ -113,7 +126,7 @@ class TieredAdamW(torch.optim.Optimizer):
     def _record_first_use(self, modules: list[nn.Module]) -> list[Any]:
         """Forward pre-hooks: the order the first forward uses the parameters (chunks follow it),
         and a mark that a training forward ran before a step (a warm-up to measure)."""
-        trainable = {id(p) for p in self._params()}
+        trainable = {id(p) for p in self._params() if self._owns(p)}
         self._order: list[nn.Parameter] = []
         seen: set[int] = set()
 
@@ -151,13 +164,13 @@ class TieredAdamW(torch.optim.Optimizer):
             if optimizer is not None:
                 optimizer._grad_ready(p)
 
-        return [p.register_post_accumulate_grad_hook(ready) for p in self._params()]
+        return [p.register_post_accumulate_grad_hook(ready) for p in self._params() if self._owns(p)]
 
     # ---- chunks and placement -------------------------------------------------------------------
     def _ensure_chunks(self) -> None:
         if self._chunks is not None:
             return
-        groups = [list(group["params"]) for group in self.param_groups]
+        groups = [[p for p in group["params"] if self._owns(p)] for group in self.param_groups]
         self._chunks = build_chunks(groups, self._order, self.chunk_bytes)
         for handle in self._order_hooks:
             handle.remove()
@@ -166,7 +179,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self._slot_of = {id(slot.param): (chunk, slot) for chunk in self._chunks for slot in chunk.slots}
 
     def _plan(self, working: int, pessimistic: bool) -> tuple[dict[str, str], list[dict[str, str]]]:
-        grad_bytes = sum(chunk.bytes_of("grads") for chunk in self._chunks)
+        grad_bytes = sum(local(p).numel() * local(p).element_size() for p in self._params())  # zero1: DDP holds all
         sizes = [{kind: chunk.bytes_of(kind) for kind in chunk.state_kinds()} for chunk in self._chunks]
         return place(self.tiers, sizes, Measured(self._fixed, working, grad_bytes), cuda=self._cuda,
                      grads_movable=self._grads_movable, has_disk=self.tiers.uses_disk, rank=self.rank,
@@ -342,6 +355,8 @@ class TieredAdamW(torch.optim.Optimizer):
                 self._stream(chunk.index + 1, prefetch=True)
             self._update(chunk)
             self._stream(chunk.index, prefetch=False)
+        if self._ownership is not None:
+            self._ownership.share()  # zero1: every rank gets the parameters their owners updated
         self.last_moved, self._moving = self._moving, 0
         if forward_seen and self._training_steps < self._measure_at:
             reset_peak(self.device)  # the next step's peak is the one measured

@@ -1,12 +1,17 @@
 """The memory-tiers step of parallelize: after the data-parallel step and the optimizer build, the
 optimizer becomes a `TieredAdamW` over this rank's local tensors as the layout left them (DDP
 parameters, FSDP / tensor-parallel local shards, pipeline stage parameters), so tiers compose
-with dp, zero2/3, tp and pp. Off (`layout.tiers.enabled` false) nothing changes."""
+with dp, zero1-3, tp and pp. zero1's ZeroRedundancyOptimizer is replaced: the tiered optimizer
+partitions the state over the dp group itself (`memory_tiers/ownership.py`). Off
+(`layout.tiers.enabled` false) nothing changes."""
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from colab_par.layout import Layout
 from colab_par.memory_tiers.optimizer import TieredAdamW
@@ -44,5 +49,17 @@ def apply_memory_tiers(parts: list[nn.Module], optimizer: torch.optim.Optimizer,
     (zero2/3, written out after each reduce-scatter); DDP keeps them in its own buckets."""
     if not layout.tiers.enabled:
         return optimizer
-    return TieredAdamW(optimizer, layout.tiers, parts, device=device, rank=dist.get_rank(), baseline=baseline,
-                       grads_movable=layout.zero >= 2)
+    zero1_group = optimizer.process_group if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+    return TieredAdamW(_over_every_parameter(optimizer), layout.tiers, parts, device=device, rank=dist.get_rank(),
+                       baseline=baseline, grads_movable=layout.zero >= 2, zero1_group=zero1_group)
+
+
+def _over_every_parameter(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """zero1's ZeroRedundancyOptimizer as the plain optimizer it wraps, over all its parameters
+    (it holds no state before a step): the tiers keep their own partition of the state."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    kind = type(optimizer.optim)
+    accepted = inspect.signature(kind.__init__).parameters
+    settings = {key: value for key, value in optimizer.optim.defaults.items() if key in accepted}
+    return kind([dict(group) for group in optimizer.param_groups], **settings)
