@@ -27,7 +27,8 @@ __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_pat
            "triton_interpreted", "tree_flatten", "tree_unflatten", "tree_map", "tree_leaves",
            "hf_token_losses", "answer_control_requests", "send_control_requests", "group_sequence",
            "process_groups", "compile_seconds", "grouped_mm", "fused_optimizer_devices", "recompile_limit",
-           "failing_at_recompile_limit", "recompile_limit_error", "swapped_parameters", "hf_output_recorder"]
+           "failing_at_recompile_limit", "recompile_limit_error", "swapped_parameters", "hf_output_recorder",
+           "storage_holder"]
 
 SUPPORTED = {"torch": "torch>=2.6,<3", "ipyparallel": "ipyparallel>=9",
              "transformers": "transformers>=5.9", "triton": "triton>=3.0"}
@@ -317,6 +318,20 @@ def unwrapped_name(name: str) -> str:
 
 
 # ---- DTensor -------------------------------------------------------------------------------------------
+def storage_holder(tensor: Any) -> Any:
+    """The tensor object whose storage holds `tensor`'s values: a DTensor's own local tensor
+    (`DTensor._local_tensor`; `to_local()` hands a Parameter(DTensor) a fresh view), else itself.
+    Assigning its `.data` re-homes the values without a new Parameter object."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    held = getattr(tensor, "_local_tensor", None)
+    if held is None:
+        raise _missing("torch", "DTensor._local_tensor")
+    return held
+
+
 def local_shard_offsets(shape: Any, mesh: Any, placements: Any) -> tuple[int, ...]:
     """Where this rank's block of a Shard/Replicate DTensor starts in the full tensor, per dim."""
     try:

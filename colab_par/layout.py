@@ -494,10 +494,17 @@ def _check_tiers(layout: Any, world: int | None, sizes: dict, device: str | None
     if not tiers.enabled:
         return
     apart = ("disk",) if device != "cuda" else ("host", "disk")
-    if tiers.params in apart:
-        raise LayoutError(f"params@{tiers.params}: parameters stay resident with memory tiers (their optimizer "
-                          "state, master copies and gradients move); shard them instead with zero3 or more dp "
-                          "ranks, or drop the params@ token")
+    if tiers.params in apart and device == "cuda":
+        raise LayoutError(f"params@{tiers.params} on CUDA would stream every layer's weights to the GPU per "
+                          "use, which is not built; keep them on the device and shard them (zero3, more dp "
+                          "ranks), with bf16 and optimizer@host|disk (the float32 master leaves the device)")
+    if tiers.params in apart and layout.zero > 0:
+        raise LayoutError(f"params@{tiers.params} needs zero0 (DDP, tp or pp keep plain local tensors whose "
+                          f"storage can be a file): under zero{layout.zero} "
+                          + ("FSDP holds the shards in its own storage and gathers them itself; with bf16 "
+                             "and optimizer@disk the float32 master is on disk and the working shards bf16"
+                             if layout.zero >= 2 else "each rank tiers only its share of the state")
+                          + f"; use zero0 with params@{tiers.params}, or drop the params@ token")
     if tiers.grads in apart and layout.zero < 2:
         raise LayoutError(f"grads@{tiers.grads} needs zero2 or zero3: under zero{layout.zero} DDP (or the "
                           "gradient averager) holds every gradient until backward ends, so moving them frees "

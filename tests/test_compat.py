@@ -526,3 +526,21 @@ def test_grouped_mm_equals_a_matmul_per_group(dtype):
                                torch.autograd.grad(expected.sum(), (tokens, weights)))
     if dtype == torch.float32:
         assert "GroupedMm" in type(out.grad_fn).__name__, "float32 should run torch's grouped matmul"
+
+
+def test_storage_holder_rehomes_a_dtensor_parameters_values(cluster2):
+    def rehome() -> bool:
+        from torch import nn
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (2,))
+        param = nn.Parameter(distribute_tensor(torch.arange(8.0).view(4, 2), mesh, [Shard(0)]))
+        elsewhere = torch.full((2, 2), 7.0)
+        with torch.no_grad():
+            compat.storage_holder(param).data = elsewhere
+        plain = nn.Parameter(torch.zeros(3))
+        return (param.to_local().data_ptr() == elsewhere.data_ptr() and bool((param.full_tensor() == 7).all())
+                and compat.storage_holder(plain) is plain)
+
+    assert cluster2.run(rehome) == [True, True]

@@ -13,6 +13,7 @@ import cloudpickle
 import pytest
 import torch
 
+from colab_par.models import GPT, GPTConfig
 from parity import (SEED, _parallelized, _train, assert_parity, batches, engine_model, reference_run,
                     training_batches)
 
@@ -89,6 +90,20 @@ def test_a_budget_that_forces_spilling_holds_and_fails_without_tiers(cluster2) -
         torch.testing.assert_close(torch.tensor(mine["losses"]), torch.tensor(without["losses"]), rtol=1e-5, atol=0)
 
 
+def test_parameters_on_disk_leave_the_resident_set(cluster2) -> None:
+    """params@disk: the big GPT's 192 MiB of parameters per rank live in files and are paged in a
+    chunk at a time, so each rank's training peak falls by most of them against the same run with
+    only the optimizer on disk, and the losses are the same."""
+    with_params = cluster2.run(_peak_run, "dp2 params@disk optimizer@disk")
+    without = cluster2.run(_peak_run, "dp2 optimizer@disk")
+    params = sum(p.numel() for p in GPT(GPTConfig(**BIG_GPT)).parameters()) * 4
+    for rank, (mine, other) in enumerate(zip(with_params, without)):
+        saved = (other["peak"] - other["baseline"]) - (mine["peak"] - mine["baseline"])
+        assert saved > params / 2, f"rank {rank}: the peak fell by {saved / 2 ** 20:.0f} MiB of {params / 2 ** 20:.0f}"
+        assert mine["report"]["tier_disk"] - other["report"]["tier_disk"] == params
+        torch.testing.assert_close(torch.tensor(mine["losses"]), torch.tensor(other["losses"]), rtol=1e-6, atol=0)
+
+
 def _tiered_run(layout: str, kind: str = "gpt", steps: int = STEPS) -> dict:
     """Engine side: parity's training run with small chunks, plus the memory report."""
     import colab_par.memory_tiers.chunks as chunks
@@ -98,12 +113,34 @@ def _tiered_run(layout: str, kind: str = "gpt", steps: int = STEPS) -> dict:
     pm = _parallelized(engine_model(kind, "module"), layout)
     run = _train(pm, kind, training_batches(kind, steps))
     result = {**run, "state": pm.full_state_dict(), "report": memory_report(pm),
-              "tightened": pm.optimizer.heap_tightened,
+              "tightened": pm.optimizer.heap_tightened, "param_files": _backing_files(pm.model.parameters()),
               "chunks": len(pm.optimizer._chunks), "folder": getattr(pm.optimizer._folder, "path", None)}
     del pm
     _released()
     result["folder_left"] = result["folder"] is not None and os.path.exists(result["folder"])
     return result
+
+
+def _backing_files(params) -> set:
+    """The file behind each parameter's values (/proc/self/maps), "memory" for anonymous memory."""
+    from colab_par.memory_tiers.chunks import local
+
+    with open("/proc/self/maps") as maps:
+        regions = [(int(span.split("-")[0], 16), int(span.split("-")[1], 16), rest[4] if len(rest) > 4 else "")
+                   for span, *rest in (line.split() for line in maps)]
+    found = set()
+    for p in params:
+        address = local(p).data_ptr()
+        path = next((path for start, end, path in regions if start <= address < end), "")
+        found.add(os.path.dirname(path) if path.startswith("/") else "memory")
+    return found
+
+
+def _check_parameters_in_files(result: dict) -> None:
+    """params@disk: every parameter's values live in the run's disk folder, none in memory, and the
+    report counts them on disk."""
+    assert result["param_files"] == {result["folder"]}, result["param_files"]
+    assert result["report"]["params"] == 0 and result["report"]["tier_disk"] > 0
 
 
 @pytest.mark.parametrize("layout,on_disk", [
@@ -113,6 +150,9 @@ def _tiered_run(layout: str, kind: str = "gpt", steps: int = STEPS) -> dict:
     ("dp2 zero3 optimizer@disk grads@disk", True),
     ("tp2 optimizer@disk", True),  # DTensor local shards
     ("pp2 optimizer@disk", True),  # each rank its stage's parameters
+    ("dp2 params@disk optimizer@disk", True),  # parameters too: their storage is the chunk's file
+    ("tp2 params@disk optimizer@disk", True),
+    ("pp2 params@disk", True),
 ])
 def test_tiered_gpt_trains_like_single_process(cluster2, layout: str, on_disk: bool) -> None:
     results = cluster2.run(_tiered_run, layout)
@@ -123,6 +163,10 @@ def test_tiered_gpt_trains_like_single_process(cluster2, layout: str, on_disk: b
         assert (result["report"]["tier_moved"] > 0) == on_disk
         assert not result["tightened"], "the heap was tightened though no budget bound"
         assert not result["folder_left"], "the disk tier's folder outlived the model"
+        if "params@disk" in layout:
+            _check_parameters_in_files(result)
+        else:
+            assert result["param_files"] == {"memory"}
     if "grads@disk" in layout:
         grads_on_disk = results[0]["report"]["tier_disk"] - results[0]["report"]["optimizer"]
         assert results[0]["report"]["grads"] == 0 and grads_on_disk > 0
@@ -210,10 +254,15 @@ def test_zero1_partition_is_largest_first_onto_the_least_loaded_rank() -> None:
     assert owners_by_bytes([1, 1, 1], 4) == [0, 1, 2]
 
 
-def test_hugging_face_decoder_with_optimizer_on_disk_trains_like_single_process(cluster2) -> None:
-    results = cluster2.run(_tiered_run, "dp2 zero3 optimizer@disk", "llama")
+@pytest.mark.parametrize("layout", ["dp2 zero3 optimizer@disk", "dp2 zero3 optimizer@disk grads@disk",
+                                    "dp2 params@disk optimizer@disk"])
+def test_hugging_face_decoder_with_state_on_disk_trains_like_single_process(cluster2, layout: str) -> None:
+    results = cluster2.run(_tiered_run, layout, "llama")
     assert_parity(results, reference_run("llama", STEPS))
     assert all(result["report"]["tier_disk"] > 0 for result in results)
+    if "params@disk" in layout:
+        for result in results:
+            _check_parameters_in_files(result)
 
 
 def _accumulated_run(layout: str) -> dict:
@@ -363,7 +412,8 @@ def test_an_optimizer_tiers_cannot_reproduce_is_refused(cluster2) -> None:
 
 @pytest.mark.parametrize("layout,words", [
     ("dp2 grads@disk", "grads@disk needs zero2 or zero3"),
-    ("dp2 zero3 params@disk", "parameters stay resident"),
+    ("dp2 zero3 params@disk", "FSDP holds the shards"),
+    ("dp2 zero1 params@disk", "its share of the state"),
     ("dp2 zero3 offload optimizer@disk", "keep one"),
 ])
 def test_what_tiers_cannot_do_is_a_layout_error(layout: str, words: str) -> None:

@@ -52,7 +52,7 @@ class Chunk:
         return ("master", "exp_avg", "exp_avg_sq") if self.master else ("exp_avg", "exp_avg_sq")
 
     def bytes_of(self, kind: str) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size() if kind == "grads" else 4
+        itemsize = torch.empty((), dtype=self.dtype).element_size() if kind in ("grads", "params") else 4
         return self.numel * itemsize
 
 

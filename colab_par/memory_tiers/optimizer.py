@@ -28,10 +28,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
-from colab_par.host_heap import loosen_heap, tighten_heap
+from colab_par.host_heap import loosen_heap, tighten_heap, trim_host_heap
 from colab_par.memory_tiers import chunks as chunking
 from colab_par.memory_tiers.chunks import Chunk, Slot, build_chunks, local
 from colab_par.memory_tiers.host_adam import AdamWHyper, host_adamw_step
+from colab_par.compat import storage_holder
+from colab_par.memory_tiers.param_pages import PagedParameters
 from colab_par.memory_tiers.measure import peak_bytes, reset_peak, resident_bytes
 from colab_par.memory_tiers.ownership import Ownership
 from colab_par.memory_tiers.placement import FAST, Measured, TierBudgetError, budget_text, place
@@ -95,13 +97,21 @@ class TieredAdamW(torch.optim.Optimizer):
         self._at_apply = resident_bytes(device)
         self.baseline = min(baseline, self._at_apply - held)
         self._fixed = self._at_apply - self.baseline
+        self._params_on_disk = tiers.params == "disk"  # the layout allows it on CPU ranks under zero0 only
+        if self._params_on_disk and (self._cuda or zero1_group is not None):
+            raise ValueError("params@disk keeps the parameters of a CPU rank under zero0 in files; on CUDA or "
+                             "under zero1 drop the params@ token")
         self._check_streaming_fits()
         self._hooks = self._record_first_use(modules) + self._grad_hooks()
+        self._pages = PagedParameters(self, modules, self._params()) if self._params_on_disk else None
         reset_peak(device)
 
     # ---- construction ---------------------------------------------------------------------------
     def _params(self) -> list[nn.Parameter]:
         return [p for group in self.param_groups for p in group["params"]]
+
+    def _param_bytes(self) -> int:
+        return sum(local(p).numel() * local(p).element_size() for p in self._params())
 
     def _owns(self, p: nn.Parameter) -> bool:
         """Whether this rank keeps `p`'s state: always, or under zero1 for its share."""
@@ -115,12 +125,14 @@ class TieredAdamW(torch.optim.Optimizer):
             return
         elements = [local(p).numel() for p in self._params() if self._owns(p)]
         chunk = min(sum(elements), max([self.chunk_bytes // 4] + elements))
-        stream = 2 * 3 * 4 * chunk  # current + prefetched chunk of master, exp_avg, exp_avg_sq
-        if self._fixed + stream > budget:
+        arrays = 3 + self._params_on_disk  # master, exp_avg, exp_avg_sq (+ the parameters)
+        stream = 2 * arrays * 4 * chunk  # the current and the prefetched chunk
+        held = self._fixed - (self._param_bytes() if self._params_on_disk else 0)  # parameters leave
+        if held + stream > budget:
             raise TierBudgetError(
                 f"rank {self.rank}: a budget of {format_bytes(budget)} is below what this rank holds before "
-                f"training: parameters and layout buffers {self._fixed / 2 ** 20:.0f} MiB plus two streamed "
-                f"chunks {stream / 2 ** 20:.0f} MiB; give at least {budget_text(self._fixed + stream)}, or "
+                f"training: parameters and layout buffers {held / 2 ** 20:.0f} MiB plus two streamed "
+                f"chunks {stream / 2 ** 20:.0f} MiB; give at least {budget_text(held + stream)}, or "
                 "shard the parameters (zero3, more dp ranks)")
 
     def _record_first_use(self, modules: list[nn.Module]) -> list[Any]:
@@ -181,7 +193,8 @@ class TieredAdamW(torch.optim.Optimizer):
     def _plan(self, working: int, pessimistic: bool) -> tuple[dict[str, str], list[dict[str, str]]]:
         grad_bytes = sum(local(p).numel() * local(p).element_size() for p in self._params())  # zero1: DDP holds all
         sizes = [{kind: chunk.bytes_of(kind) for kind in chunk.state_kinds()} for chunk in self._chunks]
-        return place(self.tiers, sizes, Measured(self._fixed, working, grad_bytes), cuda=self._cuda,
+        params_chunk = max(chunk.bytes_of("params") for chunk in self._chunks) if self._params_on_disk else 0
+        return place(self.tiers, sizes, Measured(self._fixed, working, grad_bytes, params_chunk), cuda=self._cuda,
                      grads_movable=self._grads_movable, has_disk=self.tiers.uses_disk, rank=self.rank,
                      pessimistic=pessimistic)
 
@@ -217,7 +230,11 @@ class TieredAdamW(torch.optim.Optimizer):
             wanted = dict(tiers)
             if self._grads_tier != FAST:
                 wanted["grads"] = self._grads_tier
+            if self._params_on_disk:
+                wanted["params"] = "disk"
             self._move(chunk, wanted)
+        if self._params_on_disk and not self._placed:
+            trim_host_heap()  # the parameters' old memory: glibc would keep it resident
         self._placed = True
 
     def _move(self, chunk: Chunk, wanted: dict[str, str]) -> None:
@@ -233,12 +250,28 @@ class TieredAdamW(torch.optim.Optimizer):
             if old is not None:
                 new.tensor.copy_(old.tensor)
                 old.close()
-            elif kind == "master":
+            elif kind in ("master", "params"):
                 for slot in chunk.slots:
                     slot.of(new.tensor).copy_(local(slot.param).detach())
-            new.evict(dirty=old is not None or kind == "master")
+            if kind == "params" and old is None:
+                self._rehome_parameters(chunk, new)
+            new.evict(dirty=old is not None or kind in ("master", "params"))
             stores[kind] = new
         self._bind(chunk)
+
+    def _rehome_parameters(self, chunk: Chunk, store: Any) -> None:
+        """The chunk's parameters' storage becomes the store's file (`param_pages.py`); their
+        memory is freed, so what this rank held at apply shrinks by their bytes."""
+        for slot in chunk.slots:
+            storage_holder(slot.param).data = slot.of(store.tensor)
+        self._at_apply -= store.nbytes
+        self._fixed -= store.nbytes
+
+    def parameter_pages(self, param: nn.Parameter) -> tuple[int, int, Any] | None:
+        """For `PagedParameters`: (chunk index, its parameter count, its parameters' disk store)."""
+        found = self._slot_of.get(id(param))
+        store = self._stores[found[0].index].get("params") if found else None
+        return None if store is None else (found[0].index, len(found[0].slots), store)
 
     def _measured_working(self) -> int:
         """The peak since the last reset beyond what was resident when the tiers were applied and
@@ -258,7 +291,7 @@ class TieredAdamW(torch.optim.Optimizer):
         store.close()
 
     def _new_store(self, chunk: Chunk, kind: str, tier: str) -> Any:
-        dtype = chunk.dtype if kind == "grads" else torch.float32
+        dtype = chunk.dtype if kind in ("grads", "params") else torch.float32
         if tier == "disk":
             if self._folder is None:
                 self._folder = RunFolder(self.tiers.disk_folder or "tmp", self, self.rank)
@@ -357,6 +390,8 @@ class TieredAdamW(torch.optim.Optimizer):
             self._stream(chunk.index, prefetch=False)
         if self._ownership is not None:
             self._ownership.share()  # zero1: every rank gets the parameters their owners updated
+        if self._pages is not None:
+            self._moving += self._pages.take_read()  # read in forward and backward
         self.last_moved, self._moving = self._moving, 0
         if forward_seen and self._training_steps < self._measure_at:
             reset_peak(self.device)  # the next step's peak is the one measured
@@ -443,17 +478,20 @@ class TieredAdamW(torch.optim.Optimizer):
         return self._loosen is not None and self._loosen.alive
 
     def placed_bytes(self) -> dict[str, dict[str, int]]:
-        """tier -> {"optimizer": bytes, "grads": bytes} of the state this optimizer's stores hold."""
-        out = {tier: {"optimizer": 0, "grads": 0} for tier in ("device", "host", "disk")}
+        """tier -> {"params": bytes, "optimizer": bytes, "grads": bytes} of the state this
+        optimizer's stores hold (parameters only where `params@disk` put them in a store)."""
+        out = {tier: {"params": 0, "optimizer": 0, "grads": 0} for tier in ("device", "host", "disk")}
         for stores in self._stores:
             for kind, store in stores.items():
-                out[store.tier]["grads" if kind == "grads" else "optimizer"] += store.nbytes
+                out[store.tier][kind if kind in ("grads", "params") else "optimizer"] += store.nbytes
         return out
 
     def release(self) -> None:
         """Close the stores and remove the disk tier's files now (else at garbage collection / exit)."""
         for handle in self._hooks:
             handle.remove()
+        if self._pages is not None:
+            self._pages.remove()
         for stores in self._stores:
             for store in stores.values():
                 store.close()

@@ -34,6 +34,7 @@ class Measured:
     fixed: int  # resident beyond the baseline when the tiers were applied: the parameters, layout buffers
     working: int  # the step's own peak beyond that: activations, gathered parameters, temporaries
     grads: int  # the local gradients, when held as ordinary .grad tensors
+    params_chunk: int = 0  # the largest chunk of parameters on disk (params@disk), streamed by the step
 
 
 def _tier_of(pinned: str, cuda: bool) -> str:
@@ -60,7 +61,7 @@ def place(tiers: MemoryTiers, chunks: list[dict[str, int]], measured: Measured, 
             plan = [{kind: overflow for kind in chunk} for chunk in chunks]
         return {"grads": grads}, plan
     budget = int(tiers.budget * (1 - SLACK))
-    stream = 2 * max((sum(chunk.values()) for chunk in chunks), default=0)  # current + prefetched chunk
+    stream = 2 * (max((sum(chunk.values()) for chunk in chunks), default=0) + measured.params_chunk)  # current + prefetched
     used = measured.fixed + measured.working + stream
     if tiers.grads == "auto" and grads_movable and overflow is not None and used + measured.grads > budget:
         grads = overflow

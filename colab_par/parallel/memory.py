@@ -72,8 +72,9 @@ def _add_tiers(report: dict[str, int], optimizer: torch.optim.Optimizer) -> None
         for kind in ("optimizer", "grads"):
             report[kind] += placed["device"][kind]
             report[f"host_{kind}"] += placed["host"][kind]
+        report["params"] -= placed["disk"]["params"]  # counted from the shards above; they live in files
     report["tier_device"] = report["params"] + report["grads"] + report["optimizer"]
     report["tier_host"] = report["host_params"] + report["host_grads"] + report["host_optimizer"]
-    report["tier_disk"] = placed["disk"]["optimizer"] + placed["disk"]["grads"] if placed else 0
+    report["tier_disk"] = sum(placed["disk"].values()) if placed else 0
     report["tier_moved"] = optimizer.last_moved if placed else 0
     report["tier_working"] = optimizer.working if placed else 0
