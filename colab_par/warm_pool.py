@@ -70,7 +70,7 @@ def enabled() -> bool:
 def cold_command(target: str) -> list[str]:
     """The ordinary command (a fresh interpreter) for `target`, what the proxy falls back to."""
     preload, run = _TARGETS[target]
-    return [sys.executable, "-c", f"{preload}; {run}"]
+    return [sys.executable, "-c", f"import gc; gc.disable(); {preload}; gc.enable(); {run}"]
 
 
 class WarmPool:
@@ -183,9 +183,10 @@ def _serve(path: str, target: str) -> dict[str, Any] | None:
     only, the request it is to run. The zygote itself returns None when its owner is gone (its
     stdin closed) or on SIGTERM."""
     own_env = dict(os.environ)  # what it started with (its imports may set variables of their own)
+    gc.disable()  # full collections over torch's growing heap took a fifth of its import
     exec(_TARGETS[target][0])  # noqa: S102 - fixed import lines, the whole point of the zygote
-    gc.collect()
     gc.freeze()  # what was imported stays out of every collection: no copy-on-write, fast exits
+    gc.enable()
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
