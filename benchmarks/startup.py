@@ -26,10 +26,16 @@ Warm round trip: a no-op called on every worker, median of 50 (and for colab_par
 value (as after an edit) that builds a small transformer, wraps it in DDP and trains one step,
 median of 10, against a torchrun relaunch of the same work; the ratio is relaunch / warm call.
 
+Phases of a script's cold start (`--phases`): fresh processes, each stamping, in seconds after
+the library import, when each zygote of the warm pool serves, when the controller's connection
+file appears, when both engines are registered, when `start()` returns (bootstrap done) and when the
+first all_reduce is back (read by a watcher thread from the pool's sockets and the client's list
+of engines).
+
 Idle cost (`--idle`): a started 2-engine cluster left alone for 15 s, the CPU time of this process
 and every process below it (controller, engines, zygotes) read from /proc before and after.
 
-    python benchmarks/startup.py [--rounds 5] [--idle]
+    python benchmarks/startup.py [--rounds 5] [--idle | --phases]
 """
 from __future__ import annotations
 
@@ -213,6 +219,61 @@ def sample_arm(python: str, arm: str) -> dict[str, float]:
             **{key: stamps[key] for key in ("forked", "cell_ms") if key in stamps}}
 
 
+def arm_phases() -> dict[str, float]:
+    """One script cold start, with the time each phase ended (see the module's docstring)."""
+    import threading
+
+    from colab_par import Cluster, warm_pool
+
+    imported = time.time()
+    stamps: dict[str, float] = {}
+    cluster = Cluster(n=2, backend="gloo", dashboard=False)
+    done = threading.Event()
+
+    def mark(name: str) -> None:
+        stamps.setdefault(name, time.time() - imported)
+
+    def watch() -> None:
+        while not done.is_set():
+            pool = warm_pool._SHARED  # noqa: SLF001 - a benchmark reading the pool's state
+            for target in ("controller", "engine"):
+                if pool is not None and os.path.exists(pool.socket_path(target)):
+                    mark(f"{target} zygote ready")
+            ipp_cluster = cluster._ipp  # noqa: SLF001
+            controller = ipp_cluster.controller if ipp_cluster is not None else None
+            if controller is not None and os.path.exists(controller.connection_files["engine"]):
+                mark("controller ready")
+            client = cluster._client  # noqa: SLF001
+            if client is not None and len(client.ids) >= 2:
+                mark("engines registered")
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    cluster.start()
+    mark("bootstrap done")
+    assert cluster.run(all_reduce) == [2.0, 2.0]
+    mark("first all_reduce")
+    done.set()
+    watcher.join()
+    cluster.stop()
+    return stamps
+
+
+def phases(rounds: int) -> None:
+    samples = []
+    for _ in range(rounds):
+        done = subprocess.run([sys.executable, __file__, "--arm", "phases"], capture_output=True,
+                              text=True, timeout=300)
+        if done.returncode:
+            raise RuntimeError(f"the phases sample failed:\n{done.stderr[-3000:]}")
+        samples.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    print(f"script cold start, {rounds} fresh processes: seconds after `import colab_par`, median (min-max)")
+    names = sorted(samples[0], key=lambda name: statistics.median(s[name] for s in samples))
+    for name in names:
+        print(f"| {name} | {_spread([s[name] for s in samples])} |")
+
+
 def _cpu_seconds(pids: set[int]) -> float:
     """utime + stime of `pids` from /proc (processes gone meanwhile count zero)."""
     ticks, total = os.sysconf("SC_CLK_TCK"), 0
@@ -277,14 +338,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="samples per arm (at least 3)")
     parser.add_argument("--arm", help=argparse.SUPPRESS)  # one sample, in this fresh process
     parser.add_argument("--idle", action="store_true", help="measure a running cluster's idle CPU")
+    parser.add_argument("--phases", action="store_true", help="when each phase of a script's cold start ends")
     args = parser.parse_args()
     if args.idle:
         idle_cpu()
         return
+    if args.phases:
+        phases(args.rounds)
+        return
     if args.arm:
         runs = {"colab_par": lambda: arm_colab_par(False), "colab_par_nopool": lambda: arm_colab_par(False),
                 "colab_par_notebook": lambda: arm_colab_par(True),
-                "monarch": arm_monarch}
+                "monarch": arm_monarch, "phases": arm_phases}
         print(json.dumps(runs[args.arm]()))
         return
     if args.rounds < 3:

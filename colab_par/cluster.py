@@ -21,7 +21,8 @@ import ipyparallel as ipp
 import psutil
 from traitlets.config import Config
 
-from colab_par import compat, debugger, direct, engine, persist, postmortem, probe, recovery, warm_pool
+from colab_par import (compat, debugger, direct, engine, engine_setup, persist, postmortem, probe, recovery,
+                       warm_pool)
 from colab_par import pull as pulled
 from colab_par.backend import BACKENDS, choose_backend, device_problems, local_ranks
 from colab_par.launchers import SSH, Launcher, Slurm, launcher_from, launcher_from_state, launcher_state
@@ -172,6 +173,7 @@ class Cluster:
             self._ipp.start_cluster_sync(n=n)
             self._client = self._ipp.connect_client_sync()
             self._direct = direct.Channels(self._client)
+            _warm_serialization()
             self._wait_for_engines(n)
             self._engine_ids = sorted(self._client.ids)[:n]
             self._pids = descendant_pids() - before
@@ -424,19 +426,18 @@ class Cluster:
             return (f"rank(s) {ranks_text(dead)} died and the others stayed busy after an abort and an "
                     "interrupt, so every engine was restarted: all engine variables are gone")
         fresh = self._start_engines(len(dead))
-        view = self._client[fresh]
-        view.use_cloudpickle().get(timeout=self.timeout)
-        hosts = view.apply_async(engine.host_info, self._controller_address()).get(timeout=self.timeout)
         self._direct.forget([self._engine_ids[rank] for rank in dead])
-        for rank, engine_id, info in zip(dead, fresh, hosts):
-            self._engine_ids[rank], self._hosts[rank] = engine_id, info
-        self._set_up(dead)
-        self._seed(range(self.n))
+        prepared = self._prepare(fresh)
+        for rank, engine_id in zip(dead, fresh):
+            self._engine_ids[rank], self._hosts[rank] = engine_id, prepared[engine_id]["host"]
+            self._stack_files[rank] = prepared[engine_id]["stack_file"]
+        self._bind(dead)
+        if survivors:
+            self._seed(survivors)
         held = sorted(set().union(*self._client[[self._engine_ids[r] for r in survivors]].apply_sync(
             engine.user_names)) - {"rank", "world_size", "local_rank", "device"}) if survivors else []
         stale = self._stale_names(survivors)
-        self._join_world()
-        self._tell_identity(dead)
+        self._join_world(identify=dead)
         if self.persist:
             self._save_record()
         places = ", ".join(f"rank {r} on {self._hosts[r]['host']} ({self.devices[r]})" for r in dead)
@@ -639,41 +640,50 @@ class Cluster:
 
     def _bootstrap(self) -> None:
         """Choose the backend from the engines' own hosts, bind devices (before CUDA starts on the
-        engines), then rendezvous on rank 0's host."""
-        view = self._client[self._engine_ids]
-        view.use_cloudpickle().get(timeout=self.timeout)
-        hosts = view.apply_async(engine.host_info, self._controller_address()).get(timeout=self.timeout)
-        self._engine_ids, self._hosts = _ranked_by_host(self._engine_ids, hosts)
+        engines), then rendezvous on rank 0's host: three round trips (`colab_par.engine_setup`)."""
+        prepared = self._prepare(self._engine_ids)
+        self._engine_ids, self._hosts = _ranked_by_host(self._engine_ids,
+                                                        [prepared[eid]["host"] for eid in self._engine_ids])
         self.backend, note = choose_backend(self._requested_backend, self._hosts)
         if note:
             print(f"colab_par: {note}", file=sys.stderr)
-        self._stack_files, self.devices = [""] * self.n, [""] * self.n
-        self._set_up(range(self.n))
-        self._seed(range(self.n))
-        self._join_world()
-        self._tell_identity(range(self.n))
+        self._stack_files = [prepared[eid]["stack_file"] for eid in self._engine_ids]
+        self.devices = [""] * self.n
+        port = self._bind(range(self.n), rendezvous=True)
+        self._join_world(port, identify=range(self.n))
 
-    def _set_up(self, ranks: Iterable[int]) -> None:
-        """What an engine needs before its rank joins the world: stack dumps, the requests its
-        control thread answers, the release of post-mortem frames, its device."""
-        ranks = list(ranks)
-        view = self._client[[self._engine_ids[r] for r in ranks]]
-        for rank, path in zip(ranks, view.apply_async(engine.enable_stack_dumps).get(timeout=self.timeout)):
-            self._stack_files[rank] = path
-        view.apply_async(probe.install).get(timeout=self.timeout)
-        view.apply_async(postmortem.install).get(timeout=self.timeout)
-        self._open_direct(ranks)
+    def _prepare(self, engine_ids: list[int]) -> dict[int, dict[str, Any]]:
+        """`engine_setup.prepare` on fresh engines, whose direct channels are then connected; what
+        each engine reported, by engine id. The client serializes with cloudpickle from now on, as
+        the engines do (what `DirectView.use_cloudpickle` does, in the same round trip)."""
+        from ipyparallel.serialize import use_cloudpickle
+
+        reports = self._client[engine_ids].apply_async(
+            engine_setup.prepare, self._controller_address(), socket.gethostname()).get(timeout=self.timeout)
+        use_cloudpickle()
+        prepared = dict(zip(engine_ids, reports))
+        self._direct.connect({eid: report["direct_url"] for eid, report in prepared.items()})
+        return prepared
+
+    def _bind(self, ranks: Iterable[int], rendezvous: bool = False) -> int | None:
+        """Bind each of `ranks` to its device and seed it (`engine_setup.bind`), concurrently; with
+        `rendezvous`, rank 0 also opens the world's rendezvous socket, whose port is returned."""
         hosts = [info["host"] for info in self._hosts]
         local_rank = local_ranks(self._hosts)
-        bind = {r: self._client[[self._engine_ids[r]]].apply_async(engine.bind_device, local_rank[r],
-                                                            hosts.count(hosts[r]), self.backend)
-                for r in ranks}
-        for rank, result in bind.items():
-            self.devices[rank] = self._get(result, rank)
+        address = self._world_addresses()[0] if rendezvous else None
+        calls = {r: self._direct.apply([self._engine_ids[r]], engine_setup.bind,
+                                       (local_rank[r], hosts.count(hosts[r]), self.backend, self.seed,
+                                        address if r == 0 else None), {})
+                 for r in ranks}
+        port = None
+        for rank, result in calls.items():
+            self.devices[rank], opened = self._get(result, rank)
+            port = opened if rank == 0 else port
+        return port
 
     def _open_direct(self, ranks: list[int]) -> None:
-        """Direct channels to the engines of `ranks` on this host (`colab_par.direct`), opened before
-        a rank first joins a world (the connections it makes after that are the world's)."""
+        """Direct channels to the engines of `ranks` on this host (`colab_par.direct`): those a
+        persisted cluster's engines opened when they started."""
         local = [r for r in ranks if self._is_local(self._hosts[r])]
         if local:
             ids = [self._engine_ids[r] for r in local]
@@ -684,13 +694,6 @@ class Cluster:
         if self.seed is not None:
             view = self._client[[self._engine_ids[r] for r in ranks]]
             view.apply_async(engine.seed_generators, self.seed).get(timeout=self.timeout)
-
-    def _tell_identity(self, ranks: Iterable[int]) -> None:
-        local_rank = local_ranks(self._hosts)
-        for rank in ranks:
-            self._client[[self._engine_ids[rank]]].push({"rank": rank, "world_size": self.n,
-                                                  "local_rank": local_rank[rank],
-                                                  "device": self.devices[rank]}, block=True)
 
     def _controller_address(self) -> str:
         """The address engines reach the controller at (this host's primary one if it listens on all)."""
@@ -703,16 +706,22 @@ class Cluster:
             return ["127.0.0.1"]
         return list(dict.fromkeys(info["ip"] for info in self._hosts))
 
-    def _join_world(self) -> None:
+    def _join_world(self, port: int | None = None, identify: Iterable[int] = ()) -> None:
         """(Re-)initialise the process group on every rank through a fresh store that listens only
-        on the address the world uses (see `_world_addresses`): rank 0's."""
+        on the address the world uses (see `_world_addresses`): rank 0's, at `port` when `_bind`
+        opened it, else opened here. The ranks in `identify` (fresh engines) also get their
+        `rank`, `world_size`, `local_rank` and `device` names."""
         addr = self._world_addresses()[0]
         single_host = addr == "127.0.0.1"
-        port = self._get(self._client[[self._engine_ids[0]]].apply_async(engine.open_rendezvous, addr), 0)
-        joins = [self._client[[eid]].apply_async(engine.init_process_group, self.backend, addr, port, rank,
-                                               len(self._engine_ids), self.timeout,
-                                               addr if single_host else self._hosts[rank]["ip"])
-                 for rank, eid in enumerate(self._engine_ids)]
+        if port is None:
+            port = self._get(self._direct.apply([self._engine_ids[0]], engine.open_rendezvous, (addr,), {}), 0)
+        identify, local_rank = set(identify), local_ranks(self._hosts)
+        joins = [self._direct.apply([eid], engine_setup.join, (
+            self.backend, addr, port, rank, self.n, self.timeout,
+            addr if single_host else self._hosts[rank]["ip"],
+            {"rank": rank, "world_size": self.n, "local_rank": local_rank[rank],
+             "device": self.devices[rank]} if rank in identify else None), {})
+            for rank, eid in enumerate(self._engine_ids)]
         for rank, result in enumerate(joins):
             self._get(result, rank)
 
@@ -1014,6 +1023,17 @@ def _engine_config(nanny: bool, pool: warm_pool.WarmPool | None = None) -> Confi
         config.ControllerLauncher.controller_cmd = pool.command("controller")
     config.LocalEngineSetLauncher.delay = 0.0  # ranks come from sorted engine ids, not launch order
     return config
+
+
+def _warm_serialization() -> None:
+    """ipyparallel's serializer imports the types it special-cases (numpy's among them: 0.1 s) at
+    its first call, and `Cluster._prepare` cloudpickle: done here, while the engines start,
+    neither waits on engines that already registered."""
+    import cloudpickle  # noqa: F401 - imported for its side effect: loaded before it is needed
+    from ipyparallel.serialize import can, uncan
+
+    can(None)
+    uncan(None)
 
 
 def _reap(pids: set[int], grace_s: float) -> None:

@@ -46,7 +46,12 @@ FORKED_ENV = "COLAB_PAR_FORKED_FROM"
 """Set in every forked process to the zygote's pid: how a process (or a test) tells it came warm."""
 
 _TARGETS = {  # what each zygote imports, and what its forked children run
-    "engine": ("import torch.distributed, ipyparallel.engine.app, colab_par.engine, colab_par.probe",
+    # an engine's start imports its kernel's debugger (debugpy: its import checks this variable,
+    # which the engine sets before it), IPython's store magic and history database, and the
+    # bootstrap (`colab_par.engine_setup`) cloudpickle: each forked engine would import them anew
+    "engine": ("import os; os.environ.setdefault('PYDEVD_DISABLE_FILE_VALIDATION', '1'); "
+               "import torch.distributed, ipyparallel.engine.app, colab_par.engine_setup, cloudpickle, "
+               "ipykernel.debugger, IPython.extensions.storemagic, sqlite3",
                ENGINE_MAIN_CODE),
     "controller": ("import ipyparallel.controller.app",
                    "from ipyparallel.controller.app import main; main()"),
@@ -65,7 +70,7 @@ def enabled() -> bool:
 def cold_command(target: str) -> list[str]:
     """The ordinary command (a fresh interpreter) for `target`, what the proxy falls back to."""
     preload, run = _TARGETS[target]
-    return [sys.executable, "-c", f"{preload}; {run}"]
+    return [sys.executable, "-c", f"import gc; gc.disable(); {preload}; gc.enable(); {run}"]
 
 
 class WarmPool:
@@ -177,10 +182,11 @@ def _serve(path: str, target: str) -> dict[str, Any] | None:
     """Import what `target` needs, then fork one child per request; return, in a forked child
     only, the request it is to run. The zygote itself returns None when its owner is gone (its
     stdin closed) or on SIGTERM."""
+    own_env = dict(os.environ)  # what it started with (its imports may set variables of their own)
+    gc.disable()  # full collections over torch's growing heap took a fifth of its import
     exec(_TARGETS[target][0])  # noqa: S102 - fixed import lines, the whole point of the zygote
-    gc.collect()
     gc.freeze()  # what was imported stays out of every collection: no copy-on-write, fast exits
-    own_env = dict(os.environ)
+    gc.enable()
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)

@@ -99,10 +99,32 @@ def wait_until_gone(pids):
     return not pids & descendant_pids()
 
 
+def first_draws_and_identity():
+    import random
+
+    import torch
+    from IPython import get_ipython
+
+    names = get_ipython().user_ns
+    return random.random(), torch.rand(2).tolist(), {key: names[key] for key in
+                                                     ("rank", "world_size", "local_rank", "device")}
+
+
 def test_context_manager_stop_leaves_no_process_behind_and_a_users_interface_is_kept(monkeypatch):
+    """Also: a start seeds every rank's generators from `seed` and gives each its names."""
+    import random
+
+    import torch
+
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "=ib0")  # the user's choice: the engines inherit it
+    random.seed(7)
+    torch.manual_seed(7)
+    reference = (random.random(), torch.rand(2).tolist())  # one process seeded the same way
     before = descendant_pids()
-    with Cluster(n=2, dashboard=False) as cluster:
+    with Cluster(n=2, dashboard=False, seed=7) as cluster:
+        assert cluster.run(first_draws_and_identity) == [
+            (*reference, {"rank": rank, "world_size": 2, "local_rank": rank, "device": "cpu"})
+            for rank in (0, 1)]
         started = descendant_pids() - before
         assert len(started) >= 3  # controller + 2 engines (+ nannies)
         assert cluster.run(rank_and_sum, 0.0)[1][2] == 1.0
