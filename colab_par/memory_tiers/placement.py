@@ -3,7 +3,7 @@
 Pure arithmetic over byte counts (no tensors), so it is decided the same way on every call and
 can be read on its own. Pinned kinds go where the layout pins them. "auto" kinds fill the fast
 tier (the device; on a CPU-only machine device and host are one memory) in the order gradients,
-then optimizer state chunk by chunk (parameters stay resident: they are in `fixed`), under
+then optimizer state chunk by chunk (parameters stay resident unless pinned to disk: in `fixed`), under
 budget - fixed - working - streaming buffers; the rest goes to the overflow tier (host memory on
 CUDA, else the disk tier). Everything outside the budget is the process's baseline: what it held
 before the model was built (interpreter, torch, communication buffers).
