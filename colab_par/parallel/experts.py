@@ -25,14 +25,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from colab_par.layout import Layout
 from colab_par.models.moe import Experts, MoE, inverse_permutation
 from colab_par.parallel.data_parallel import GradientAverager, fsdp_options
+from colab_par.parallel.expert_tensor import GPT_EXPERT_SPLITS, TensorSplit, hf_expert_splits
 from colab_par.parallel.hf_experts import GlobalBalanceLoss, HFExpertLayer, balance_loss_for, hf_expert_layers
-from colab_par.parallel.mesh import build_expert_mesh
+from colab_par.parallel.mesh import build_expert_mesh, build_mesh
 
 __all__ = ["moe_layers", "apply_expert_parallel", "ExpertStep", "AllToAllDispatch", "ScaleGradients"]
 
@@ -116,37 +118,72 @@ def _expert_weights(layer: Layer) -> tuple[nn.Module, list[str]]:
     others = {name for name, _ in layer.module.named_parameters()} - set(layer.weight_names)
     if others:
         raise ValueError(f"the experts module {type(layer.module).__name__} also holds {sorted(others)}, "
-                         "which its ep plan does not shard by expert; train this model with ep=1")
+                         "which its ep plan does not split by expert; train this model with ep=1 and tp=1")
     return layer.module, layer.weight_names
+
+
+def _tensor_split(model: nn.Module, layer: Layer, experts: nn.Module, names: list[str],
+                  tp_group: dist.ProcessGroup) -> TensorSplit:
+    """How tp splits this layer's experts inside: the kit's GPT by its own plan, a Hugging Face
+    family by its ``base_model_tp_plan``."""
+    if isinstance(layer, MoE):
+        split, owner = TensorSplit(tp_group, GPT_EXPERT_SPLITS), "feed_forward.experts"
+    else:
+        split, owner = TensorSplit(tp_group, hf_expert_splits(model, layer.name, names)), layer.name
+    split.check(experts, owner)
+    return split
+
+
+def _weights_mesh(layout: Layout, device: torch.device) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """The mesh expert weights are DTensors on ((ep, tp), ep or tp: the dims that split them)
+    and, with ep, the ("edp", "ep") expert mesh."""
+    whole, _ = build_mesh(layout, device)
+    expert_mesh = build_expert_mesh(layout, device) if layout.ep > 1 else None
+    dims = tuple(name for name in ("ep", "tp") if getattr(layout, name) > 1)
+    source = expert_mesh if expert_mesh is not None else whole
+    return source[dims if len(dims) > 1 else dims[0]], expert_mesh
 
 
 def apply_expert_parallel(model: nn.Module, layout: Layout, device: torch.device,
                           data_group: dist.ProcessGroup | None) -> ExpertStep:
     """Give the MoE layers their balance-statistics group (`data_group`, the ranks sharing the
-    global batch) and, for ep > 1, keep this rank's experts, route tokens by all-to-all and set up
-    the experts' gradient reduction."""
+    global batch); for ep > 1 keep this rank's experts, route tokens by all-to-all and set up the
+    experts' gradient reduction; for tp > 1 keep this rank's slice of every expert
+    (`expert_tensor.py`)."""
     layers: list[Layer] = moe_layers(model) or hf_expert_layers(model)
     balance = balance_loss_for(model, data_group)
     for layer in layers:
         layer.stats_group = data_group
-    if layout.ep == 1 or not layers:
+    if (layout.ep == 1 and layout.tp == 1) or not layers:
         return ExpertStep(None, balance)
-    mesh = build_expert_mesh(layout, device)
-    ep_mesh, replicas = mesh["ep"], mesh["edp"]
-    dispatch = AllToAllDispatch(ep_mesh.get_group())
+    weights_mesh, expert_mesh = _weights_mesh(layout, device)
+    tp_mesh = build_mesh(layout, device)[0]["tp"]
+    ep_rank = expert_mesh["ep"].get_local_rank() if expert_mesh is not None else 0
+    dispatch = AllToAllDispatch(expert_mesh["ep"].get_group()) if expert_mesh is not None else None
     params: list[nn.Parameter] = []
     for layer in layers:
         experts, names = _expert_weights(layer)
+        split = _tensor_split(model, layer, experts, names, tp_mesh.get_group()) if layout.tp > 1 else None
         for name in names:
             weight = getattr(experts, name)
-            mine = weight.detach().chunk(layout.ep)[ep_mesh.get_local_rank()].clone()
-            sharded = nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False),
+            mine, placements = weight.detach(), []
+            if layout.ep > 1:
+                mine, placements = mine.chunk(layout.ep)[ep_rank], [Shard(0)]
+            if split is not None:
+                dim = split.splits[name].dim
+                mine, placements = mine.chunk(layout.tp, dim)[tp_mesh.get_local_rank()], [*placements, Shard(dim)]
+            sharded = nn.Parameter(DTensor.from_local(mine.clone(), weights_mesh, placements, run_check=False),
                                    requires_grad=weight.requires_grad)
             experts.register_parameter(name, sharded)
+        layer.tensor_split = split
+        if expert_mesh is None:
+            continue  # tp alone: the experts' gradients are averaged over dp like every other
         layer.dispatch = dispatch
         if layout.zero >= 2:
-            fully_shard(experts, mesh=replicas, **fsdp_options(layout))
+            fully_shard(experts, mesh=expert_mesh["edp"], **fsdp_options(layout))
         params += experts.parameters()  # FSDP's own, where it replaced them
+    if expert_mesh is None:
+        return ExpertStep(None, balance)
     if layout.zero >= 2:
         return ExpertStep(ScaleGradients(params, 1.0 / layout.ep), balance)
-    return ExpertStep(GradientAverager(params, replicas.get_group(), divisor=layout.dp), balance)
+    return ExpertStep(GradientAverager(params, expert_mesh["edp"].get_group(), divisor=layout.dp), balance)
