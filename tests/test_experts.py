@@ -53,6 +53,15 @@ def test_moe_gpt_under_ep_and_tp_trains_like_single_process(cluster4, kind: str)
     assert_parity(cluster4.run(engine_run, "dp2 ep2 tp2", kind, STEPS), reference_run(kind, STEPS))
 
 
+@pytest.mark.parametrize("layout, kind", [("pp2 dp2 ep2", "gpt-moe"), ("pp2 dp2 ep2 gpipe mb1", "gpt-moe-aux")])
+def test_moe_gpt_under_pipeline_and_ep_trains_like_single_process(cluster4, layout: str, kind: str) -> None:
+    """Each stage's MoE layers split over ep; the balance losses of BOTH stages reach the loss and
+    the gradients (a loss computed in stage 0 rides on its output into its backward). One
+    microbatch with the balance loss: it is computed per global microbatch, as one process
+    accumulating over the same microbatches would, and the reference takes the batch whole."""
+    assert_parity(cluster4.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
+
+
 # ---- each rank holds its n_experts/ep experts -----------------------------------------------------
 def _expert_pieces(layout: str) -> tuple[int, dict[str, torch.Tensor]]:
     """Engine side: this rank and its local pieces of every expert weight, after parallelize."""
@@ -145,7 +154,8 @@ def test_trainer_rows_count_the_tokens_each_expert_got(cluster2) -> None:
     ("tp4 2d", MOE_SIZES, "has no split of the experts inside"),
     ("dp2 ep2 zero1", MOE_SIZES, "use zero=0, zero=2 or zero=3"),
     ("dp2 ep2 compile", MOE_SIZES, "with ep drop 'compile'"),
-    ("pp2", MOE_SIZES, "not pp=2"),
+    ("dp2 cp2", MOE_SIZES, "not cp=2"),
+    ("pp2 dp2 ep2 zero2", MOE_SIZES, "ep with pp trains with zero=0 and tp=1"),
 ])
 def test_impossible_expert_layouts_are_refused(layout: str, config: dict, message: str) -> None:
     with pytest.raises(LayoutError, match=re.escape(message)):
@@ -161,8 +171,9 @@ def test_ep_is_a_layout_token_and_enumerated_only_when_asked() -> None:
     assert {l.ep for l in asked} == {1, 2, 4}
     for layout in asked:  # exactly what validate accepts (ep's rules run inside the enumeration)
         layout.validate(4, moe)
-        assert layout.ep == 1 or (layout.zero != 1 and layout.dp * layout.tp == 4 and layout.pp == 1
-                                  and (layout.tp == 1 or layout.zero == 0))
+        assert layout.ep == 1 or (layout.zero != 1 and layout.dp * layout.tp * layout.pp == 4 and layout.cp == 1
+                                  and (layout.tp == 1 or layout.zero == 0)
+                                  and (layout.pp == 1 or (layout.tp == 1 and layout.zero == 0)))
     assert Layout.parse("dp2 ep2 tp2") in asked
 
 

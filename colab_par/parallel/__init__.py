@@ -374,17 +374,13 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
     fill = (lambda part: None) if record is None else functools.partial(
         materialize, record=record, device=device, weights=weights)
 
-    data_group = dp_cp_mesh.get_group() if layout.dp * layout.cp > 1 else None
-    experts = apply_expert_parallel(model, layout, device, data_group)  # before FSDP / DDP
-    if experts.balance is not None and layout.pp > 1:
-        raise ValueError("the routers' balance loss (output_router_logits=True) is not added to pipeline "
-                         "stages' losses yet; use pp=1 or set config.output_router_logits=False")
-
     parts, names = [model], _state_names(model) if layout.pp > 1 else {}
     if layout.pp > 1:
         example = None if example_batch is None else _first_microbatch(example_batch, layout, mesh)
         parts = split_model(model, layout, mesh["pp"].get_local_rank(), split_points=split_points,
                             block_types=block_types, example_batch=example)
+    data_group = dp_cp_mesh.get_group() if layout.dp * layout.cp > 1 else None
+    experts = apply_expert_parallel(parts, layout, device, data_group)  # before TP and FSDP / DDP
     parts = [_parallelize_part(part, layout, mesh, dp_cp_mesh, device, hf, tp_plan,
                                _part_blocks(part, block_types, block_names), fill, adapters) for part in parts]
 
@@ -399,7 +395,7 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
     runner = None
     if layout.pp > 1:
         runner = PipelineRunner(parts, layout, mesh["pp"].get_group(), token_loss, device,
-                                batch_loss_fn=batch_loss)
+                                batch_loss_fn=batch_loss, stage_losses=experts.stages)
     rebuild = _rebuilder(model)
     if adapters is not None and rebuild is not None:
         rebuild = adapters.factory(rebuild)

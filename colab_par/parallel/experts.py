@@ -36,7 +36,7 @@ from colab_par.parallel.expert_tensor import GPT_EXPERT_SPLITS, TensorSplit, hf_
 from colab_par.parallel.hf_experts import GlobalBalanceLoss, HFExpertLayer, balance_loss_for, hf_expert_layers
 from colab_par.parallel.mesh import build_expert_mesh, build_mesh
 
-__all__ = ["moe_layers", "apply_expert_parallel", "ExpertStep", "AllToAllDispatch", "ScaleGradients"]
+__all__ = ["moe_layers", "apply_expert_parallel", "ExpertStep", "StageExperts", "AllToAllDispatch", "ScaleGradients"]
 
 Layer = MoE | HFExpertLayer
 
@@ -104,11 +104,71 @@ class ScaleGradients:
 @dataclass
 class ExpertStep:
     """What the experts step leaves for training: the experts' gradient reduction after backward
-    (None without ep) and a Hugging Face family's global balance loss to add to each loss (None
-    where the model has none switched on; the kit's GPT adds its own)."""
+    (None without ep), a Hugging Face family's global balance loss to add to each loss (None
+    where the model has none switched on; the kit's GPT adds its own), and under pipeline
+    parallel the stages' balance losses and counts (`StageExperts`, for the runner)."""
 
     averager: GradientAverager | ScaleGradients | None = None
     balance: GlobalBalanceLoss | None = None
+    stages: "StageExperts | None" = None
+
+
+class _CarryLoss(torch.autograd.Function):
+    """`output` unchanged; backward also starts `loss`'s backward (gradient 1): a loss computed
+    inside a pipeline stage reaches the parameters it depends on with the stage's own backward."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, torch.ones((), dtype=grad.dtype, device=grad.device)
+
+
+class StageExperts:
+    """Pipeline parallel: the MoE layers of this rank's stages, seen by the runner once per stage
+    forward of each microbatch. Their balance losses (the kit's GPT adds them in its loss_fn, which
+    only the last stage calls, and which sees no stage's layers) ride on the stage's output into
+    its backward, weighted like the microbatch's loss; their token counts are summed over the
+    step's microbatches, so `last_counts` holds the step's (as without pp)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        self.layers = [moe_layers(part) for part in parts]
+        self.counts: list[list[torch.Tensor | None]] = []
+        self.loss = 0.0
+
+    def begin(self) -> None:
+        self.counts, self.loss = [[None] * len(layers) for layers in self.layers], 0.0
+
+    def after_forward(self, index: int, output: Any, weight: float) -> Any:
+        """After part `index`'s forward of one microbatch whose loss weighs `weight`. Forwards
+        outside a training step (an evaluation's) and torch's shape inference on a stage's first
+        step (no gradients, meta inputs) count nothing and carry no loss."""
+        if not self.counts or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) \
+                or output.is_meta:
+            return output
+        sums = self.counts[index]
+        for i, layer in enumerate(self.layers[index]):
+            if layer.last_counts is not None:
+                sums[i] = layer.last_counts if sums[i] is None else sums[i] + layer.last_counts
+        terms = [term for layer in self.layers[index] if isinstance(layer, MoE)
+                 for term in [layer.take_aux_loss()] if term is not None]
+        if not terms:
+            return output
+        loss = sum(terms) * weight
+        self.loss += float(loss.detach())
+        return _CarryLoss.apply(output, loss)
+
+    def finish(self) -> float:
+        """The step's balance loss on this rank's stages (as weighted in the loss); the layers'
+        `last_counts` become the step's."""
+        for layers, sums in zip(self.layers, self.counts):
+            for layer, total in zip(layers, sums):
+                if total is not None:
+                    layer.last_counts = total
+        self.counts = []
+        return self.loss
 
 
 def _expert_weights(layer: Layer) -> tuple[nn.Module, list[str]]:
@@ -144,18 +204,22 @@ def _weights_mesh(layout: Layout, device: torch.device) -> tuple[DeviceMesh, Dev
     return source[dims if len(dims) > 1 else dims[0]], expert_mesh
 
 
-def apply_expert_parallel(model: nn.Module, layout: Layout, device: torch.device,
+def apply_expert_parallel(parts: list[nn.Module], layout: Layout, device: torch.device,
                           data_group: dist.ProcessGroup | None) -> ExpertStep:
-    """Give the MoE layers their balance-statistics group (`data_group`, the ranks sharing the
-    global batch); for ep > 1 keep this rank's experts, route tokens by all-to-all and set up the
-    experts' gradient reduction; for tp > 1 keep this rank's slice of every expert
-    (`expert_tensor.py`)."""
-    layers: list[Layer] = moe_layers(model) or hf_expert_layers(model)
-    balance = balance_loss_for(model, data_group)
+    """On the model (or this rank's pipeline stages): give the MoE layers their balance-statistics
+    group (`data_group`, the ranks sharing the global batch); for ep > 1 keep this rank's experts,
+    route tokens by all-to-all and set up the experts' gradient reduction; for tp > 1 keep this
+    rank's slice of every expert (`expert_tensor.py`)."""
+    layers: list[Layer] = moe_layers(parts) or [layer for part in parts for layer in hf_expert_layers(part)]
+    balance = balance_loss_for(parts[0], data_group)
+    if balance is not None and layout.pp > 1:
+        raise ValueError("the routers' balance loss of a Hugging Face MoE (output_router_logits=True) is not "
+                         "added to pipeline stages' losses yet; use pp=1 or set config.output_router_logits=False")
+    stages = StageExperts(parts) if layout.pp > 1 and layers else None
     for layer in layers:
         layer.stats_group = data_group
     if (layout.ep == 1 and layout.tp == 1) or not layers:
-        return ExpertStep(None, balance)
+        return ExpertStep(None, balance, stages)
     weights_mesh, expert_mesh = _weights_mesh(layout, device)
     tp_mesh = build_mesh(layout, device)[0]["tp"]
     ep_rank = expert_mesh["ep"].get_local_rank() if expert_mesh is not None else 0
@@ -163,7 +227,7 @@ def apply_expert_parallel(model: nn.Module, layout: Layout, device: torch.device
     params: list[nn.Parameter] = []
     for layer in layers:
         experts, names = _expert_weights(layer)
-        split = _tensor_split(model, layer, experts, names, tp_mesh.get_group()) if layout.tp > 1 else None
+        split = _tensor_split(parts[0], layer, experts, names, tp_mesh.get_group()) if layout.tp > 1 else None
         for name in names:
             weight = getattr(experts, name)
             mine, placements = weight.detach(), []
@@ -183,7 +247,7 @@ def apply_expert_parallel(model: nn.Module, layout: Layout, device: torch.device
             fully_shard(experts, mesh=expert_mesh["edp"], **fsdp_options(layout))
         params += experts.parameters()  # FSDP's own, where it replaced them
     if expert_mesh is None:
-        return ExpertStep(None, balance)
+        return ExpertStep(None, balance, stages)
     if layout.zero >= 2:
-        return ExpertStep(ScaleGradients(params, 1.0 / layout.ep), balance)
-    return ExpertStep(GradientAverager(params, expert_mesh["edp"].get_group(), divisor=layout.dp), balance)
+        return ExpertStep(ScaleGradients(params, 1.0 / layout.ep), balance, stages)
+    return ExpertStep(GradientAverager(params, expert_mesh["edp"].get_group(), divisor=layout.dp), balance, stages)
