@@ -62,6 +62,12 @@ def test_moe_gpt_under_pipeline_and_ep_trains_like_single_process(cluster4, layo
     assert_parity(cluster4.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
 
 
+def test_hf_moe_under_pipeline_and_ep_trains_like_transformers(cluster4) -> None:
+    """A Hugging Face family's stages split over ep the same way (its balance loss under pp is
+    refused: `test_hf_experts.py`)."""
+    assert_parity(cluster4.run(engine_run, "pp2 dp2 ep2", "qwen3-moe", 6), reference_run("qwen3-moe", 6))
+
+
 # ---- each rank holds its n_experts/ep experts -----------------------------------------------------
 def _expert_pieces(layout: str) -> tuple[int, dict[str, torch.Tensor]]:
     """Engine side: this rank and its local pieces of every expert weight, after parallelize."""
@@ -99,24 +105,24 @@ COUNT_STEPS, GRAD_ACCUM = 3, 2
 DATA = dict(vocab_size=MOE_SIZES["vocab_size"], seq_len=MOE_SIZES["seq_len"], batch_size=4, seed=5)
 
 
-def _trainer_rows(layout: str) -> list[dict]:
+def _trainer_rows(layout: str, kind: str) -> list[dict]:
     from colab_par import parallelize
     from colab_par.data import SyntheticDataset
     from colab_par.train import Trainer
 
-    pm = parallelize(engine_model("gpt-moe-aux", "module"), layout,
+    pm = parallelize(engine_model(kind, "module"), layout,
                      optimizer_fn=lambda p: torch.optim.AdamW(p, lr=LR))
     trainer = Trainer(pm, SyntheticDataset(**DATA), steps=COUNT_STEPS, grad_accum=GRAD_ACCUM)
     trainer.fit()
     return trainer.history
 
 
-def _one_process_counts() -> list[torch.Tensor]:
+def _one_process_counts(kind: str) -> list[torch.Tensor]:
     """Per step, (layer, expert) counts of the routers' choices training in one process."""
     from colab_par.data import SyntheticDataset
     from colab_par.parallel.experts import moe_layers
 
-    model, data = build_model("gpt-moe-aux", SEED), SyntheticDataset(**DATA)
+    model, data = build_model(kind, SEED), SyntheticDataset(**DATA)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     per_step = []
     for step in range(COUNT_STEPS):
@@ -131,10 +137,14 @@ def _one_process_counts() -> list[torch.Tensor]:
     return per_step
 
 
-def test_trainer_rows_count_the_tokens_each_expert_got(cluster2) -> None:
-    expected = _one_process_counts()
+@pytest.mark.parametrize("cluster, layout, kind", [("cluster2", "dp2 ep2", "gpt-moe-aux"),
+                                                   ("cluster4", "pp2 dp2 ep2", "gpt-moe")])
+def test_trainer_rows_count_the_tokens_each_expert_got(request, cluster: str, layout: str, kind: str) -> None:
+    """pp: each stage counts its own layers, summed over the step's two microbatches; the rows
+    number the whole model's layers (no balance loss there: per microbatch it trains otherwise)."""
+    expected = _one_process_counts(kind)
     tokens = GRAD_ACCUM * DATA["batch_size"] * DATA["seq_len"] * MOE_SIZES["top_k"]
-    for history in cluster2.run(_trainer_rows, "dp2 ep2"):
+    for history in request.getfixturevalue(cluster).run(_trainer_rows, layout, kind):
         assert [row["step"] for row in history] == list(range(1, COUNT_STEPS + 1))
         for row, counts in zip(history, expected):
             assert counts.sum(1).tolist() == [tokens] * MOE_SIZES["n_layer"]

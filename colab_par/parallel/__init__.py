@@ -259,6 +259,11 @@ class ParallelModel:
         """Share of the last step this rank sat idle in the pipeline (0 without pipeline parallel)."""
         return self._runner.last_bubble if self._runner is not None else 0.0
 
+    @property
+    def stage_ids(self) -> list[int]:
+        """The pipeline stage id of each of `model_parts` ([0] without pipeline parallel)."""
+        return list(self._runner.stage_ids) if self._runner is not None else [0]
+
     def optimizer_step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
