@@ -1,10 +1,10 @@
 """``parallelize(model, layout)``: one call that spreads a model over the ranks of a Layout.
 
 Runs on every engine (torch.distributed already initialised). The order is the one torchtitan uses,
-and each step is a file of its own: mesh -> experts (expert parallel) -> tensor (+ sequence)
-parallel -> context parallel -> activation checkpointing -> per-block compile -> FSDP / ZeRO / DDP
--> pipeline split and schedule (for pipeline parallel the model is split first and every step is
-applied to each local stage module) -> optimizer -> memory tiers (`tiering.py`: with a budget or
+and each step is a file of its own: mesh -> pipeline split -> experts (expert parallel, and the
+experts' tensor split) -> tensor (+ sequence) parallel -> context parallel -> activation
+checkpointing -> per-block compile -> FSDP / ZeRO / DDP -> pipeline schedule (for pipeline
+parallel every step after the split is applied to each local stage module) -> optimizer -> memory tiers (`tiering.py`: with a budget or
 pinned tiers the optimizer becomes a chunked `TieredAdamW` over the local tensors).
 The returned `ParallelModel` trains on the GLOBAL batch: it takes this rank's data- and
 context-parallel slice itself, so a training loop is the same for every layout.

@@ -16,6 +16,10 @@ own `set_gradient_divide_factor` reduces with PREMUL_SUM, which gloo lacks). The
 balance-loss statistics are summed over all ranks sharing the global batch (`MoE.stats_group`),
 with or without ep. Hugging Face MoE families take the same path from their own ep plan
 (`hf_experts.py`), their balance loss made global there.
+
+With tp the same step splits every expert inside too (`expert_tensor.py`): the weights become one
+DTensor over the (ep, tp) mesh. With pp it runs on each stage after the split, and `StageExperts`
+lets the pipeline runner carry each stage's balance losses into its backward.
 """
 from __future__ import annotations
 

@@ -9,6 +9,9 @@ GPT-OSS, ...) under the kit's expert parallel and balance-loss rules, found from
   (token, choice) pair travels by all-to-all to the rank holding its expert, runs there through the
   family's OWN experts forward on the local slice (local expert indices, weight 1), comes back and
   is weighted and summed over the top-k choices here. Dropless, like the kit's GPT.
+- Tensor parallel (`expert_tensor.py`): the family's forward runs on this rank's slice of every
+  expert (``_local_slice`` with the packed gate|up regrouped), its input and routing weights
+  entering and its output leaving through the tp collectives.
 - Counts: every wrapped experts module records how many (token, choice) pairs each expert got
   (`last_counts`), so the Trainer publishes ``expert_tokens.<layer>.<expert>`` rows for these
   models too.
