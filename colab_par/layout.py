@@ -449,28 +449,43 @@ def _check_experts_split(layout: Any, world: int | None, sizes: dict, device: st
 def _check_experts_compose(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     if layout.ep == 1:
         return
-    others = [f"{name}={getattr(layout, name)}" for name in ("tp", "pp", "cp") if getattr(layout, name) > 1]
-    if others:
-        raise LayoutError(f"ep composes with dp, zero and activation checkpointing so far, not with "
-                          f"{', '.join(others)} (the experts' all-to-all is not built into tensor, "
-                          f"pipeline or context parallel yet); "
+    if layout.cp > 1:
+        raise LayoutError(f"ep composes with dp, zero, tp, pp and activation checkpointing so far, not with "
+                          f"cp={layout.cp} (the experts' all-to-all is not built into context parallel yet); "
                           f"use e.g. 'dp{layout.dp} ep{layout.ep}' or drop ep")
+    if layout.pp > 1 and (layout.tp > 1 or layout.zero > 0):
+        raise LayoutError("ep with pp trains with zero=0 and tp=1 so far (ep with pp and tp or zero is not "
+                          "proven); use e.g. 'pp2 dp2 ep2' or 'dp2 ep2 tp2'")
     if layout.zero == 1:
         raise LayoutError("zero=1 (ZeroRedundancyOptimizer) would mix the different experts dp ranks "
                           "hold; with ep use zero=0, zero=2 or zero=3")
+    if layout.tp > 1 and layout.zero >= 2:
+        raise LayoutError(f"zero={layout.zero} with ep and tp would shard the experts over three mesh dims "
+                          "(edp, ep, tp), which is not built; with ep and tp use zero=0")
     if layout.compile:
         raise LayoutError("compile is not proven with the experts' all-to-all (its token counts change "
                           "every step); with ep drop 'compile'")
 
 
-@_rule("tp", "pp", "cp")
+@_rule("tp", "tp_mode", "sequence_parallel")
+def _check_experts_split_inside(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    if not sizes.get("n_experts") or layout.tp == 1:
+        return
+    if layout.tp_mode != "1d":
+        raise LayoutError(f"tp_mode={layout.tp_mode!r} has no split of the experts inside (tp splits "
+                          "them along one dim of ranks); use the 1d tensor parallel of e.g. 'tp2' or ep")
+    if layout.sequence_parallel:
+        raise LayoutError("the experts take whole sequences under tp (sequence parallel is not built into "
+                          "their split); drop 'sp'")
+
+
+@_rule("cp")
 def _check_moe_gpt(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     if not sizes.get("n_experts") or sizes.get("hugging_face") or sizes.get("generic_model"):
         return
-    others = [f"{name}={getattr(layout, name)}" for name in ("tp", "pp", "cp") if getattr(layout, name) > 1]
-    if others:
-        raise LayoutError(f"the MoE GPT trains under dp, zero and ep so far, not {', '.join(others)}; "
-                          "use e.g. 'dp2 ep2' or 'dp2 zero3'")
+    if layout.cp > 1:
+        raise LayoutError(f"the MoE GPT trains under dp, zero, tp, pp and ep so far, not cp={layout.cp}; "
+                          "use e.g. 'dp2 ep2', 'tp2' or 'pp2 dp2 ep2'")
 
 
 @_rule("offload", "zero")

@@ -237,11 +237,12 @@ class Plan:
 def _local_params(spec: ModelSpec, layout: Layout) -> tuple[float, float]:
     """(parameters on the fullest rank, one transformer layer's share) after TP and PP splits.
 
-    Matrices are split over tp (vocabulary too); norm weights are replicated. With pp > 1 the
+    Matrices are split over tp (vocabulary too); norm weights and MoE routers are replicated. With pp > 1 the
     fullest rank holds the first stage (embedding) or the last (final norm and output head).
     """
     t, d = layout.tp, spec.d_model
-    layer = spec.layer_matrix_params / t + 2 * d
+    router = d * spec.n_experts  # a MoE layer's router stays whole on every tp rank
+    layer = (spec.layer_matrix_params - router) / t + router + 2 * d
     layers = spec.n_layer / layout.pp * layer
     embedding = spec.vocab_size * d / t
     head = 0 if spec.tied_embeddings and layout.pp == 1 else embedding
@@ -312,11 +313,13 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
     grid = layout.tp_mode != "1d"
     local, layer_params = grid_local_params(spec, layout) if grid else _local_params(spec, layout)
     local, trainable = _with_whole_adapters(spec, local) if grid else (local, spec.trainable)
-    # expert parallel: a rank keeps n_experts/ep of each layer's experts (tp and pp do not compose)
-    experts = local_expert_params(spec, layout.ep) if layout.ep > 1 else 0.0
+    # expert parallel: a rank keeps n_experts/ep of each layer's experts, of those its tp slice
+    # (tp splits every expert inside) and its pp stage's layers
+    inside = layout.tp * layout.pp
+    experts = local_expert_params(spec, layout.ep) / inside if layout.ep > 1 else 0.0
     if experts:
-        local -= spec.expert_params - experts
-    layer_params -= spec.layer_expert_params * (1 - 1 / layout.ep)
+        local -= spec.expert_params / inside - experts
+    layer_params -= spec.layer_expert_params / layout.tp * (1 - 1 / layout.ep)
 
     # model state: the ZeRO accounting; zero=2 is FSDP with reshard_after_forward=False, which keeps
     # the gathered parameters from forward to backward (peak = ZeRO-2) and reshards after backward

@@ -193,8 +193,10 @@ class ExpertLoad:
     routers' own choices (`MoE.last_counts`), read after each micro-step's forward and backward (a
     recomputed forward repeats the same counts, so activation checkpointing counts once)."""
 
-    def __init__(self, layers: list[Any]):
-        self.layers = layers
+    def __init__(self, layers: list[Any], *, stages: list[int] | None = None, pp_group: Any = None):
+        """`stages`: under pipeline parallel, the stage id holding each layer, and `pp_group` the
+        ranks holding the other stages: rows then number the layers of the whole model."""
+        self.layers, self.stages, self.pp_group = layers, stages, pp_group
         self.counts: torch.Tensor | None = None
 
     def start_step(self) -> None:
@@ -209,8 +211,14 @@ class ExpertLoad:
         counts, group = self.counts, self.layers[0].stats_group
         if group is not None:
             torch.distributed.all_reduce(counts, group=group)
+        per_layer = counts.tolist()
+        if self.pp_group is not None:  # every stage's layers, in model order (stage, then position)
+            mine = [(stage, i, row) for i, (stage, row) in enumerate(zip(self.stages, per_layer))]
+            gathered: list[Any] = [None] * torch.distributed.get_world_size(self.pp_group)
+            torch.distributed.all_gather_object(gathered, mine, group=self.pp_group)
+            per_layer = [row for _, _, row in sorted(entry for piece in gathered for entry in piece)]
         return {expert_row_key(layer, expert): float(n)
-                for layer, per_expert in enumerate(counts.tolist())
+                for layer, per_expert in enumerate(per_layer)
                 for expert, n in enumerate(per_expert)}
 
 

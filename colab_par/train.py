@@ -289,8 +289,13 @@ class Trainer:
         if self._expert_load is None or self._expert_load[0] is not self.pm:  # a relayout changes it
             from colab_par.parallel.experts import moe_layers
 
-            layers = moe_layers(self.pm.model_parts)
-            self._expert_load = (self.pm, telem.ExpertLoad(layers) if layers else None)
+            pm = self.pm
+            layers = moe_layers(pm.model_parts)
+            pipeline = {}
+            if pm.layout.pp > 1:  # the stage of each layer, for rows numbering the whole model's layers
+                stages = [sid for part, sid in zip(pm.model_parts, pm.stage_ids) for _ in moe_layers(part)]
+                pipeline = dict(stages=stages, pp_group=pm.mesh["pp"].get_group())
+            self._expert_load = (pm, telem.ExpertLoad(layers, **pipeline) if layers else None)
         return self._expert_load[1]
 
     @contextlib.contextmanager

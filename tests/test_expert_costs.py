@@ -105,6 +105,20 @@ def test_a_real_step_costs_what_the_planner_says(request, cluster: str, layout: 
 
 
 # ---- the search and the picker -------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["dp2 ep2 tp2", "pp2 dp2 ep2"])
+def test_expert_parameters_per_rank_under_tp_and_pp(cluster4, layout: str) -> None:
+    """tp slices every expert a rank holds, pp keeps its stage's layers: the planner's resting
+    parameters and optimizer state equal what each rank holds after a real step."""
+    parsed, spec = Layout.parse(layout), ModelSpec.of(CONFIG)
+    plan_ = estimate(CONFIG, parsed, device="cpu", global_batch=GLOBAL_BATCH, seq_len=MOE_SIZES["seq_len"])
+    ranks = cluster4.run(_measure, layout)
+    for measured in ranks:
+        assert measured["expert_elements"] == spec.expert_params / (parsed.ep * parsed.tp * parsed.pp)
+    fullest = max(ranks, key=lambda r: r["memory"]["params"])
+    assert fullest["memory"]["params"] == plan_.resting.params
+    assert fullest["memory"]["optimizer"] == plan_.resting.optimizer
+
+
 def test_plan_searches_ep_only_for_moe_models() -> None:
     moe = GPTConfig(**{**MOE_SIZES, "n_experts": 8})
     layouts = [p.layout for p in plan(moe, 4, device="cpu", global_batch=8, seq_len=16, top=None)]

@@ -40,6 +40,34 @@ def test_four_engine_moe_trains_like_single_process(cluster4, layout: str, kind:
     assert_parity(cluster4.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
 
 
+@pytest.mark.parametrize("kind", ["gpt-moe", "gpt-moe-aux"])
+def test_moe_gpt_under_tensor_parallel_trains_like_single_process(cluster2, kind: str) -> None:
+    """Every tp rank holds a slice of every expert (w1/w3 by output, w2 by input features); the
+    partial expert outputs are summed, the router and balance loss computed whole."""
+    assert_parity(cluster2.run(engine_run, "tp2", kind, STEPS), reference_run(kind, STEPS))
+
+
+@pytest.mark.parametrize("kind", ["gpt-moe", "gpt-moe-aux"])
+def test_moe_gpt_under_ep_and_tp_trains_like_single_process(cluster4, kind: str) -> None:
+    """dp2 ep2 tp2: each expert weight one DTensor over (ep, tp), sharded by expert and inside."""
+    assert_parity(cluster4.run(engine_run, "dp2 ep2 tp2", kind, STEPS), reference_run(kind, STEPS))
+
+
+@pytest.mark.parametrize("layout, kind", [("pp2 dp2 ep2", "gpt-moe"), ("pp2 dp2 ep2 gpipe mb1", "gpt-moe-aux")])
+def test_moe_gpt_under_pipeline_and_ep_trains_like_single_process(cluster4, layout: str, kind: str) -> None:
+    """Each stage's MoE layers split over ep; the balance losses of BOTH stages reach the loss and
+    the gradients (a loss computed in stage 0 rides on its output into its backward). One
+    microbatch with the balance loss: it is computed per global microbatch, as one process
+    accumulating over the same microbatches would, and the reference takes the batch whole."""
+    assert_parity(cluster4.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
+
+
+def test_hf_moe_under_pipeline_and_ep_trains_like_transformers(cluster4) -> None:
+    """A Hugging Face family's stages split over ep the same way (its balance loss under pp is
+    refused: `test_hf_experts.py`)."""
+    assert_parity(cluster4.run(engine_run, "pp2 dp2 ep2", "qwen3-moe", 6), reference_run("qwen3-moe", 6))
+
+
 # ---- each rank holds its n_experts/ep experts -----------------------------------------------------
 def _expert_pieces(layout: str) -> tuple[int, dict[str, torch.Tensor]]:
     """Engine side: this rank and its local pieces of every expert weight, after parallelize."""
@@ -52,19 +80,24 @@ def _expert_pieces(layout: str) -> tuple[int, dict[str, torch.Tensor]]:
                              for name, param in pm.model.named_parameters() if ".experts." in name}
 
 
-@pytest.mark.parametrize("cluster, layout", [("cluster2", "dp2 ep2"), ("cluster4", "dp4 ep2")])
+@pytest.mark.parametrize("cluster, layout", [("cluster2", "dp2 ep2"), ("cluster4", "dp4 ep2"),
+                                             ("cluster2", "tp2"), ("cluster4", "dp2 ep2 tp2")])
 def test_each_rank_holds_its_share_of_the_experts(request, cluster: str, layout: str) -> None:
-    """Neighbouring dp ranks form an ep group: rank r holds experts [r % ep · E/ep, ...) of rank 0's
-    model, and nothing of the others."""
-    ep, experts = Layout.parse(layout).ep, MOE_SIZES["n_experts"]
+    """Neighbouring dp ranks form an ep group: rank r holds experts [dp_rank % ep · E/ep, ...) of
+    rank 0's model, and of those, under tp, its tp rank's piece of w1/w3's output and w2's input
+    features; nothing else."""
+    parsed = Layout.parse(layout)
+    ep, tp, experts = parsed.ep, parsed.tp, MOE_SIZES["n_experts"]
     whole = build_model("gpt-moe", SEED).state_dict()
     for rank, pieces in request.getfixturevalue(cluster).run(_expert_pieces, layout):
         assert len(pieces) == 3 * MOE_SIZES["n_layer"]
+        tp_rank, dp_rank = rank % tp, rank // tp
         for name, piece in pieces.items():
             mine = experts // ep
-            assert piece.shape[0] == mine, f"rank {rank} holds {piece.shape[0]} experts of {name}"
-            first = rank % ep * mine
-            torch.testing.assert_close(piece, whole[name][first:first + mine], rtol=0, atol=0)
+            first = dp_rank % ep * mine
+            expected = whole[name][first:first + mine].chunk(tp, 1 if name.endswith("w2") else 2)[tp_rank]
+            assert piece.shape == expected.shape, f"rank {rank} holds {tuple(piece.shape)} of {name}"
+            torch.testing.assert_close(piece, expected, rtol=0, atol=0)
 
 
 # ---- the Trainer's per-expert token counts ------------------------------------------------------
@@ -72,24 +105,24 @@ COUNT_STEPS, GRAD_ACCUM = 3, 2
 DATA = dict(vocab_size=MOE_SIZES["vocab_size"], seq_len=MOE_SIZES["seq_len"], batch_size=4, seed=5)
 
 
-def _trainer_rows(layout: str) -> list[dict]:
+def _trainer_rows(layout: str, kind: str) -> list[dict]:
     from colab_par import parallelize
     from colab_par.data import SyntheticDataset
     from colab_par.train import Trainer
 
-    pm = parallelize(engine_model("gpt-moe-aux", "module"), layout,
+    pm = parallelize(engine_model(kind, "module"), layout,
                      optimizer_fn=lambda p: torch.optim.AdamW(p, lr=LR))
     trainer = Trainer(pm, SyntheticDataset(**DATA), steps=COUNT_STEPS, grad_accum=GRAD_ACCUM)
     trainer.fit()
     return trainer.history
 
 
-def _one_process_counts() -> list[torch.Tensor]:
+def _one_process_counts(kind: str) -> list[torch.Tensor]:
     """Per step, (layer, expert) counts of the routers' choices training in one process."""
     from colab_par.data import SyntheticDataset
     from colab_par.parallel.experts import moe_layers
 
-    model, data = build_model("gpt-moe-aux", SEED), SyntheticDataset(**DATA)
+    model, data = build_model(kind, SEED), SyntheticDataset(**DATA)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     per_step = []
     for step in range(COUNT_STEPS):
@@ -104,10 +137,14 @@ def _one_process_counts() -> list[torch.Tensor]:
     return per_step
 
 
-def test_trainer_rows_count_the_tokens_each_expert_got(cluster2) -> None:
-    expected = _one_process_counts()
+@pytest.mark.parametrize("cluster, layout, kind", [("cluster2", "dp2 ep2", "gpt-moe-aux"),
+                                                   ("cluster4", "pp2 dp2 ep2", "gpt-moe")])
+def test_trainer_rows_count_the_tokens_each_expert_got(request, cluster: str, layout: str, kind: str) -> None:
+    """pp: each stage counts its own layers, summed over the step's two microbatches; the rows
+    number the whole model's layers (no balance loss there: per microbatch it trains otherwise)."""
+    expected = _one_process_counts(kind)
     tokens = GRAD_ACCUM * DATA["batch_size"] * DATA["seq_len"] * MOE_SIZES["top_k"]
-    for history in cluster2.run(_trainer_rows, "dp2 ep2"):
+    for history in request.getfixturevalue(cluster).run(_trainer_rows, layout, kind):
         assert [row["step"] for row in history] == list(range(1, COUNT_STEPS + 1))
         for row, counts in zip(history, expected):
             assert counts.sum(1).tolist() == [tokens] * MOE_SIZES["n_layer"]
@@ -121,10 +158,14 @@ def test_trainer_rows_count_the_tokens_each_expert_got(cluster2) -> None:
     ("dp3 ep2", MOE_SIZES, "must divide dp=3"),
     ("dp8 ep8", MOE_SIZES, "does not divide the 4 experts"),
     ("dp2 ep2", GPT_SIZES, "this model has none"),
-    ("dp2 ep2 tp2", MOE_SIZES, "not with tp=2"),
+    ("dp2 ep2 cp2", MOE_SIZES, "not with cp=2"),
+    ("dp2 ep2 tp2 zero3", MOE_SIZES, "with ep and tp use zero=0"),
+    ("tp2 sp", MOE_SIZES, "drop 'sp'"),
+    ("tp4 2d", MOE_SIZES, "has no split of the experts inside"),
     ("dp2 ep2 zero1", MOE_SIZES, "use zero=0, zero=2 or zero=3"),
     ("dp2 ep2 compile", MOE_SIZES, "with ep drop 'compile'"),
-    ("pp2", MOE_SIZES, "not pp=2"),
+    ("dp2 cp2", MOE_SIZES, "not cp=2"),
+    ("pp2 dp2 ep2 zero2", MOE_SIZES, "ep with pp trains with zero=0 and tp=1"),
 ])
 def test_impossible_expert_layouts_are_refused(layout: str, config: dict, message: str) -> None:
     with pytest.raises(LayoutError, match=re.escape(message)):
@@ -140,7 +181,10 @@ def test_ep_is_a_layout_token_and_enumerated_only_when_asked() -> None:
     assert {l.ep for l in asked} == {1, 2, 4}
     for layout in asked:  # exactly what validate accepts (ep's rules run inside the enumeration)
         layout.validate(4, moe)
-        assert layout.ep == 1 or (layout.zero != 1 and layout.dp == 4)
+        assert layout.ep == 1 or (layout.zero != 1 and layout.dp * layout.tp * layout.pp == 4 and layout.cp == 1
+                                  and (layout.tp == 1 or layout.zero == 0)
+                                  and (layout.pp == 1 or (layout.tp == 1 and layout.zero == 0)))
+    assert Layout.parse("dp2 ep2 tp2") in asked
 
 
 def _refusal(layout: str, kind: str, source: str) -> str | None:

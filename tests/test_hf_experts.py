@@ -45,6 +45,20 @@ def test_two_ep_groups_train_like_transformers(cluster4, layout: str) -> None:
     assert_parity(cluster4.run(engine_run, layout, "mixtral-aux", STEPS), reference_run("mixtral-aux", STEPS))
 
 
+@pytest.mark.parametrize("aux", ["", "-aux"])
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral", "olmoe"])
+def test_hf_moe_under_tensor_parallel_trains_like_transformers(cluster2, family: str, aux: str) -> None:
+    """tp2 as the family's own plan says: attention by its colwise/rowwise entries, the experts
+    split inside ('moe_tp_experts': gate|up packed_colwise, down rowwise), the router whole."""
+    kind = family + aux
+    assert_parity(cluster2.run(engine_run, "tp2", kind, STEPS), reference_run(kind, STEPS))
+
+
+@pytest.mark.parametrize("kind", ["qwen3-moe", "qwen3-moe-aux"])
+def test_hf_moe_under_ep_and_tp_trains_like_transformers(cluster4, kind: str) -> None:
+    assert_parity(cluster4.run(engine_run, "dp2 ep2 tp2", kind, STEPS), reference_run(kind, STEPS))
+
+
 @pytest.mark.parametrize("kind", ["qwen2-moe-aux", "deepseek-v3", "gpt-oss-aux"])
 def test_more_hf_moe_families_smoke(cluster2, kind: str) -> None:
     assert_parity(cluster2.run(engine_run, "dp2 ep2", kind, SMOKE_STEPS), reference_run(kind, SMOKE_STEPS))
@@ -88,6 +102,35 @@ def _expert_pieces(kind: str, layout: str) -> tuple[int, dict[str, torch.Tensor]
     pm = parallelize(engine_model(kind, "module"), layout)
     return dist.get_rank(), {name: param.to_local().detach().clone()
                              for name, param in pm.model.named_parameters() if isinstance(param, DTensor)}
+
+
+def test_tensor_parallel_splits_each_expert_inside(cluster2) -> None:
+    """tp2 of Qwen3-MoE: every rank holds every expert, gate_up_proj as a plain half of its packed
+    rows (rank 0 the gate, rank 1 the up projection: what checkpoints see), down_proj half its
+    input features; nothing else of the MLP is a DTensor but the attention's planned projections."""
+    whole = build_model("qwen3-moe", SEED).state_dict()
+    for rank, pieces in cluster2.run(_expert_pieces, "qwen3-moe", "tp2"):
+        experts = {name: piece for name, piece in pieces.items() if ".mlp." in name}
+        assert set(experts) == {name for name in whole if name.rsplit(".", 1)[0].endswith("mlp.experts")}
+        for name, piece in experts.items():
+            expected = whole[name].chunk(2, 1 if name.endswith("gate_up_proj") else 2)[rank]
+            torch.testing.assert_close(piece, expected, rtol=0, atol=0)
+
+
+def test_gpt_oss_experts_refuse_tensor_parallel(cluster2) -> None:
+    """GPT-OSS ships no tensor-parallel plan for its experts (interleaved gate/up, biases)."""
+    for error in cluster2.run(_refusal, "gpt-oss", "tp2"):
+        assert "no 'moe_tp_experts' entry" in error and "split its experts with ep" in error, error
+
+
+def _refusal(kind: str, layout: str) -> str:
+    from colab_par import parallelize
+
+    try:
+        parallelize(engine_model(kind, "module"), layout)
+    except ValueError as error:
+        return str(error)
+    return ""
 
 
 @pytest.mark.parametrize("kind", ["gpt-oss", "qwen2-moe"])

@@ -142,13 +142,14 @@ CASES: dict[str, tuple[Any, dict[str, Any], set[str]]] = {
 
 def test_every_training_style_of_transformers_is_covered() -> None:
     """The cases above exercise every style this kit accepts, and this kit accepts every style of
-    transformers' registry except the refused (MoE/packed/MLA) ones."""
+    transformers' registry except the refused (packed/MLA/ep) ones and the experts' split inside
+    ('moe_tp_experts', the experts step's: tests/test_hf_experts.py)."""
     exercised = {s for _, plan, _ in CASES.values() for s in plan.values() if isinstance(s, str)}
     assert exercised == set(HF_STYLES)
     registry = pytest.importorskip("transformers.integrations.tensor_parallel").ALL_PARALLEL_STYLES
-    untrainable = {"packed_colwise", "packed_rowwise", "moe_tp_experts", "moe_identity_expert",
+    untrainable = {"packed_colwise", "packed_rowwise", "moe_identity_expert",
                    "grouped_gemm", "ep_dispatch_experts", "mla_kv_a_proj"}
-    assert set(registry) - untrainable <= set(HF_STYLES)
+    assert set(registry) - untrainable - {"moe_tp_experts"} <= set(HF_STYLES)
     for name in untrainable & set(registry):
         with pytest.raises(ValueError, match=rf"style '{name}' for 'up' cannot train here.*tp=1"):
             resolve_tp_plan(Block(), {"up": name})
@@ -202,7 +203,7 @@ def test_style_shards_and_computes_like_one_process(cluster2, case: str) -> None
 @pytest.mark.parametrize("plan, message", [
     ({"up": "colwize"}, r"unknown tensor-parallel style 'colwize' for 'up'; supported: colwise, rowwise"),
     ({"up": "packed_colwise"}, r"'packed_colwise' for 'up' cannot train here \(fused weights.*tp=1.*tp_plan"),
-    ({"up": "moe_tp_experts"}, r"cannot train here \(mixture-of-experts"),
+    ({"up": "moe_tp_experts"}, r"'moe_tp_experts' for 'up' names Linear, which is not an experts module"),
     ({"upp": "colwise"}, r"pattern 'upp' matches no module of Block; its top-level modules are up, down"),
     ({"layers.*.up": "colwise"}, r"pattern 'layers.\*.up' matches no module"),
     ({"up": "embedding_rowwise"}, r"'embedding_rowwise' for 'up' shards nn.Embedding, but it matches Linear"),

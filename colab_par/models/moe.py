@@ -10,6 +10,10 @@
   (`compat.grouped_mm`: torch's ``_grouped_mm`` where it takes the dtype, a loop of matmuls else).
 - ``dispatch`` is a plain attribute holding how grouped tokens reach the experts and come back:
   here they are all local; expert parallel (`colab_par.parallel.experts`) swaps in an all-to-all.
+  ``tensor_split`` (None here) is set by tensor parallel, whose ranks each hold a slice of every
+  expert: the experts' input and routing weights enter through its ``inputs`` (gradients summed
+  over tp) and the mixed partial outputs leave through its ``output`` (summed over tp); the router
+  and the balance loss stay outside, computed whole on every rank.
 - The auxiliary load-balancing loss (Switch Transformer's E·Σ f_e·P_e, per layer) counts the
   tokens of the whole global batch: with ``stats_group`` set, the per-expert counts are summed over
   that data-parallel group first, so the mean of the ranks' losses equals the one-process loss.
@@ -72,6 +76,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(config.d_model, config.n_experts, bias=False)
         self.experts = Experts(config.n_experts, config.d_model, config.ffn_hidden)
         self.dispatch: Dispatch = local_dispatch
+        self.tensor_split: Any = None  # `parallel.expert_tensor.TensorSplit` under tensor parallel
         self.stats_group: dist.ProcessGroup | None = None  # the ranks that share the global batch
         self.last_counts: torch.Tensor | None = None  # tokens routed to each expert, last forward
         self.aux_loss: torch.Tensor | None = None  # this layer's balance loss, last forward
@@ -87,8 +92,13 @@ class MoE(nn.Module):
         order = chosen.argsort(stable=True)  # grouped by expert, tokens in order within each
         counts = torch.bincount(chosen, minlength=self.n_experts)
         self.last_counts = counts.detach()
-        out = self.dispatch(flat[order // self.top_k], counts, self.experts)[inverse_permutation(order)]
-        mixed = (out.view(-1, self.top_k, out.shape[-1]) * weights.unsqueeze(-1).to(out.dtype)).sum(1)
+        rows, mix = flat, weights
+        if self.tensor_split is not None:
+            rows, mix = self.tensor_split.inputs(flat), self.tensor_split.inputs(weights)
+        out = self.dispatch(rows[order // self.top_k], counts, self.experts)[inverse_permutation(order)]
+        mixed = (out.view(-1, self.top_k, out.shape[-1]) * mix.unsqueeze(-1).to(out.dtype)).sum(1)
+        if self.tensor_split is not None:
+            mixed = self.tensor_split.output(mixed)
         self.aux_loss = self._balance_loss(probs, counts) if self.aux_loss_coef else None
         return mixed.view(x.shape)
 

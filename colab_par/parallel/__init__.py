@@ -1,10 +1,10 @@
 """``parallelize(model, layout)``: one call that spreads a model over the ranks of a Layout.
 
 Runs on every engine (torch.distributed already initialised). The order is the one torchtitan uses,
-and each step is a file of its own: mesh -> experts (expert parallel) -> tensor (+ sequence)
-parallel -> context parallel -> activation checkpointing -> per-block compile -> FSDP / ZeRO / DDP
--> pipeline split and schedule (for pipeline parallel the model is split first and every step is
-applied to each local stage module) -> optimizer -> memory tiers (`tiering.py`: with a budget or
+and each step is a file of its own: mesh -> pipeline split -> experts (expert parallel, and the
+experts' tensor split) -> tensor (+ sequence) parallel -> context parallel -> activation
+checkpointing -> per-block compile -> FSDP / ZeRO / DDP -> pipeline schedule (for pipeline
+parallel every step after the split is applied to each local stage module) -> optimizer -> memory tiers (`tiering.py`: with a budget or
 pinned tiers the optimizer becomes a chunked `TieredAdamW` over the local tensors).
 The returned `ParallelModel` trains on the GLOBAL batch: it takes this rank's data- and
 context-parallel slice itself, so a training loop is the same for every layout.
@@ -259,6 +259,11 @@ class ParallelModel:
         """Share of the last step this rank sat idle in the pipeline (0 without pipeline parallel)."""
         return self._runner.last_bubble if self._runner is not None else 0.0
 
+    @property
+    def stage_ids(self) -> list[int]:
+        """The pipeline stage id of each of `model_parts` ([0] without pipeline parallel)."""
+        return list(self._runner.stage_ids) if self._runner is not None else [0]
+
     def optimizer_step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -374,17 +379,13 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
     fill = (lambda part: None) if record is None else functools.partial(
         materialize, record=record, device=device, weights=weights)
 
-    data_group = dp_cp_mesh.get_group() if layout.dp * layout.cp > 1 else None
-    experts = apply_expert_parallel(model, layout, device, data_group)  # before FSDP / DDP
-    if experts.balance is not None and layout.pp > 1:
-        raise ValueError("the routers' balance loss (output_router_logits=True) is not added to pipeline "
-                         "stages' losses yet; use pp=1 or set config.output_router_logits=False")
-
     parts, names = [model], _state_names(model) if layout.pp > 1 else {}
     if layout.pp > 1:
         example = None if example_batch is None else _first_microbatch(example_batch, layout, mesh)
         parts = split_model(model, layout, mesh["pp"].get_local_rank(), split_points=split_points,
                             block_types=block_types, example_batch=example)
+    data_group = dp_cp_mesh.get_group() if layout.dp * layout.cp > 1 else None
+    experts = apply_expert_parallel(parts, layout, device, data_group)  # before TP and FSDP / DDP
     parts = [_parallelize_part(part, layout, mesh, dp_cp_mesh, device, hf, tp_plan,
                                _part_blocks(part, block_types, block_names), fill, adapters) for part in parts]
 
@@ -399,7 +400,7 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
     runner = None
     if layout.pp > 1:
         runner = PipelineRunner(parts, layout, mesh["pp"].get_group(), token_loss, device,
-                                batch_loss_fn=batch_loss)
+                                batch_loss_fn=batch_loss, stage_losses=experts.stages)
     rebuild = _rebuilder(model)
     if adapters is not None and rebuild is not None:
         rebuild = adapters.factory(rebuild)

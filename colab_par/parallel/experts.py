@@ -16,6 +16,10 @@ own `set_gradient_divide_factor` reduces with PREMUL_SUM, which gloo lacks). The
 balance-loss statistics are summed over all ranks sharing the global batch (`MoE.stats_group`),
 with or without ep. Hugging Face MoE families take the same path from their own ep plan
 (`hf_experts.py`), their balance loss made global there.
+
+With tp the same step splits every expert inside too (`expert_tensor.py`): the weights become one
+DTensor over the (ep, tp) mesh. With pp it runs on each stage after the split, and `StageExperts`
+lets the pipeline runner carry each stage's balance losses into its backward.
 """
 from __future__ import annotations
 
@@ -25,16 +29,18 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from colab_par.layout import Layout
 from colab_par.models.moe import Experts, MoE, inverse_permutation
 from colab_par.parallel.data_parallel import GradientAverager, fsdp_options
+from colab_par.parallel.expert_tensor import GPT_EXPERT_SPLITS, TensorSplit, hf_expert_splits
 from colab_par.parallel.hf_experts import GlobalBalanceLoss, HFExpertLayer, balance_loss_for, hf_expert_layers
-from colab_par.parallel.mesh import build_expert_mesh
+from colab_par.parallel.mesh import build_expert_mesh, build_mesh
 
-__all__ = ["moe_layers", "apply_expert_parallel", "ExpertStep", "AllToAllDispatch", "ScaleGradients"]
+__all__ = ["moe_layers", "apply_expert_parallel", "ExpertStep", "StageExperts", "AllToAllDispatch", "ScaleGradients"]
 
 Layer = MoE | HFExpertLayer
 
@@ -102,11 +108,71 @@ class ScaleGradients:
 @dataclass
 class ExpertStep:
     """What the experts step leaves for training: the experts' gradient reduction after backward
-    (None without ep) and a Hugging Face family's global balance loss to add to each loss (None
-    where the model has none switched on; the kit's GPT adds its own)."""
+    (None without ep), a Hugging Face family's global balance loss to add to each loss (None
+    where the model has none switched on; the kit's GPT adds its own), and under pipeline
+    parallel the stages' balance losses and counts (`StageExperts`, for the runner)."""
 
     averager: GradientAverager | ScaleGradients | None = None
     balance: GlobalBalanceLoss | None = None
+    stages: "StageExperts | None" = None
+
+
+class _CarryLoss(torch.autograd.Function):
+    """`output` unchanged; backward also starts `loss`'s backward (gradient 1): a loss computed
+    inside a pipeline stage reaches the parameters it depends on with the stage's own backward."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, torch.ones((), dtype=grad.dtype, device=grad.device)
+
+
+class StageExperts:
+    """Pipeline parallel: the MoE layers of this rank's stages, seen by the runner once per stage
+    forward of each microbatch. Their balance losses (the kit's GPT adds them in its loss_fn, which
+    only the last stage calls, and which sees no stage's layers) ride on the stage's output into
+    its backward, weighted like the microbatch's loss; their token counts are summed over the
+    step's microbatches, so `last_counts` holds the step's (as without pp)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        self.layers = [moe_layers(part) for part in parts]
+        self.counts: list[list[torch.Tensor | None]] = []
+        self.loss = 0.0
+
+    def begin(self) -> None:
+        self.counts, self.loss = [[None] * len(layers) for layers in self.layers], 0.0
+
+    def after_forward(self, index: int, output: Any, weight: float) -> Any:
+        """After part `index`'s forward of one microbatch whose loss weighs `weight`. Forwards
+        outside a training step (an evaluation's) and torch's shape inference on a stage's first
+        step (no gradients, meta inputs) count nothing and carry no loss."""
+        if not self.counts or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) \
+                or output.is_meta:
+            return output
+        sums = self.counts[index]
+        for i, layer in enumerate(self.layers[index]):
+            if layer.last_counts is not None:
+                sums[i] = layer.last_counts if sums[i] is None else sums[i] + layer.last_counts
+        terms = [term for layer in self.layers[index] if isinstance(layer, MoE)
+                 for term in [layer.take_aux_loss()] if term is not None]
+        if not terms:
+            return output
+        loss = sum(terms) * weight
+        self.loss += float(loss.detach())
+        return _CarryLoss.apply(output, loss)
+
+    def finish(self) -> float:
+        """The step's balance loss on this rank's stages (as weighted in the loss); the layers'
+        `last_counts` become the step's."""
+        for layers, sums in zip(self.layers, self.counts):
+            for layer, total in zip(layers, sums):
+                if total is not None:
+                    layer.last_counts = total
+        self.counts = []
+        return self.loss
 
 
 def _expert_weights(layer: Layer) -> tuple[nn.Module, list[str]]:
@@ -116,37 +182,76 @@ def _expert_weights(layer: Layer) -> tuple[nn.Module, list[str]]:
     others = {name for name, _ in layer.module.named_parameters()} - set(layer.weight_names)
     if others:
         raise ValueError(f"the experts module {type(layer.module).__name__} also holds {sorted(others)}, "
-                         "which its ep plan does not shard by expert; train this model with ep=1")
+                         "which its ep plan does not split by expert; train this model with ep=1 and tp=1")
     return layer.module, layer.weight_names
 
 
-def apply_expert_parallel(model: nn.Module, layout: Layout, device: torch.device,
+def _tensor_split(model: nn.Module, layer: Layer, experts: nn.Module, names: list[str],
+                  tp_group: dist.ProcessGroup) -> TensorSplit:
+    """How tp splits this layer's experts inside: the kit's GPT by its own plan, a Hugging Face
+    family by its ``base_model_tp_plan``."""
+    if isinstance(layer, MoE):
+        split, owner = TensorSplit(tp_group, GPT_EXPERT_SPLITS), "feed_forward.experts"
+    else:
+        split, owner = TensorSplit(tp_group, hf_expert_splits(model, layer.name, names)), layer.name
+    split.check(experts, owner)
+    return split
+
+
+def _weights_mesh(layout: Layout, device: torch.device) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """The mesh expert weights are DTensors on ((ep, tp), ep or tp: the dims that split them)
+    and, with ep, the ("edp", "ep") expert mesh."""
+    whole, _ = build_mesh(layout, device)
+    expert_mesh = build_expert_mesh(layout, device) if layout.ep > 1 else None
+    dims = tuple(name for name in ("ep", "tp") if getattr(layout, name) > 1)
+    source = expert_mesh if expert_mesh is not None else whole
+    return source[dims if len(dims) > 1 else dims[0]], expert_mesh
+
+
+def apply_expert_parallel(parts: list[nn.Module], layout: Layout, device: torch.device,
                           data_group: dist.ProcessGroup | None) -> ExpertStep:
-    """Give the MoE layers their balance-statistics group (`data_group`, the ranks sharing the
-    global batch) and, for ep > 1, keep this rank's experts, route tokens by all-to-all and set up
-    the experts' gradient reduction."""
-    layers: list[Layer] = moe_layers(model) or hf_expert_layers(model)
-    balance = balance_loss_for(model, data_group)
+    """On the model (or this rank's pipeline stages): give the MoE layers their balance-statistics
+    group (`data_group`, the ranks sharing the global batch); for ep > 1 keep this rank's experts,
+    route tokens by all-to-all and set up the experts' gradient reduction; for tp > 1 keep this
+    rank's slice of every expert (`expert_tensor.py`)."""
+    layers: list[Layer] = moe_layers(parts) or [layer for part in parts for layer in hf_expert_layers(part)]
+    balance = balance_loss_for(parts[0], data_group)
+    if balance is not None and layout.pp > 1:
+        raise ValueError("the routers' balance loss of a Hugging Face MoE (output_router_logits=True) is not "
+                         "added to pipeline stages' losses yet; use pp=1 or set config.output_router_logits=False")
+    stages = StageExperts(parts) if layout.pp > 1 and layers else None
     for layer in layers:
         layer.stats_group = data_group
-    if layout.ep == 1 or not layers:
-        return ExpertStep(None, balance)
-    mesh = build_expert_mesh(layout, device)
-    ep_mesh, replicas = mesh["ep"], mesh["edp"]
-    dispatch = AllToAllDispatch(ep_mesh.get_group())
+    if (layout.ep == 1 and layout.tp == 1) or not layers:
+        return ExpertStep(None, balance, stages)
+    weights_mesh, expert_mesh = _weights_mesh(layout, device)
+    tp_mesh = build_mesh(layout, device)[0]["tp"]
+    ep_rank = expert_mesh["ep"].get_local_rank() if expert_mesh is not None else 0
+    dispatch = AllToAllDispatch(expert_mesh["ep"].get_group()) if expert_mesh is not None else None
     params: list[nn.Parameter] = []
     for layer in layers:
         experts, names = _expert_weights(layer)
+        split = _tensor_split(parts[0], layer, experts, names, tp_mesh.get_group()) if layout.tp > 1 else None
         for name in names:
             weight = getattr(experts, name)
-            mine = weight.detach().chunk(layout.ep)[ep_mesh.get_local_rank()].clone()
-            sharded = nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False),
+            mine, placements = weight.detach(), []
+            if layout.ep > 1:
+                mine, placements = mine.chunk(layout.ep)[ep_rank], [Shard(0)]
+            if split is not None:
+                dim = split.splits[name].dim
+                mine, placements = mine.chunk(layout.tp, dim)[tp_mesh.get_local_rank()], [*placements, Shard(dim)]
+            sharded = nn.Parameter(DTensor.from_local(mine.clone(), weights_mesh, placements, run_check=False),
                                    requires_grad=weight.requires_grad)
             experts.register_parameter(name, sharded)
+        layer.tensor_split = split
+        if expert_mesh is None:
+            continue  # tp alone: the experts' gradients are averaged over dp like every other
         layer.dispatch = dispatch
         if layout.zero >= 2:
-            fully_shard(experts, mesh=replicas, **fsdp_options(layout))
+            fully_shard(experts, mesh=expert_mesh["edp"], **fsdp_options(layout))
         params += experts.parameters()  # FSDP's own, where it replaced them
+    if expert_mesh is None:
+        return ExpertStep(None, balance, stages)
     if layout.zero >= 2:
-        return ExpertStep(ScaleGradients(params, 1.0 / layout.ep), balance)
-    return ExpertStep(GradientAverager(params, replicas.get_group(), divisor=layout.dp), balance)
+        return ExpertStep(ScaleGradients(params, 1.0 / layout.ep), balance, stages)
+    return ExpertStep(GradientAverager(params, expert_mesh["edp"].get_group(), divisor=layout.dp), balance, stages)

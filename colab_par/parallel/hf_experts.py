@@ -9,6 +9,9 @@ GPT-OSS, ...) under the kit's expert parallel and balance-loss rules, found from
   (token, choice) pair travels by all-to-all to the rank holding its expert, runs there through the
   family's OWN experts forward on the local slice (local expert indices, weight 1), comes back and
   is weighted and summed over the top-k choices here. Dropless, like the kit's GPT.
+- Tensor parallel (`expert_tensor.py`): the family's forward runs on this rank's slice of every
+  expert (``_local_slice`` with the packed gate|up regrouped), its input and routing weights
+  entering and its output leaving through the tp collectives.
 - Counts: every wrapped experts module records how many (token, choice) pairs each expert got
   (`last_counts`), so the Trainer publishes ``expert_tokens.<layer>.<expert>`` rows for these
   models too.
@@ -46,6 +49,12 @@ def _pattern(plan_key: str) -> re.Pattern:
     return re.compile(re.escape(plan_key).replace(r"\*", r"[^.]+"))
 
 
+def plan_entry(plan: dict[str, str], name: str) -> str | None:
+    """The style a transformers plan (``layers.*.mlp.experts`` keys) gives the module or parameter
+    `name` of the base model; None where no key names it."""
+    return next((style for key, style in plan.items() if _pattern(key).fullmatch(name)), None)
+
+
 def hf_expert_layers(model: nn.Module) -> list["HFExpertLayer"]:
     """The experts modules the model's ``base_model_ep_plan`` names, wrapped (once) for counting
     and dispatch, in model order; [] for a model without that plan."""
@@ -62,7 +71,7 @@ def hf_expert_layers(model: nn.Module) -> list["HFExpertLayer"]:
         if not hasattr(module, "colab_par_experts"):
             names = [p for p, _ in module.named_parameters(recurse=False)
                      if any(w.fullmatch(f"{name}.{p}") for w in weights)]
-            module.colab_par_experts = HFExpertLayer(module, names)
+            module.colab_par_experts = HFExpertLayer(module, names, name)
         layers.append(module.colab_par_experts)
     return layers
 
@@ -80,10 +89,11 @@ class HFExpertLayer:
     """One experts module of a Hugging Face MoE family: its forward counts the routed pairs and,
     once `dispatch` is set (expert parallel), sends them to the ranks holding their experts."""
 
-    def __init__(self, module: nn.Module, weight_names: list[str]):
-        self.module, self.weight_names = module, weight_names
+    def __init__(self, module: nn.Module, weight_names: list[str], name: str):
+        self.module, self.weight_names, self.name = module, weight_names, name  # name: in the base model
         self.n_experts = int(getattr(module, weight_names[0]).shape[0])
         self.dispatch: Callable | None = None  # `experts.AllToAllDispatch` under ep
+        self.tensor_split: Any = None  # `expert_tensor.TensorSplit` under tp
         self.stats_group: dist.ProcessGroup | None = None  # the ranks sharing the global batch
         self.last_counts: torch.Tensor | None = None
         self._family_forward = module.forward  # the family's own (bound before any wrapping)
@@ -93,8 +103,20 @@ class HFExpertLayer:
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         hidden, index, weights = self._arguments.bind(*args, **kwargs).arguments.values()
         self.last_counts = torch.bincount(index.reshape(-1), minlength=self.n_experts).detach()
-        if self.dispatch is None:
+        split = self.tensor_split
+        if split is None and self.dispatch is None:
             return self._family_forward(hidden, index, weights)
+        if split is not None:
+            hidden, weights = split.inputs(hidden), split.inputs(weights)
+        if self.dispatch is None:  # tp alone: every expert here, a slice of each
+            with self._local_slice(None):
+                out = self._family_forward(hidden, index, weights)
+        else:
+            out = self._dispatched(hidden, index, weights)
+        return out if split is None else split.output(out)
+
+    def _dispatched(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each (token, choice) pair to the rank holding its expert and back, mixed here."""
         tokens, k = index.shape
         order = index.reshape(-1).argsort(stable=True)  # pairs grouped by expert
         rows = self.dispatch(hidden[order // k], self.last_counts,
@@ -113,20 +135,25 @@ class HFExpertLayer:
         return out
 
     @contextlib.contextmanager
-    def _local_slice(self, count: int) -> Iterator[list[torch.Tensor]]:
-        """The family's forward sees this rank's experts as if they were all the experts."""
+    def _local_slice(self, count: int | None) -> Iterator[list[torch.Tensor]]:
+        """The family's forward sees this rank's pieces of its experts as if they were all the
+        experts (`count` of them; None: as many as there are, tp without ep)."""
         module = self.module
-        local = {n: (lambda p: p.to_local() if isinstance(p, DTensor) else p)(getattr(module, n))
-                 for n in self.weight_names}
+        local = {n: self._local_weight(n, getattr(module, n)) for n in self.weight_names}
         had_count = getattr(module, "num_experts", None)
         try:
-            if had_count is not None:
+            if had_count is not None and count is not None:
                 module.num_experts = count
             with swapped_parameters(module, local):
                 yield list(local.values())
         finally:
             if had_count is not None:
                 module.num_experts = had_count
+
+    def _local_weight(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        if self.tensor_split is not None:
+            return self.tensor_split.local(name, weight)
+        return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 class GatherRows(torch.autograd.Function):

@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 
 from colab_par import compat
 from colab_par.models.hf import is_hf_model
+from colab_par.models.moe import MoE
 from colab_par.parallel.collectives import sum_grad_over
 from colab_par.parallel.hf_plans import (KIT_PLANS, Conv1DColwise, Conv1DRowwise, base_prefix, bert_tp_plan,
                                         gpt2_tp_plan)
@@ -55,8 +56,9 @@ def gpt_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parallel
         plan["norm"] = SequenceParallel()
     if getattr(model, "output", None) is not None:
         plan["output"] = ColwiseParallel(input_layouts=between_blocks, output_layouts=Replicate())
-    for name in model.layers:
+    for name, layer in model.layers.items():
         prefix = f"layers.{name}"
+        experts = isinstance(layer.feed_forward, MoE)  # split inside by the experts step (expert_tensor.py)
         if sequence_parallel:
             plan[f"{prefix}.attention_norm"] = SequenceParallel()
             plan[f"{prefix}.ffn_norm"] = SequenceParallel()
@@ -64,11 +66,13 @@ def gpt_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, Parallel
         # summed as partial DTensors first, so backward needs one all-reduce, not one per projection.
         plan[f"{prefix}.attention"] = PrepareModuleInput(
             input_layouts=(between_blocks, None, None), desired_input_layouts=(Replicate(), None, None))
-        plan[f"{prefix}.feed_forward"] = PrepareModuleInput(
-            input_layouts=(between_blocks,), desired_input_layouts=(Replicate(),))
-        for proj in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+        if not experts:
+            plan[f"{prefix}.feed_forward"] = PrepareModuleInput(
+                input_layouts=(between_blocks,), desired_input_layouts=(Replicate(),))
+        ffn = () if experts else ("feed_forward.w1", "feed_forward.w3")
+        for proj in ("attention.wq", "attention.wk", "attention.wv", *ffn):
             plan[f"{prefix}.{proj}"] = ColwiseParallel()
-        for proj in ("attention.wo", "feed_forward.w2"):
+        for proj in ("attention.wo", *(() if experts else ("feed_forward.w2",))):
             plan[f"{prefix}.{proj}"] = RowwiseParallel(output_layouts=between_blocks)
     return plan
 
@@ -163,6 +167,24 @@ def is_whole(style: ParallelStyle) -> bool:
     return isinstance(style, _Styles) and not style.styles
 
 
+class ExpertsSplitInside(ParallelStyle):
+    """transformers' ``moe_tp_experts``: every tp rank holds a slice of every expert. The experts
+    step has split the module already (`expert_tensor.py`, together with ep where there is one),
+    and the plan's entries for the packed expert weights are its business: nothing left to do."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return module
+
+
+def _check_split_experts(pattern: str, modules: list[nn.Module]) -> None:
+    strangers = [type(m).__name__ for m in modules
+                 if getattr(getattr(m, "colab_par_experts", None), "tensor_split", None) is None]
+    if strangers:
+        raise ValueError(f"'moe_tp_experts' for {pattern!r} names {', '.join(sorted(set(strangers)))}, which is "
+                         "not an experts module of the model's expert plan (config.base_model_ep_plan); the "
+                         "kit splits experts inside only there: drop the entry from tp_plan or use tp=1")
+
+
 # ---- Hugging Face style strings -------------------------------------------------------------------
 def _all_reduce_output() -> ParallelStyle:
     return PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate())
@@ -192,13 +214,12 @@ HF_STYLES: dict[str, Callable[[], ParallelStyle]] = {
 _EMBEDDING_ONLY = ("embedding_rowwise", "embedding_colwise")
 
 # Styles of transformers' plans that cannot train here, and why.
-_MOE = "mixture-of-experts layers: split their experts with ep (e.g. 'dp2 ep2'), not tp, so far"
+_MOE = "expert-parallel styles: the kit's ep dimension splits experts (e.g. 'dp2 ep2')"
 _REFUSED = {
-    "packed_colwise": "fused weights packed with strided shards",
+    "packed_colwise": "fused weights packed with strided shards (outside an experts module)",
     "packed_rowwise": "fused weights packed with strided shards",
     "local_packed_rowwise": "fused weights packed with strided shards",
-    "moe_tp_experts": _MOE,
-    "moe_identity_expert": _MOE,
+    "moe_identity_expert": "identity experts (zero-computation experts) are not split by the kit",
     "grouped_gemm": _MOE,
     "ep_dispatch_experts": _MOE,
     "ep_router": _MOE,
@@ -210,6 +231,8 @@ _REFUSED = {
 def _hf_style(pattern: str, name: str) -> ParallelStyle:
     if name in HF_STYLES:
         return HF_STYLES[name]()
+    if name == "moe_tp_experts":
+        return ExpertsSplitInside()
     if name in _REFUSED or name.startswith(("moe_", "ep_")) or "packed" in name or "expert" in name:
         why = _REFUSED.get(name, "mixture-of-experts or packed weights")
         raise ValueError(f"tensor-parallel style {name!r} for {pattern!r} cannot train here ({why}); "
@@ -264,7 +287,8 @@ def tp_plan_for(model: nn.Module, user_plan: Plan | None, *, hf: bool,
     """The plan `parallelize` applies: the user's (DTensor styles or Hugging Face style strings per
     module pattern), else the model's own (Hugging Face), else the reference GPT's."""
     if user_plan is not None or hf:
-        plan = resolve_tp_plan(model, user_plan if user_plan is not None else hf_tp_plan(model))
+        own = user_plan is None
+        plan = resolve_tp_plan(model, hf_tp_plan(model) if own else user_plan, own=own)
         if sequence_parallel and not any(isinstance(s, SequenceParallel) for s in plan.values()):
             raise ValueError(f"the layout asks for sequence parallel, but the tensor-parallel plan for "
                              f"{type(model).__name__} keeps no activation sharded along the sequence; drop "
@@ -311,23 +335,29 @@ def modules_matching(model: nn.Module, pattern: str) -> list[nn.Module]:
     return _resolve(model, pattern)[0]
 
 
-def resolve_tp_plan(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
+def resolve_tp_plan(model: nn.Module, plan: Plan, *, own: bool = False) -> dict[str, ParallelStyle]:
     """Check `plan` against `model` and translate style strings: module pattern -> ParallelStyle.
 
-    Entries naming a bare parameter become a `ShardParameter` on its owner's pattern.
+    Entries naming a bare parameter become a `ShardParameter` on its owner's pattern; those of an
+    experts module split inside (``moe_tp_experts``) are the experts step's. `own`: the model's own
+    plan, whose entries for modules this configuration lacks (a dense MLP where every layer is
+    sparse) are skipped as transformers skips them.
     """
     if not isinstance(plan, dict):
         raise TypeError(f"tp_plan must be a dict of module pattern -> style, not {type(plan).__name__}")
     styles: dict[str, list[ParallelStyle]] = {}
+    split_experts = {pattern for pattern, style in plan.items() if style == "moe_tp_experts"}
     for pattern, style in plan.items():
+        if pattern.rpartition(".")[0] in split_experts:
+            continue
         if not isinstance(style, (str, ParallelStyle)):
             raise TypeError(f"tp_plan[{pattern!r}] is {type(style).__name__}; use a torch ParallelStyle "
                             f"or one of {', '.join(HF_STYLES)}")
         built = _hf_style(pattern, style) if isinstance(style, str) else style  # fails before searching
         modules, params, pruned = _resolve(model, pattern)
         if not modules and not params:
-            if pruned:
-                continue  # another pipeline stage holds it
+            if pruned or own:
+                continue  # another pipeline stage holds it, or this configuration has none
             raise ValueError(f"tp_plan pattern {pattern!r} matches no module of {type(model).__name__}; "
                              f"its top-level modules are {', '.join(n for n, _ in model.named_children())}")
         if params:
@@ -342,6 +372,8 @@ def resolve_tp_plan(model: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
                 raise ValueError(f"{pattern!r} shards a bare parameter, so its owner must run on local "
                                  f"parameters: add {owner_pattern!r}: 'local_params' to the plan")
             continue
+        if style == "moe_tp_experts":
+            _check_split_experts(pattern, modules)
         if style in _EMBEDDING_ONLY:
             wrong = [type(m).__name__ for m in modules if not isinstance(m, nn.Embedding)]
             if wrong:

@@ -7,6 +7,7 @@ same for every layout.
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from contextlib import contextmanager
@@ -77,9 +78,15 @@ class _TimedStage(PipelineStage):
     """A PipelineStage that clocks its compute; the schedule waits for p2p outside these calls,
     so wall time minus this is the time the rank sat idle (the bubble plus communication)."""
 
-    def __init__(self, *args, clock: _BusyClock, **kwargs):
+    def __init__(self, *args, clock: _BusyClock, after_forward: Callable[[Any], Any] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self._clock = clock
+        self._clock, self._after_forward = clock, after_forward
+
+    def forward_maybe_with_nosync(self, *args, **kwargs):
+        """A microbatch's forward (not torch's shape inference on a first step, which runs the
+        module on placeholder inputs), passed to `after_forward`."""
+        output = super().forward_maybe_with_nosync(*args, **kwargs)
+        return output if self._after_forward is None else self._after_forward(output)
 
     def forward_one_chunk(self, *args, **kwargs):
         with self._clock.span("busy"):
@@ -103,6 +110,10 @@ class PipelineRunner:
     ``loss_fn(logits, targets)`` in `step` and ``batch_loss_fn(outputs, microbatch)`` in
     `step_batch` (`loss_fn` when no `batch_loss_fn` is given).
 
+    `stage_losses` (the experts step's `StageExperts`, for MoE models) sees every stage forward of
+    each microbatch and may attach a loss computed inside the stage (the routers' balance losses)
+    to its output; those losses count in the returned loss.
+
     `last_bubble` is the share of the last step's wall time this rank spent outside stage compute
     (waiting on p2p or idle in the pipeline bubble). The first step after a (re)build also
     includes torch's one-off shape inference.
@@ -110,7 +121,8 @@ class PipelineRunner:
 
     def __init__(self, parts: list[nn.Module], layout: Layout | str, pp_group: dist.ProcessGroup,
                  loss_fn: Callable[[Any, Any], torch.Tensor], device: torch.device | str, *,
-                 batch_loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None):
+                 batch_loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
+                 stage_losses: Any = None):
         self.layout = Layout.parse(layout).validate()
         if dist.get_world_size(pp_group) != self.layout.pp:
             raise ValueError(f"the pp process group has {dist.get_world_size(pp_group)} ranks but "
@@ -137,6 +149,7 @@ class PipelineRunner:
         self._traced: TracedInterface | None = getattr(inner, "pipeline_io", None)
         self._ties: list[TiedTensor] = list(getattr(inner, "pipeline_ties", ()))
         self._clock = _BusyClock(self.device)
+        self._stage_losses = stage_losses
         self._schedule = None
         self._built_for: tuple | None = None
 
@@ -180,11 +193,16 @@ class PipelineRunner:
         # earlier accumulation steps left in .grad, so it stays off.)
         return self._score(output, target) * self._loss_weight
 
+    def _after_stage_forward(self, index: int, output: Any) -> Any:
+        return self._stage_losses.after_forward(index, output, self._loss_weight)
+
     def _build(self) -> None:
         compat.check_stage_compute_hooks()  # _TimedStage's clock wraps them
+        after = (lambda index: None) if self._stage_losses is None else (
+            lambda index: functools.partial(self._after_stage_forward, index))
         stages = [_TimedStage(part, sid, self.n_stages, self.device, group=self.pp_group,
-                              clock=self._clock)
-                  for part, sid in zip(self.parts, self.stage_ids)]
+                              clock=self._clock, after_forward=after(index))
+                  for index, (part, sid) in enumerate(zip(self.parts, self.stage_ids))]
         schedule_cls = _SCHEDULES[self.layout.pp_schedule]
         target = stages if self.layout.pp_schedule in _MULTI_STAGE else stages[0]
         self._schedule = schedule_cls(target, n_microbatches=self.layout.microbatches,
@@ -272,11 +290,19 @@ class PipelineRunner:
         self._loss_weight = loss_scale / self.layout.microbatches
         losses: list[torch.Tensor] = []
         self._clock.reset()
+        if self._stage_losses is not None:
+            self._stage_losses.begin()
         with self._clock.span("wall"):
             self._schedule.step(*args, target=target, losses=losses if self.has_last else None,
                                 return_outputs=False, **kwargs)
         self.last_bubble = self._clock.idle_share()
-        return self._broadcast_mean_loss(losses, loss_scale)
+        if self._stage_losses is None:
+            return self._broadcast_mean_loss(losses, loss_scale)
+        inside = torch.tensor(self._stage_losses.finish(), dtype=torch.float64, device=self.device)
+        if self.has_last:
+            inside += torch.stack([l.detach().double() for l in losses]).sum()
+        dist.all_reduce(inside, group=self.pp_group)  # every stage's losses, on every pp rank
+        return inside.item() / loss_scale
 
     def _run_forward(self, key: tuple, args: tuple, kwargs: dict[str, Any],
                      target: torch.Tensor | None) -> float:
