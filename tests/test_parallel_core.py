@@ -7,7 +7,7 @@ import torch
 
 from colab_par import LayoutError, parallelize
 from parity import (GPT_SIZES, LR, SEED, assert_close_to_fp32, assert_parity, batches, bf16_engine_run,
-                    build_model, engine_run, reference_run)
+                    build_model, reference_run)
 
 PARAMS = build_model("gpt", SEED).config.num_params()
 

@@ -4,7 +4,6 @@ tiers, the measured rates file, and the largest model a budget trains."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import tempfile
 from pathlib import Path
