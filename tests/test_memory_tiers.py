@@ -254,12 +254,14 @@ def test_zero1_partition_is_largest_first_onto_the_least_loaded_rank() -> None:
     assert owners_by_bytes([1, 1, 1], 4) == [0, 1, 2]
 
 
-@pytest.mark.parametrize("layout", ["dp2 zero3 optimizer@disk", "dp2 zero3 optimizer@disk grads@disk",
-                                    "dp2 params@disk optimizer@disk"])
-def test_hugging_face_decoder_with_state_on_disk_trains_like_single_process(cluster2, layout: str) -> None:
+@pytest.mark.parametrize("layout,on_disk", [("dp2 mem1GiB disk", False), ("dp2 zero3 optimizer@disk", True),
+                                            ("dp2 zero3 optimizer@disk grads@disk", True),
+                                            ("dp2 params@disk optimizer@disk", True)])
+def test_hugging_face_decoder_with_state_on_disk_trains_like_single_process(cluster2, layout: str,
+                                                                             on_disk: bool) -> None:
     results = cluster2.run(_tiered_run, layout, "llama")
     assert_parity(results, reference_run("llama", STEPS))
-    assert all(result["report"]["tier_disk"] > 0 for result in results)
+    assert all((result["report"]["tier_disk"] > 0) == on_disk for result in results)
     if "params@disk" in layout:
         for result in results:
             _check_parameters_in_files(result)
