@@ -93,7 +93,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self._measure_at = 2  # the training step whose working memory places the state
         self._loosen: weakref.finalize | None = None  # set while glibc hands freed large blocks back (_settle)
         self._forward_seen = False
-        held = sum(local(p).numel() * local(p).element_size() for p in self._params())
+        held = self._param_bytes()
         self._at_apply = resident_bytes(device)
         self.baseline = min(baseline, self._at_apply - held)
         self._fixed = self._at_apply - self.baseline
@@ -104,6 +104,9 @@ class TieredAdamW(torch.optim.Optimizer):
         self._check_streaming_fits()
         self._hooks = self._record_first_use(modules) + self._grad_hooks()
         self._pages = PagedParameters(self, modules, self._params()) if self._params_on_disk else None
+        if self._params_on_disk:  # the parameters leave memory now, before the first step needs them all
+            self._ensure_chunks()  # so in the parameters' order, not the first forward's
+            self._place(measured=False)
         reset_peak(device)
 
     # ---- construction ---------------------------------------------------------------------------
@@ -191,7 +194,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self._slot_of = {id(slot.param): (chunk, slot) for chunk in self._chunks for slot in chunk.slots}
 
     def _plan(self, working: int, pessimistic: bool) -> tuple[dict[str, str], list[dict[str, str]]]:
-        grad_bytes = sum(local(p).numel() * local(p).element_size() for p in self._params())  # zero1: DDP holds all
+        grad_bytes = self._param_bytes()  # a gradient per local parameter (under zero1 DDP holds all)
         sizes = [{kind: chunk.bytes_of(kind) for kind in chunk.state_kinds()} for chunk in self._chunks]
         params_chunk = max(chunk.bytes_of("params") for chunk in self._chunks) if self._params_on_disk else 0
         return place(self.tiers, sizes, Measured(self._fixed, working, grad_bytes, params_chunk), cuda=self._cuda,

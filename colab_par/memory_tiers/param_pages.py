@@ -1,6 +1,7 @@
 """Parameters on disk (`params@disk`: CPU ranks, zero0): each trainable parameter's storage is a
-view of its chunk's memory-mapped file, so the kernel pages the values in wherever forward or
-backward reads them, and these hooks keep only the chunks in use in this process's memory.
+view of its chunk's memory-mapped file (from when the tiers are applied, so chunks follow the
+parameters' order), so the kernel pages the values in wherever forward or backward reads them,
+and these hooks keep only the chunks in use in this process's memory.
 
 A module's forward pre-hook starts reading its parameters' chunks (MADV_WILLNEED). A chunk whose
 parameters have all passed this forward is dropped, and again once they all have their gradient
