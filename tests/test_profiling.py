@@ -26,6 +26,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 GPT_SIZES = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, kernels="torch")
 DATA = dict(vocab_size=64, seq_len=16, batch_size=4, seed=5)
 STEPS = 3
+SCHEDULER_SLICE_US = 3000  # EEVDF's slice on 2 CPUs: 0.75 ms × (1 + log2 2) = 1.5 ms; two tasks ahead of ours
 IMPLIED = {"dp2": {"all_reduce"}, "dp2 zero3": {"reduce_scatter", "all_gather"}, "tp2": {"all_reduce"},
            "pp2 1f1b": {"send", "recv"}}
 
@@ -66,8 +67,12 @@ def assert_lanes_add_up(timeline: Timeline, rows: list[list[dict]], steps: list[
         assert [n for n, _, _ in marked] == steps, f"rank {rank} marked steps {marked}"
         by_step = {row["step"]: row for row in rows[rank]}
         for n, start, end in marked:
-            ratio = union_within(timeline.lanes(rank), start, end) / (by_step[n]["step_time"] * 1e6)
-            assert 0.9 <= ratio <= 1.1, f"rank {rank} step {n}: lanes cover {ratio:.0%} of the step time"
+            covered, step_us = union_within(timeline.lanes(rank), start, end), by_step[n]["step_time"] * 1e6
+            assert covered >= 0.9 * (end - start), f"rank {rank} step {n}: lanes cover {covered / (end - start):.0%} of the mark"
+            # the mark and the Trainer's clock are read a few statements apart: a context switch there
+            # (two engines, the controller and pytest share two cores) adds scheduler slices to the mark
+            assert abs((end - start) - step_us) <= 0.1 * step_us + SCHEDULER_SLICE_US, \
+                f"rank {rank} step {n}: the mark lasts {end - start:.0f} µs, the step {step_us:.0f} µs"
 
 
 def assert_raw_traces(timeline: Timeline, folder) -> None:
