@@ -6,12 +6,21 @@ which the planner reads (`colab_par.devices.CPU_COSTS`).
   GPT so small that only host costs remain: forward + backward under `parallelize`, minus the
   plain model on the same local work, minus the wrapper's collective hops at the measured gloo
   latency, per layer, divided by the cost of one plain layer pass (`cpu_compute_costs`).
+- `collective_bandwidth`: the bus bandwidth gloo reaches per collective (`all_reduce`,
+  `all_gather`, `reduce_scatter`) with one engine per core: the bytes the planner's volume
+  formulas count ((n−1)/n of the full tensor for a gather or a scatter, 2(n−1)/n for an
+  all-reduce) per second, on a 64 MiB float32 tensor. gloo moves its bytes through the CPU, so
+  these sit well below the raw loopback TCP rate and differ between collectives.
+- `overlap`: the share of an engine's compute time that an asynchronous collective started before
+  it hides (both timed alone, then together); with one core per engine gloo's copies take the
+  core the compute needs, so it is near nothing here. The planner uses it for the data-parallel
+  traffic it hides behind backward.
 - `process_bytes`: what an engine process holds before any model (interpreter, torch, ipyparallel,
   the gloo group and the kit's parallel modules imported): VmRSS after a garbage collection and a
   heap trim, the fuller engine.
 
 Every round measures all of it on every engine at once (the engines share the cores, as they do
-when training); the wrappers are timed in alternating order, bracketed by two plain passes. The
+when training; the collectives on a cluster of one engine per core, first); the wrappers are timed in alternating order, bracketed by two plain passes. The
 file gets the medians over rounds (of the median over engines) with the spread, the date, the
 machine and torch's version.
 
@@ -72,6 +81,48 @@ def engine_costs(reps: int = 20, order: tuple[str, ...] = tuple(WRAPPERS)) -> di
     overheads = _wrapper_overheads(n, latency, order, max(3, reps // 2))
     return dict(costs, latency=latency, bandwidth=bandwidth,
                 **{f"wrapper_{k}": v for k, v in overheads.items()})
+
+
+def collective_costs(reps: int = 3, megabytes: int = 64) -> dict[str, float]:
+    """On every engine at once: each collective's bus bandwidth (`bandwidth_<name>`) and the share
+    of compute it hides when started asynchronously before that compute (`overlap_<name>`)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    full = torch.randn(megabytes * 2 ** 20 // 4)
+    shard = torch.randn(full.numel() // n)
+    collectives = {  # name: (call, bus bytes per full byte)
+        "all_reduce": (lambda **kw: dist.all_reduce(full, **kw), 2 * (n - 1) / n),
+        "all_gather": (lambda **kw: dist.all_gather_into_tensor(full, shard, **kw), (n - 1) / n),
+        "reduce_scatter": (lambda **kw: dist.reduce_scatter_tensor(shard, full, **kw), (n - 1) / n),
+    }
+    a = torch.randn(512, 512)
+
+    def timed(fn) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    def matmuls(k: int) -> None:
+        for _ in range(k):
+            a @ a
+
+    per_matmul = timed(lambda: matmuls(20)) / 20
+    out = {}
+    for name, (call, bus) in collectives.items():
+        call()
+        alone = statistics.median(timed(call) for _ in range(reps))
+        k = max(1, round(alone / per_matmul))  # compute about as long as the collective
+        compute = statistics.median(timed(lambda: matmuls(k)) for _ in range(reps))
+        both = statistics.median(timed(lambda: (call(async_op=True), matmuls(k))[0].wait())
+                                 for _ in range(reps))
+        out[f"bandwidth_{name}"] = bus * full.numel() * 4 / alone
+        out[f"overlap_{name}"] = min(1.0, max(0.0, (alone + compute - both) / compute))
+    return out
 
 
 def _wrapper_overheads(n: int, hop_latency: float, order: tuple[str, ...], reps: int,
@@ -151,6 +202,14 @@ def measure(engines: int, rounds: int, reps: int) -> dict[str, Any]:
     from colab_par import Cluster
 
     per_round: dict[str, list[float]] = {}
+    cores = os.cpu_count() or 1
+    with Cluster(n=cores, backend="gloo", timeout=120.0, dashboard=False) as cluster:
+        for _ in range(rounds):
+            for key, value in _median_over_engines(cluster.run(collective_costs)).items():
+                per_round.setdefault(key, []).append(value)
+    collectives = {k.removeprefix("bandwidth_"): v for k, v in per_round.items() if k.startswith("bandwidth_")}
+    overlap = [statistics.median(v) for k, v in per_round.items() if k.startswith("overlap_")]
+    per_round.clear()
     with Cluster(n=engines, backend="gloo", timeout=120.0, dashboard=False) as cluster:
         memory = cluster.run(process_bytes)  # before any model: the first thing these engines do
         for i in range(rounds):
@@ -164,7 +223,15 @@ def measure(engines: int, rounds: int, reps: int) -> dict[str, Any]:
             "script": "python benchmarks/cpu_costs.py",
             "wrapper_cost": {k: round(statistics.median(v), 2) for k, v in per_round.items()},
             "wrapper_cost_range": {k: [round(min(v), 2), round(max(v), 2)] for k, v in per_round.items()},
-            "process_bytes": max(memory), "process_bytes_per_engine": memory}
+            "process_bytes": max(memory), "process_bytes_per_engine": memory,
+            "collective_engines": cores,
+            "collective_bandwidth": {k: round(statistics.median(v)) for k, v in collectives.items()},
+            "collective_bandwidth_range": {k: [round(min(v)), round(max(v))] for k, v in collectives.items()},
+            "overlap": round(statistics.median(overlap), 3), "overlap_per_collective": [round(v, 3) for v in overlap]}
+
+
+def _median_over_engines(results: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(r[key] for r in results) for key in results[0]}
 
 
 def main() -> None:

@@ -9,11 +9,18 @@ over steps of the slowest rank) and the training peak above what the rank held b
 steps (VmHWM after clear_refs: activations, gathered parameters, allocator retention). Arms are
 alternated round by round; median and range over rounds.
 
+The planner reads what a binding budget costs from `colab_par/host_heap.json`, which this script
+writes: the tight threshold's step time over the default's (`tight_step_ratio`, per round, the
+two arms side by side) and the default's working memory over the tight one's
+(`default_working_ratio`: how much more a step holds before the runtime tightens the heap).
+
     python benchmarks/host_heap.py                       # 1024x12 under dp2 zero3 bf16, 3 rounds
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
 import statistics
 import sys
@@ -24,8 +31,10 @@ import cloudpickle
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import scale  # noqa: E402  (peak probes and the GPT family)
+from cpu_costs import machine  # noqa: E402
 
 cloudpickle.register_pickle_by_value(scale)
+PACKAGE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "colab_par", "host_heap.json")
 ARMS = {"glibc default": 0, "fixed 1 MiB (tiers, budget binds)": 2 ** 20, "fixed 32 MiB (after tiers)": 32 * 2 ** 20}
 
 
@@ -67,6 +76,7 @@ def main() -> None:
     parser.add_argument("--layout", default="dp2 zero3 bf16")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--out", default=PACKAGE_FILE, help=f"default {os.path.normpath(PACKAGE_FILE)}")
     args = parser.parse_args()
     from colab_par import Cluster
 
@@ -89,6 +99,25 @@ def main() -> None:
         steps, peaks = [s for s, _ in rows], [p for _, p in rows]
         print(f"| {arm} | {statistics.median(steps):.2f} ({min(steps):.2f}-{max(steps):.2f}) | "
               f"{statistics.median(steps) / base:.2f}x | {statistics.median(peaks):.2f} ({min(peaks):.2f}-{max(peaks):.2f}) |")
+    write_costs(args, samples)
+
+
+def write_costs(args: argparse.Namespace, samples: dict[str, list[tuple[float, float]]]) -> None:
+    import torch
+
+    default, tight = samples["glibc default"], samples["fixed 1 MiB (tiers, budget binds)"]
+    step_ratios = [t[0] / d[0] for d, t in zip(default, tight)]
+    working_ratios = [d[1] / t[1] for d, t in zip(default, tight)]
+    costs = {"measured": datetime.date.today().isoformat(), "machine": machine(),
+             "torch": torch.__version__, "script": "python benchmarks/host_heap.py", "size": args.size,
+             "layout": args.layout, "rounds": args.rounds, "steps": args.steps,
+             "tight_step_ratio": round(statistics.median(step_ratios), 3),
+             "tight_step_ratio_per_round": [round(r, 3) for r in step_ratios],
+             "default_working_ratio": round(statistics.median(working_ratios), 3),
+             "default_working_ratio_per_round": [round(r, 3) for r in working_ratios]}
+    with open(args.out, "w") as out:
+        out.write(json.dumps(costs, indent=1) + "\n")
+    print(f"written to {os.path.normpath(args.out)}")
 
 
 if __name__ == "__main__":

@@ -83,7 +83,8 @@ def train_tiered(sizes: dict[str, Any], layout: str, steps: int) -> dict[str, An
         peaks.append(scale._peak())
     report = memory_report(pm)
     result.update(step_s=times, losses=losses, step_peaks=peaks, train_peak=max(peaks),
-                  tiers={k: v for k, v in report.items() if k.startswith("tier_")})
+                  tiers={k: v for k, v in report.items() if k.startswith("tier_")},
+                  heap_tightened=getattr(pm.optimizer, "heap_tightened", False))
     del pm
     gc.collect()
     return result
@@ -120,7 +121,9 @@ def describe(sizes: dict[str, Any], layout: str, results: list[dict[str, Any]] |
     row.update(peak=max(r["train_peak"] for r in results), init_peak=max(r["init_peak"] for r in results),
                baseline=max(r["baseline"] for r in results), step=statistics.median(later),
                step_range=(min(later), max(later)), init_s=max(r["init_s"] for r in results),
-               losses=results[0]["losses"], tiers=results[0]["tiers"])
+               losses=results[0]["losses"], tiers=results[0]["tiers"],
+               heap_tightened=any(r["heap_tightened"] for r in results), pred_heap=plan.tiers is not None
+               and plan.tiers.tight_heap)
     return row
 
 
@@ -135,7 +138,8 @@ def show(row: dict[str, Any]) -> None:
           f"{row['baseline'] / GiB:.2f}; build {row['init_peak'] / GiB:.2f})  step {row['step']:7.2f} s "
           f"({row['step_range'][0]:.2f}-{row['step_range'][1]:.2f}; planner {row['pred_step']:.2f})  "
           f"build {row['init_s']:.0f} s  losses {losses}  disk {tiers.get('tier_disk', 0) / GiB:.2f} GiB, "
-          f"moved {tiers.get('tier_moved', 0) / GiB:.2f} GiB/step", flush=True)
+          f"moved {tiers.get('tier_moved', 0) / GiB:.2f} GiB/step  heap tightened {row['heap_tightened']} "
+          f"(planner {row['pred_heap']})", flush=True)
 
 
 def with_folder(layout: str, root: str) -> tuple[str, str | None]:

@@ -46,7 +46,10 @@ class DeviceSpec:
     DTensor tensor parallel, "fsdp": zero 2/3, "cp": ring / Ulysses attention);
     `core_share` < 1 when more CPU engines than cores take turns (an idle rank lends its core);
     `process_memory` the bytes a rank's process holds before any model (counted in a CPU engine's
-    peak; a GPU's CUDA context and NCCL buffers sit in the 10 % the capacity leaves free).
+    peak; a GPU's CUDA context and NCCL buffers sit in the 10 % the capacity leaves free);
+    `collective_bandwidth` the bus bandwidth within a node per collective where it was measured
+    ("all_reduce", "all_gather", "reduce_scatter": gloo on CPU reaches different rates for each,
+    all below the raw link); a collective not named there runs at `intra_bandwidth`.
     """
 
     name: str
@@ -65,6 +68,7 @@ class DeviceSpec:
     async_launch: bool = True
     core_share: float = 1.0
     process_memory: float = 0.0
+    collective_bandwidth: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def bf16(self) -> bool:
@@ -152,11 +156,15 @@ class CpuCosts:
     """CPU engine costs that need a running process group to measure, so the notebook cannot
     measure them when it plans: the extra host time per layer pass of each wrapper, in plain
     layer passes (`wrapper_cost`), and what an engine's process holds before any model
-    (`process_bytes`: interpreter, torch, ipyparallel, the gloo group). `measured`, `machine`,
-    `torch` and `engines` say where they come from."""
+    (`process_bytes`: interpreter, torch, ipyparallel, the gloo group), each collective's bus
+    bandwidth with one engine per core (`collective_bandwidth`) and the share of compute an
+    asynchronous collective hides (`overlap`). `measured`, `machine`, `torch` and `engines` say
+    where they come from."""
 
     wrapper_cost: Mapping[str, float]
     process_bytes: int
+    collective_bandwidth: Mapping[str, float]
+    overlap: float
     measured: str
     machine: str
     torch: str
@@ -167,7 +175,9 @@ def load_cpu_costs(path: "str | os.PathLike" = CPU_COSTS_FILE) -> CpuCosts:
     """The costs `benchmarks/cpu_costs.py` wrote to `path` (JSON)."""
     data = json.loads(Path(path).read_text())
     return CpuCosts(wrapper_cost={k: float(v) for k, v in data["wrapper_cost"].items()},
-                    process_bytes=int(data["process_bytes"]), measured=data["measured"],
+                    process_bytes=int(data["process_bytes"]),
+                    collective_bandwidth={k: float(v) for k, v in data["collective_bandwidth"].items()},
+                    overlap=float(data["overlap"]), measured=data["measured"],
                     machine=data["machine"], torch=data["torch"], engines=int(data["engines"]))
 
 
@@ -198,9 +208,10 @@ def cpu_device(engines: int, *, cores: int, peak_flops: float, efficiency: float
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(engines, 1)
     return DeviceSpec("CPU", memory, {"fp32": peak_flops * share}, 10e9 * share, bandwidth * share,
                       bandwidth * share, math.inf, latency=latency / share, efficiency=efficiency,
-                      half_tokens=0, overlap=share / 2, layer_overhead=layer_overhead / share,
+                      half_tokens=0, overlap=CPU_COSTS.overlap, layer_overhead=layer_overhead / share,
                       wrapper_overhead={k: v * layer_overhead / share for k, v in CPU_WRAPPER_COST.items()},
-                      async_launch=False, core_share=share, process_memory=process_memory)
+                      async_launch=False, core_share=share, process_memory=process_memory,
+                      collective_bandwidth={k: v * share for k, v in CPU_COSTS.collective_bandwidth.items()})
 
 
 def cpu_compute_costs() -> dict[str, float]:
@@ -221,13 +232,18 @@ def cpu_compute_costs() -> dict[str, float]:
     return {"peak_flops": peak, "layer_overhead": overhead, "efficiency": min(1.0, rate / peak)}
 
 
-def _seconds_per_call(fn: Any, budget: float = 0.15) -> float:
+def _seconds_per_call(fn: Any, budget: float = 0.15, windows: int = 5) -> float:
+    """Seconds per call of `fn`: the best of `windows` short windows' means, so that another job
+    taking the core for a moment does not make this machine look slower than it is."""
     fn()
-    start, count = time.perf_counter(), 0
-    while time.perf_counter() - start < budget:
-        fn()
-        count += 1
-    return (time.perf_counter() - start) / count
+    best = math.inf
+    for _ in range(windows):
+        start, count = time.perf_counter(), 0
+        while count == 0 or time.perf_counter() - start < budget / windows:
+            fn()
+            count += 1
+        best = min(best, (time.perf_counter() - start) / count)
+    return best
 
 
 def _layer_step(d: int, seq: int, batch: int) -> tuple[Any, float]:

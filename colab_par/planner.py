@@ -20,7 +20,7 @@ from colab_par.flops import ModelSpec, flops_per_token
 from colab_par.layout import CP_MODES, TP_MODES, Choices, Layout, LayoutError, valid_layouts
 from colab_par.module_spec import ModuleSpec
 from colab_par.tensor_costs import GridShape, grid_local_params, kept_activation_bytes, tensor_comm_bytes
-from colab_par.tier_costs import TierPlan, tier_plan
+from colab_par.tier_costs import HEAP_COSTS, TierPlan, tier_plan
 from colab_par.tier_options import MemoryTiers, bf16_working_shards
 
 __all__ = ["MemoryBreakdown", "ModelSpec", "DeviceSpec", "Plan", "DEVICES", "GiB", "INIT_MODES",
@@ -464,6 +464,8 @@ def _place_in_tiers(layout: Layout, memory: MemoryBreakdown, resting: MemoryBrea
                       optimizer_bytes_per_param=optimizer_bytes_per_param, ranks_per_host=ranks,
                       core_share=dev.core_share, host_capacity=host_memory / ranks,
                       link_bandwidth=dev.host_bandwidth)
+    if tiers.tight_heap:  # every part of the step pays the mapped blocks' page faults
+        times["heap"] = (HEAP_COSTS.tight_step_ratio - 1) * sum(times.values())
     times["tiers"] = tiers.seconds
     placed = MemoryBreakdown(
         *(getattr(memory, kind) - state[kind] + tiers.device[kind] for kind in ("params", "grads", "optimizer")),
@@ -613,17 +615,27 @@ def _data_parallel_seconds(layout: Layout, local_params: float, units: float, ac
     n = layout.dp * layout.cp
     grad_bytes = 4  # fp32 gradient reduction (MixedPrecisionPolicy reduce_dtype) and fp32 runs
     flat = layout.zero == 0 and (layout.tp > 1 or layout.pp > 1)
+    leaves = (n - 1) / n  # of the full tensor, what each rank sends
     if layout.zero >= 2:
         gathers = 2 if layout.zero == 3 else 1
-        volume = local_params * (gathers * act_bytes + trainable * grad_bytes) * (n - 1) / n
+        volume = {"all_gather": local_params * gathers * act_bytes * leaves,
+                  "reduce_scatter": local_params * trainable * grad_bytes * leaves}
         hops = (gathers + 1) * units * (n - 1)
     else:
         buckets = 1 if flat else 1 + local_params * trainable * grad_bytes / 25e6  # DDP's 25 MB buckets
-        volume = local_params * trainable * (2 * grad_bytes + (4 if layout.zero == 1 else 0)) * (n - 1) / n
+        volume = {"all_reduce": local_params * trainable * 2 * grad_bytes * leaves,
+                  "all_gather": local_params * trainable * (4 if layout.zero == 1 else 0) * leaves}
         hops = buckets * 2 * (n - 1) + (n - 1 if layout.zero == 1 else 0)
-    comm = volume / bandwidth + hops * dev.latency
+    comm = sum(v / _bus_bandwidth(dev, kind, bandwidth) for kind, v in volume.items()) + hops * dev.latency
     window = 0.0 if flat else compute if layout.zero >= 2 else compute * 2 / 3
     return max(0.0, comm - dev.overlap * window)
+
+
+def _bus_bandwidth(dev: DeviceSpec, collective: str, link: float) -> float:
+    """The rate `collective` moves its bus bytes over `link`: the device's measured rate for it
+    within a node (scaled as `link` is to the node's), else the link's own."""
+    measured = dev.collective_bandwidth.get(collective)
+    return link if measured is None else measured * link / dev.intra_bandwidth
 
 
 # ---- the search ----------------------------------------------------------------------------------

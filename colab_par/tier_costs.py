@@ -7,11 +7,17 @@ Pure arithmetic, below the planner. It models the runtime's contract (`colab_par
   the working params are bf16, i.e. the ZeRO accounting's 2 + 2 + 12 or 4 + 4 + 8 bytes) is cut
   into chunks of `chunk_bytes`;
 - kinds pinned to a tier go there; "auto" parameters stay on the device (the runtime never moves
-  them); "auto" grads, then optimizer state, fill the device under budget - parameters - working
+  them); "auto" grads, then optimizer state, fill the device under the budget less its
+  `SLACK` (as the runtime fills it) - parameters - working
   memory - streaming buffers (two chunks, the one in use and the prefetched one, per kind that is
   not wholly on the device); what does not fit goes to the host (CUDA; on a CPU the host is the
   device) and then the disk. Working memory (activations, gathered
   parameters, communication buffers) is the planner's peak less the local state.
+- on a CPU, where the budget binds at the measured step (auto grads or optimizer state would
+  leave the device, or nothing fits) with the working memory glibc's default heap holds, the
+  runtime fixes the heap's mmap threshold (`host_heap.tighten_heap`): the step then holds only its
+  live working memory and runs slower, both by the ratios `benchmarks/host_heap.py` measured
+  (`host_heap.json`; `TierPlan.tight_heap`, priced by the planner);
 - per step the disk reads optimizer state, grads once and params twice (forward, backward) of
   what it holds, and writes optimizer state, grads and params once each (`TierPlan.disk_read`,
   `disk_write`); on CUDA every byte off the device crosses PCIe the same way, and the optimizer
@@ -28,12 +34,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
-from colab_par.tier_options import DEFAULT_DISK, STATE_KINDS, MemoryTiers
+from colab_par.tier_options import DEFAULT_DISK, SLACK, STATE_KINDS, MemoryTiers
 
-__all__ = ["TierRates", "TIER_RATES", "TIER_COSTS_FILE", "load_tier_rates", "TierPlan", "place_state",
-           "tier_plan", "disk_free_bytes", "TIERS_SHOWN"]
+__all__ = ["TierRates", "TIER_RATES", "TIER_COSTS_FILE", "load_tier_rates", "HeapCosts", "HEAP_COSTS",
+           "HOST_HEAP_FILE", "load_heap_costs", "TierPlan", "place_state", "tier_plan", "disk_free_bytes",
+           "TIERS_SHOWN"]
 
 TIER_COSTS_FILE = Path(__file__).with_name("tier_costs.json")
+HOST_HEAP_FILE = Path(__file__).with_name("host_heap.json")
 TIERS_SHOWN = ("device", "host", "disk")
 
 
@@ -67,6 +75,27 @@ def load_tier_rates(path: "str | os.PathLike" = TIER_COSTS_FILE) -> TierRates:
 TIER_RATES = load_tier_rates()
 
 
+@dataclass(frozen=True)
+class HeapCosts:
+    """A CPU step under a tightened heap against glibc's default, measured side by side: its time
+    (`tight_step_ratio` > 1: large blocks are mapped and unmapped, their pages faulted in anew) and
+    the working memory the default holds over the tight one (`default_working_ratio`)."""
+
+    tight_step_ratio: float
+    default_working_ratio: float
+    measured: str
+
+
+def load_heap_costs(path: "str | os.PathLike" = HOST_HEAP_FILE) -> HeapCosts:
+    """The ratios `benchmarks/host_heap.py` wrote to `path` (JSON)."""
+    data = json.loads(Path(path).read_text())
+    return HeapCosts(tight_step_ratio=float(data["tight_step_ratio"]),
+                     default_working_ratio=float(data["default_working_ratio"]), measured=data["measured"])
+
+
+HEAP_COSTS = load_heap_costs()
+
+
 def disk_free_bytes(folder: "str | None") -> float:
     """Free bytes where the disk tier would write: `folder` ("tmp": the system's temporary folder)
     or its nearest existing parent (the runtime creates it); 0 without a folder."""
@@ -98,6 +127,7 @@ class TierPlan:
     host_device: float = 0.0
     seconds: float = 0.0
     times: Mapping[str, float] = field(default_factory=dict)
+    tight_heap: bool = False
 
     def resident(self) -> dict[str, float]:
         """State bytes per tier (what the runtime reports as tier_device / tier_host / tier_disk)."""
@@ -124,7 +154,7 @@ def place_state(state: Mapping[str, float], tiers: MemoryTiers, working: float, 
     arrays a chunk's optimizer state has (AdamW's two moments, plus the master for bf16 working
     shards): a streamed optimizer chunk is that many chunks of bytes."""
     pins = tiers.placements()
-    budget = math.inf if tiers.budget is None else float(tiers.budget)
+    budget = math.inf if tiers.budget is None else float(tiers.budget) * (1 - SLACK)  # what the runtime fills
 
     pins["params"] = "device" if pins["params"] == "auto" else pins["params"]  # as the runtime keeps them
 
@@ -169,17 +199,18 @@ def place_state(state: Mapping[str, float], tiers: MemoryTiers, working: float, 
 
 def _with_verdict(plan: TierPlan, budget: float, unplaced: float, overfull: bool, uses_disk: bool,
                   one_memory: bool) -> TierPlan:
-    """`plan`, or a copy that does not fit and says why and what to change."""
+    """`plan`, or a copy that does not fit and says why and what to change (`budget`: the share of
+    the budget the runtime fills)."""
     gib = 2 ** 30
     if plan.working + plan.streaming > budget:
         reason = (f"the working memory ({plan.working / gib:.2f} GiB: activations, gathered parameters, "
                   f"buffers) and streaming buffers ({plan.streaming / gib:.2f} GiB) alone exceed the "
-                  f"budget of {budget / gib:.2f} GiB: raise it, or shrink the working memory "
+                  f"budget's {budget / gib:.2f} GiB that are filled: raise it, or shrink the working memory "
                   "(ac-full, a smaller batch, more sharding)")
     elif plan.device_total > budget:
         reason = (f"the state kept on the device (the parameters, and kinds pinned there) needs "
-                  f"{plan.device_total / gib:.2f} GiB, over the "
-                  f"budget of {budget / gib:.2f} GiB: pin less to the device or raise the budget")
+                  f"{plan.device_total / gib:.2f} GiB, over the budget's "
+                  f"{budget / gib:.2f} GiB that are filled: pin less to the device or raise the budget")
     elif unplaced > 0:
         where = "disk" if one_memory else "host or disk"
         reason = (f"{unplaced / gib:.2f} GiB of state has no room under the budget nor on the {where}: "
@@ -219,7 +250,8 @@ def _io_bytes(plan: TierPlan, state: Mapping[str, float], one_memory: bool) -> d
 def tier_plan(state: Mapping[str, float], tiers: MemoryTiers, working: float, *, one_memory: bool,
               compute: float, optimizer_time: float, optimizer_bytes_per_param: float,
               ranks_per_host: int, core_share: float = 1.0, host_capacity: float = math.inf,
-              link_bandwidth: float = math.inf, rates: TierRates = TIER_RATES) -> TierPlan:
+              link_bandwidth: float = math.inf, rates: TierRates = TIER_RATES,
+              heap: HeapCosts = HEAP_COSTS) -> TierPlan:
     """Placement, bytes moved and exposed seconds per step of one rank's state under `tiers`.
 
     Prefetch overlaps I/O with compute: the forward + backward traffic (params read twice, grads
@@ -231,12 +263,15 @@ def tier_plan(state: Mapping[str, float], tiers: MemoryTiers, working: float, *,
     and the PCIe links' host side: each gets its share of the measured rates; a CPU rank's host
     AdamW runs at the measured rate times its `core_share`. Host <-> device copies run at the
     measured rate where the rates file has one (measured on CUDA), else at `link_bandwidth` (the
-    device catalogue's PCIe figure).
+    device catalogue's PCIe figure). `tight_heap` says whether a CPU rank tightens its heap (`heap`).
     """
     free = disk_free_bytes(tiers.disk_folder) / ranks_per_host if tiers.uses_disk else 0.0
     plan = place_state(state, tiers, working, one_memory=one_memory, chunk_bytes=rates.chunk_bytes,
                        optimizer_arrays=max(1, round(optimizer_bytes_per_param / 4)),
                        host_capacity=host_capacity, disk_capacity=free)
+    tight_heap = one_memory and tiers.budget is not None and _binds(place_state(
+        state, tiers, working * heap.default_working_ratio, one_memory=True, chunk_bytes=rates.chunk_bytes,
+        optimizer_arrays=max(1, round(optimizer_bytes_per_param / 4)), disk_capacity=free), tiers, state)
     io = _io_bytes(plan, state, one_memory)
     read, write = rates.disk_read / ranks_per_host, rates.disk_write / ranks_per_host
     copy = (link_bandwidth if rates.host_device is None else rates.host_device) / ranks_per_host
@@ -250,4 +285,13 @@ def tier_plan(state: Mapping[str, float], tiers: MemoryTiers, working: float, *,
              "tier_first": first}
     return replace(plan, disk_read=io["fb_read"] + io["step_read"], disk_write=io["fb_write"] + io["step_write"],
                    host_device=io["fb_copy"] + io["step_copy"], seconds=sum(times.values()),
-                   times={"io_fb": io_fb, "io_step": io_step, "host_adam": host_adam, **times})
+                   times={"io_fb": io_fb, "io_step": io_step, "host_adam": host_adam, **times},
+                   tight_heap=tight_heap)
+
+
+def _binds(loose: TierPlan, tiers: MemoryTiers, state: Mapping[str, float]) -> bool:
+    """Whether the runtime's placement at the measured step (`loose`: with the working memory
+    glibc's default heap holds) finds no fit or moves auto grads or optimizer state off the device."""
+    pins = tiers.placements()
+    return not loose.fits or any(pins[kind] == "auto" and loose.device[kind] < state[kind]
+                                 for kind in ("grads", "optimizer"))

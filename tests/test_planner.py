@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from colab_par.devices import (CPU_COSTS_FILE, CPU_PROCESS_BYTES, CPU_WRAPPER_COST, GiB, cpu_device,
+from colab_par.devices import (CPU_COSTS_FILE, CPU_PROCESS_BYTES, CPU_WRAPPER_COST, DeviceSpec, GiB, cpu_device,
                                device_for_product, load_cpu_costs)
 from colab_par.layout import (CHECKPOINTING, CP_MODES, FIELDS, PP_SCHEDULES, PRECISIONS, TP_MODES,
                               ZERO_LEVELS, Layout, LayoutError, default_microbatches)
@@ -292,9 +292,28 @@ def test_the_planners_cpu_costs_are_the_measured_files() -> None:
     expected = {k: v * per_pass for k, v in shipped["wrapper_cost"].items()}
     assert cpu.wrapper_overhead == pytest.approx(expected)
     assert cpu.process_memory == shipped["process_bytes"]
+    # collectives measured with one engine per core; four engines on two cores get half each
+    assert cpu.collective_bandwidth == pytest.approx({k: v / 2 for k, v in shipped["collective_bandwidth"].items()})
+    assert cpu.overlap == shipped["overlap"]
     tp = estimate(SMALL, "tp2", device=cpu, global_batch=4, seq_len=64)
     dp = estimate(SMALL, "dp2", device=cpu, global_batch=4, seq_len=64)
     assert tp.memory.baseline == dp.memory.baseline == shipped["process_bytes"]
+
+
+def test_data_parallel_traffic_runs_at_each_collectives_measured_rate() -> None:
+    """gloo moves an all-gather's, a reduce-scatter's and an all-reduce's bus bytes at different
+    rates; the data-parallel time takes each at its own. Per parameter P in float32 over dp2: zero3
+    gathers twice (2 · 4 · 1/2 bytes) and reduce-scatters once (4 · 1/2), DDP all-reduces 2 · 4 · 1/2."""
+    from dataclasses import replace
+
+    link = DeviceSpec("test", 1e15, {"fp32": 1e15}, 1e15, 1e9, 1e9, 1e9, latency=0.0, efficiency=1.0,
+                      half_tokens=0, overlap=0.0, layer_overhead=0.0)
+    rated = replace(link, collective_bandwidth={"all_gather": 0.5e9, "reduce_scatter": 0.25e9, "all_reduce": 2e9})
+    config = dict(vocab_size=8192, n_layer=4, d_model=1024, n_head=8)
+    zero3 = [estimate(config, "dp2 zero3", device=d, global_batch=2, seq_len=128).times["dp"] for d in (link, rated)]
+    assert zero3[1] / zero3[0] == pytest.approx((4 / 0.5 + 2 / 0.25) / (4 + 2))
+    ddp = [estimate(config, "dp2", device=d, global_batch=2, seq_len=128).times["dp"] for d in (link, rated)]
+    assert ddp[1] / ddp[0] == pytest.approx(1 / 2)
 
 
 @pytest.mark.slow

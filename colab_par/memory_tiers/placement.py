@@ -12,15 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from colab_par.tier_options import MemoryTiers, format_bytes
+from colab_par.tier_options import SLACK, MemoryTiers, format_bytes
 
 __all__ = ["TierBudgetError", "Measured", "place", "budget_text"]
 
 FAST = "device"
-# The fast tier is filled to (1 - SLACK) of the budget: a rank's resident memory varies by a few per
-# cent from step to step with the allocator (measured 2026-11-26, gloo, 2 CPU engines: the same
-# step's working memory differed by up to 5 % of the budget between ranks and steps).
-SLACK = 1 / 16
 
 
 class TierBudgetError(ValueError):
@@ -54,14 +50,19 @@ def place(tiers: MemoryTiers, chunks: list[dict[str, int]], measured: Measured, 
             for chunk in chunks]
     if tiers.budget is None:
         return {"grads": grads}, plan
-    if pessimistic and overflow is not None:
-        if tiers.grads == "auto" and grads_movable:
-            grads = overflow
-        if tiers.optimizer == "auto":
-            plan = [{kind: overflow for kind in chunk} for chunk in chunks]
+    if pessimistic:
+        if overflow is not None:
+            if tiers.grads == "auto" and grads_movable:
+                grads = overflow
+            if tiers.optimizer == "auto":
+                plan = [{kind: overflow for kind in chunk} for chunk in chunks]
+        # without an overflow tier nothing can leave: whether it fits is the measured step's to say,
+        # under the heap it will have then (not the warm-up's first-call growth)
         return {"grads": grads}, plan
     budget = int(tiers.budget * (1 - SLACK))
-    stream = 2 * (max((sum(chunk.values()) for chunk in chunks), default=0) + measured.params_chunk)  # current + prefetched
+    # the chunk in use and the prefetched one, where anything can stream
+    stream = 0 if overflow is None else 2 * (max((sum(chunk.values()) for chunk in chunks), default=0)
+                                             + measured.params_chunk)
     used = measured.fixed + measured.working + stream
     if tiers.grads == "auto" and grads_movable and overflow is not None and used + measured.grads > budget:
         grads = overflow
@@ -77,7 +78,10 @@ def place(tiers: MemoryTiers, chunks: list[dict[str, int]], measured: Measured, 
         elif all(tier == FAST for tier in tiers_of_chunk.values()):
             used += size
     if used > budget:
-        smallest = (measured.fixed + measured.working + stream + (measured.grads if not grads_movable else 0)) / (1 - SLACK)
+        # what must stay: everything where nothing can leave, else all but the movable state
+        held = used if overflow is None else (measured.fixed + measured.working + stream
+                                              + (measured.grads if not grads_movable else 0))
+        smallest = held / (1 - SLACK)
         way_out = ("add a disk tier ('disk' or 'disk:/path') so state can leave memory, "
                    if overflow is None else "")
         raise TierBudgetError(
