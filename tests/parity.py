@@ -301,13 +301,14 @@ NOISE_UNITS = 1024
 
 @lru_cache(maxsize=None)
 def reference_run(kind: str = "gpt", steps: int = STEPS, *, lr: float = LR,
-                  frozen: str | None = None, grad_scale: float = 1.0) -> dict[str, Any]:
+                  frozen: str | None = None, grad_scale: float = 1.0, max_norm: float = math.inf) -> dict[str, Any]:
     """Single-process training of the same model and data, computed once per variant.
 
     Besides losses, gradient norms and the final state it returns `tolerance`: per parameter
     element, how far a correct run that differs only in float32 summation order can end up (see
     `_adam_sensitivity`). `frozen` (a parameter name) and `grad_scale` build deliberately wrong
-    variants, which tests use to prove `assert_parity` rejects real errors.
+    variants, which tests use to prove `assert_parity` rejects real errors. `max_norm` clips each
+    step's gradients as `clip_grad_norm_` does (the norm reported is the one before clipping).
     """
     model = build_model(kind, SEED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -329,6 +330,9 @@ def reference_run(kind: str = "gpt", steps: int = STEPS, *, lr: float = LR,
         grads = [p.grad for p in params if p.grad is not None]
         grad_norms.append(torch.linalg.vector_norm(
             torch.stack([g.norm(dtype=torch.float64) for g in grads])).item())
+        if max_norm / (grad_norms[-1] + 1e-6) < 1.0:
+            for g in grads:
+                g.mul_(max_norm / (grad_norms[-1] + 1e-6))
         for p in params:
             if p.grad is not None:
                 name = names[id(p)]

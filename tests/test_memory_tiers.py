@@ -60,7 +60,11 @@ def _peak_run(layout: str, steps: int = 4) -> dict:
                      optimizer_fn=lambda p: torch.optim.AdamW(p, lr=1e-3))
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")
-    losses = [pm.train_step(*batch) for batch in batches(64, 16, steps, batch=2)]
+    losses = []
+    for batch in batches(64, 16, steps, batch=2):  # as the Trainer steps: the norm read, clipped
+        losses.append(pm.forward_backward(*batch))
+        pm.clip_grad_norm_(1.0)
+        pm.optimizer_step()
     peak = _status("VmHWM")
     report = memory_report(pm)
     tightened = getattr(pm.optimizer, "heap_tightened", False)
@@ -71,8 +75,9 @@ def _peak_run(layout: str, steps: int = 4) -> dict:
 
 
 def test_a_budget_that_forces_spilling_holds_and_fails_without_tiers(cluster2) -> None:
-    """First in this module, on engines nothing has trained on yet: the training peak of each rank
-    stays within budget + the RSS it had before the model was built; the same run without tiers
+    """First in this module, on engines nothing has trained on yet: the training peak of each rank,
+    clipping included (its norm reads the gradients on disk), stays within budget + the RSS it had
+    before the model was built; the same run without tiers
     does not fit that budget (so the check can fail), and auto placement really spilled to disk.
     The budget binds, so the heap was tightened for the run, and loosened when the model went."""
     tiered = cluster2.run(_peak_run, f"dp2 mem{BUDGET // 2 ** 20}MiB disk")
@@ -80,6 +85,7 @@ def test_a_budget_that_forces_spilling_holds_and_fails_without_tiers(cluster2) -
     for rank, (mine, without) in enumerate(zip(tiered, plain)):
         assert mine["report"]["tier_disk"] > 0, f"rank {rank}: nothing was placed on disk"
         assert mine["report"]["tier_moved"] > 0 and mine["report"]["tier_working"] > 0
+        assert mine["report"]["grads"] == 0, f"rank {rank}: the gradients stayed in memory"
         assert mine["tightened"] and mine["loosened"] and not without["tightened"]
         over, over_without = mine["peak"] - mine["baseline"], without["peak"] - mine["baseline"]
         assert over <= BUDGET, f"rank {rank}: peak {over / 2 ** 20:.1f} MiB over the baseline, budget 900 MiB"
@@ -268,6 +274,30 @@ def _accumulated_run(layout: str) -> dict:
         grad_norms.append(pm.clip_grad_norm_(math.inf))
         pm.optimizer_step()
     return {"losses": losses, "grad_norms": grad_norms, "state": pm.full_state_dict()}
+
+
+CLIP = 0.5  # below every step's gradient norm of the test GPT (1.1-1.6), so every step is scaled
+
+
+def _clipped_run(layout: str) -> dict:
+    """Engine side: parity's training with every step's gradients clipped to CLIP."""
+    import colab_par.memory_tiers.chunks as chunks
+
+    chunks.CHUNK_BYTES = SMALL_CHUNK
+    pm = _parallelized(engine_model("gpt", "module"), layout)
+    losses, grad_norms = [], []
+    for batch in training_batches("gpt", STEPS):
+        losses.append(pm.forward_backward(*batch))
+        grad_norms.append(pm.clip_grad_norm_(CLIP))
+        pm.optimizer_step()
+    return {"losses": losses, "grad_norms": grad_norms, "state": pm.full_state_dict()}
+
+
+def test_clipping_gradients_on_disk_scales_them_as_one_process_does(cluster2) -> None:
+    """The norm counts the gradients on disk a chunk at a time and the step reads them scaled:
+    Adam sees each step's clipping factor (it differs per step), so a factor left out shows."""
+    assert_parity(cluster2.run(_clipped_run, "dp2 zero3 optimizer@disk grads@disk"),
+                  reference_run("gpt", STEPS, max_norm=CLIP))
 
 
 def test_gradients_on_disk_accumulate_over_backward_passes(cluster2) -> None:

@@ -85,6 +85,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self._training_steps = 0  # steps with a forward since the tiers were applied
         self._steps: dict[int, torch.Tensor] = {}
         self._written: set[int] = set()  # parameters whose gradient of this step is in a grads store
+        self._grad_scale = 1.0  # clipping's factor for the held gradients, applied when the step reads them
         self._arrivals: dict[int, int] = defaultdict(int)  # gradients written per chunk since zero_grad
         self._slot_of: dict[int, tuple[Chunk, Slot]] = {}
         self._moving = 0
@@ -350,17 +351,30 @@ class TieredAdamW(torch.optim.Optimizer):
         for chunk in self._chunks:
             self._stores[chunk.index]["grads"] = self._new_store(chunk, "grads", self._grads_tier)
 
-    def held_gradients(self) -> dict[int, torch.Tensor]:
-        """id(param) -> its gradient where a grads store holds it (as a DTensor like the parameter)."""
-        out = {}
-        for key in self._written:
-            chunk, slot = self._slot_of[key]
-            out[key] = _like(slot.param, slot.of(self._stores[chunk.index]["grads"].tensor))
+    def held_gradient_squares(self) -> dict[int, float]:
+        """id(param) -> the sum of squares of this rank's piece of its gradient, where a grads store
+        holds it: read a chunk at a time and dropped again, so a norm never has them all resident."""
+        out: dict[int, float] = {}
+        for chunk in self._chunks or []:
+            slots = [slot for slot in chunk.slots if id(slot.param) in self._written]
+            if not slots:
+                continue
+            store = self._stores[chunk.index]["grads"]
+            self._moving += store.prefetch()
+            for slot in slots:  # in the gradient's own dtype, as for gradients that stayed tensors
+                out[id(slot.param)] = float(torch.linalg.vector_norm(slot.of(store.tensor)).double() ** 2)
+            store.evict(dirty=False)
         return out
+
+    def scale_held_gradients(self, factor: float) -> None:
+        """Clipping: the held gradients count `factor` times when the step reads them (scaling them
+        in place would read and write every chunk once more)."""
+        self._grad_scale *= factor
 
     def _grad_of(self, chunk: Chunk, slot: Slot) -> torch.Tensor | None:
         if id(slot.param) in self._written:
-            return slot.of(self._stores[chunk.index]["grads"].tensor)
+            held = slot.of(self._stores[chunk.index]["grads"].tensor)
+            return held if self._grad_scale == 1.0 else held * self._grad_scale
         grad = slot.param.grad
         return None if grad is None else local(grad)
 
@@ -368,6 +382,7 @@ class TieredAdamW(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         self._written.clear()
         self._arrivals.clear()
+        self._grad_scale = 1.0
 
     # ---- the step -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from colab_par.layout import Layout
@@ -38,6 +37,7 @@ from colab_par.parallel.context import apply_context_parallel, sequence_position
 from colab_par.parallel.data_parallel import (GradientAverager, apply_ddp, apply_fsdp, build_optimizer,
                                               needs_gradient_averager)
 from colab_par.parallel.experts import apply_expert_parallel
+from colab_par.parallel.grad_norm import total_gradient_norm
 from colab_par.parallel.memory import memory_report
 from colab_par.parallel.init_record import InitRecord, record_build, record_reset
 from colab_par.parallel.materialize import WeightSource, broadcast_rng_state, is_meta_model, materialize
@@ -222,37 +222,23 @@ class ParallelModel:
                 part.require_backward_grad_sync = enabled
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Scale gradients so their total 2-norm over ALL shards (dp/tp/pp) is at most `max_norm`."""
-        squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        grads = self._gradients()
-        copies = self._runner.duplicate_copies() if self._runner is not None else set()
-        # One reduction per kind of sharding, not one per parameter: DTensors sharing a mesh and
-        # placements stack into one norm whose full_tensor() is a single collective. A tensor tied
-        # across pipeline stages counts once.
-        kinds: dict[Any, list[torch.Tensor]] = {}
-        for grad in (grad for p, grad in grads if id(p) not in copies):
-            key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
-            kinds.setdefault(key, []).append(grad)
-        # Norms in the gradients' own dtype (torch's foreach kernels, no float64 copies); float32
-        # norms are exact to ~1e-7 relative, and their squares are summed in float64.
-        for members in kinds.values():
-            norm = torch.nn.utils.get_total_norm(members)
-            squares += (norm.full_tensor() if isinstance(norm, DTensor) else norm).double() ** 2
-        if self.layout.pp > 1:
-            dist.all_reduce(squares, group=self.mesh["pp"].get_group())
-        total = squares.sqrt().item()
+        """Scale gradients so their total 2-norm over ALL shards (dp/tp/pp) is at most `max_norm`.
+        Gradients memory tiers hold are counted a chunk at a time and scaled when the step reads them."""
+        tiers = self.optimizer if hasattr(self.optimizer, "held_gradient_squares") else None
+        held = tiers.held_gradient_squares() if tiers is not None else {}
+        copies = self._runner.duplicate_copies() if self._runner is not None else set()  # tied across stages
+        grads = [(p, None if id(p) in held else p.grad) for part in self.model_parts for p in part.parameters()
+                 if (p.grad is not None or id(p) in held) and id(p) not in copies]
+        total = total_gradient_norm(grads, held, self.device,
+                                    self.mesh["pp"].get_group() if self.layout.pp > 1 else None)
         scale = max_norm / (total + 1e-6)
         if scale < 1.0:
             for _, grad in grads:
-                grad.mul_(scale)
+                if grad is not None:
+                    grad.mul_(scale)
+            if tiers is not None:
+                tiers.scale_held_gradients(scale)
         return total
-
-    def _gradients(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """(parameter, gradient) of this rank: .grad, or where memory tiers moved it, its chunk."""
-        held = getattr(self.optimizer, "held_gradients", None)
-        moved = held() if held is not None else {}
-        return [(p, moved.get(id(p), p.grad)) for part in self.model_parts for p in part.parameters()
-                if p.grad is not None or id(p) in moved]
 
     @property
     def last_bubble(self) -> float:
