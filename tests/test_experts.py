@@ -62,10 +62,13 @@ def test_moe_gpt_under_pipeline_and_ep_trains_like_single_process(cluster4, layo
     assert_parity(cluster4.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
 
 
-def test_hf_moe_under_pipeline_and_ep_trains_like_transformers(cluster4) -> None:
-    """A Hugging Face family's stages split over ep the same way (its balance loss under pp is
-    refused: `test_hf_experts.py`)."""
-    assert_parity(cluster4.run(engine_run, "pp2 dp2 ep2", "qwen3-moe", 6), reference_run("qwen3-moe", 6))
+@pytest.mark.parametrize("layout, kind", [("pp2 dp2 ep2", "qwen3-moe"), ("pp2 dp2 ep2 gpipe mb1", "qwen3-moe-aux")])
+def test_hf_moe_under_pipeline_and_ep_trains_like_transformers(cluster4, layout: str, kind: str) -> None:
+    """A Hugging Face family's stages split over ep the same way. Its own balance loss (Qwen3-MoE's
+    mixes all layers' routing, so no stage can compute a part alone) reaches the loss and the
+    gradients of both stages: each differentiates the family's loss over every stage's logits
+    with respect to its own (`stage_balance.py`); transformers alone computes it whole."""
+    assert_parity(cluster4.run(engine_run, layout, kind, 6), reference_run(kind, 6))
 
 
 # ---- each rank holds its n_experts/ep experts -----------------------------------------------------

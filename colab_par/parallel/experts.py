@@ -39,6 +39,7 @@ from colab_par.parallel.data_parallel import GradientAverager, fsdp_options
 from colab_par.parallel.expert_tensor import GPT_EXPERT_SPLITS, TensorSplit, hf_expert_splits
 from colab_par.parallel.hf_experts import GlobalBalanceLoss, HFExpertLayer, balance_loss_for, hf_expert_layers
 from colab_par.parallel.mesh import build_expert_mesh, build_mesh
+from colab_par.parallel.stage_balance import StageBalance
 
 __all__ = ["moe_layers", "apply_expert_parallel", "ExpertStep", "StageExperts", "AllToAllDispatch", "ScaleGradients"]
 
@@ -134,16 +135,20 @@ class StageExperts:
     """Pipeline parallel: the MoE layers of this rank's stages, seen by the runner once per stage
     forward of each microbatch. Their balance losses (the kit's GPT adds them in its loss_fn, which
     only the last stage calls, and which sees no stage's layers) ride on the stage's output into
-    its backward, weighted like the microbatch's loss; their token counts are summed over the
+    its backward, weighted like the microbatch's loss; so does a Hugging Face family's share of
+    its own balance loss (`stage_balance.StageBalance`). Their token counts are summed over the
     step's microbatches, so `last_counts` holds the step's (as without pp)."""
 
-    def __init__(self, parts: list[nn.Module]):
+    def __init__(self, parts: list[nn.Module], balance: StageBalance | None = None):
         self.layers = [moe_layers(part) for part in parts]
+        self.balance = balance
         self.counts: list[list[torch.Tensor | None]] = []
         self.loss = 0.0
 
     def begin(self) -> None:
         self.counts, self.loss = [[None] * len(layers) for layers in self.layers], 0.0
+        if self.balance is not None:
+            self.balance.begin()
 
     def after_forward(self, index: int, output: Any, weight: float) -> Any:
         """After part `index`'s forward of one microbatch whose loss weighs `weight`. Forwards
@@ -158,6 +163,9 @@ class StageExperts:
                 sums[i] = layer.last_counts if sums[i] is None else sums[i] + layer.last_counts
         terms = [term for layer in self.layers[index] if isinstance(layer, MoE)
                  for term in [layer.take_aux_loss()] if term is not None]
+        share = self.balance.after_forward(weight) if self.balance is not None else None
+        if share is not None:
+            terms.append(share)  # a zero: its backward is the family loss's gradient share
         if not terms:
             return output
         loss = sum(terms) * weight
@@ -172,7 +180,7 @@ class StageExperts:
                 if total is not None:
                     layer.last_counts = total
         self.counts = []
-        return self.loss
+        return self.loss + (self.balance.finish() if self.balance is not None else 0.0)
 
 
 def _expert_weights(layer: Layer) -> tuple[nn.Module, list[str]]:
@@ -215,11 +223,14 @@ def apply_expert_parallel(parts: list[nn.Module], layout: Layout, device: torch.
     route tokens by all-to-all and set up the experts' gradient reduction; for tp > 1 keep this
     rank's slice of every expert (`expert_tensor.py`)."""
     layers: list[Layer] = moe_layers(parts) or [layer for part in parts for layer in hf_expert_layers(part)]
-    balance = balance_loss_for(parts[0], data_group)
+    balance, stage_balance = balance_loss_for(parts[0], data_group), None
     if balance is not None and layout.pp > 1:
-        raise ValueError("the routers' balance loss of a Hugging Face MoE (output_router_logits=True) is not "
-                         "added to pipeline stages' losses yet; use pp=1 or set config.output_router_logits=False")
-    stages = StageExperts(parts) if layout.pp > 1 and layers else None
+        if len(parts) > 1:
+            raise ValueError("the routers' balance loss of a Hugging Face MoE (output_router_logits=True) is "
+                             "built for one pipeline stage per rank; use pp_schedule 'gpipe' or '1f1b' or set "
+                             "config.output_router_logits=False")
+        balance, stage_balance = None, StageBalance(balance, build_mesh(layout, device)[0]["pp"].get_group(), device)
+    stages = StageExperts(parts, stage_balance) if layout.pp > 1 and layers else None
     for layer in layers:
         layer.stats_group = data_group
     if (layout.ep == 1 and layout.tp == 1) or not layers:
