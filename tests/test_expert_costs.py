@@ -79,7 +79,7 @@ def _measure(layout: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("cluster, layout", [("cluster2", "dp2 ep2"), ("cluster2", "dp2 ep2 zero3"),
                                              ("cluster4", "dp4 ep2 zero3"), ("cluster4", "pp2 dp2 ep2"),
-                                             ("cluster4", "dp2 ep2 tp2")])
+                                             ("cluster4", "dp2 ep2 tp2"), ("cluster4", "dp2 ep2 tp2 zero3")])
 def test_a_real_step_costs_what_the_planner_says(request, cluster: str, layout: str) -> None:
     """Under pp a rank's all-to-alls serve its stage's MoE layers, once per microbatch; under tp
     every tp rank dispatches whole tokens over its own ep group (the split is inside the experts)."""

@@ -47,10 +47,19 @@ def test_moe_gpt_under_tensor_parallel_trains_like_single_process(cluster2, kind
     assert_parity(cluster2.run(engine_run, "tp2", kind, STEPS), reference_run(kind, STEPS))
 
 
-@pytest.mark.parametrize("kind", ["gpt-moe", "gpt-moe-aux"])
-def test_moe_gpt_under_ep_and_tp_trains_like_single_process(cluster4, kind: str) -> None:
-    """dp2 ep2 tp2: each expert weight one DTensor over (ep, tp), sharded by expert and inside."""
-    assert_parity(cluster4.run(engine_run, "dp2 ep2 tp2", kind, STEPS), reference_run(kind, STEPS))
+@pytest.mark.parametrize("layout, kind", [("dp2 ep2 tp2", "gpt-moe"), ("dp2 ep2 tp2", "gpt-moe-aux"),
+                                          ("dp2 ep2 tp2 zero3", "gpt-moe-aux"), ("dp2 ep2 tp2 zero2", "gpt-moe")])
+def test_moe_gpt_under_ep_and_tp_trains_like_single_process(cluster4, layout: str, kind: str) -> None:
+    """dp2 ep2 tp2: each expert weight one DTensor over (ep, tp), sharded by expert and inside;
+    zero 2/3 shard the other parameters over dp and the experts over their own replicas (edp),
+    fully_shard taking the (ep, tp) DTensors as they are."""
+    assert_parity(cluster4.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
+
+
+def test_experts_sharded_over_ep_tp_and_their_replicas_train_like_single_process(cluster8) -> None:
+    """dp4 ep2 tp2 zero3: each expert weight a DTensor over (ep, tp), fully_shard'ed over its two
+    replicas (edp): FSDP over three mesh dims, the other parameters over dp and tp."""
+    assert_parity(cluster8.run(engine_run, "dp4 ep2 tp2 zero3", "gpt-moe-aux", STEPS), reference_run("gpt-moe-aux", STEPS))
 
 
 @pytest.mark.parametrize("layout, kind", [("pp2 dp2 ep2", "gpt-moe"), ("pp2 dp2 ep2 gpipe mb1", "gpt-moe-aux")])
@@ -162,10 +171,9 @@ def test_trainer_rows_count_the_tokens_each_expert_got(request, cluster: str, la
     ("dp8 ep8", MOE_SIZES, "does not divide the 4 experts"),
     ("dp2 ep2", GPT_SIZES, "this model has none"),
     ("dp2 ep2 cp2", MOE_SIZES, "not with cp=2"),
-    ("dp2 ep2 tp2 zero3", MOE_SIZES, "with ep and tp use zero=0"),
     ("tp2 sp", MOE_SIZES, "drop 'sp'"),
     ("tp4 2d", MOE_SIZES, "has no split of the experts inside"),
-    ("dp2 ep2 zero1", MOE_SIZES, "use zero=0, zero=2 or zero=3"),
+    ("dp2 ep2 zero1", MOE_SIZES, "ranks of an ep group hold different experts"),
     ("dp2 ep2 compile", MOE_SIZES, "with ep drop 'compile'"),
     ("dp2 cp2", MOE_SIZES, "not cp=2"),
     ("pp2 dp2 ep2 zero2", MOE_SIZES, "ep with pp trains with zero=0 and tp=1"),
@@ -185,9 +193,8 @@ def test_ep_is_a_layout_token_and_enumerated_only_when_asked() -> None:
     for layout in asked:  # exactly what validate accepts (ep's rules run inside the enumeration)
         layout.validate(4, moe)
         assert layout.ep == 1 or (layout.zero != 1 and layout.dp * layout.tp * layout.pp == 4 and layout.cp == 1
-                                  and (layout.tp == 1 or layout.zero == 0)
                                   and (layout.pp == 1 or (layout.tp == 1 and layout.zero == 0)))
-    assert Layout.parse("dp2 ep2 tp2") in asked
+    assert {Layout.parse("dp2 ep2 tp2"), Layout.parse("dp2 ep2 tp2 zero3")} <= asked
 
 
 def _refusal(layout: str, kind: str, source: str) -> str | None:
