@@ -18,8 +18,10 @@ with or without ep. Hugging Face MoE families take the same path from their own 
 (`hf_experts.py`), their balance loss made global there.
 
 With tp the same step splits every expert inside too (`expert_tensor.py`): the weights become one
-DTensor over the (ep, tp) mesh. With pp it runs on each stage after the split, and `StageExperts`
-lets the pipeline runner carry each stage's balance losses into its backward.
+DTensor over the (ep, tp) mesh, which zero 2/3 fully_shard over edp as it is (FSDP over three
+mesh dims). With pp it runs on each stage after the split, and `StageExperts` lets the pipeline
+runner carry each stage's balance losses into its backward (a Hugging Face family's share of its
+own loss too: `stage_balance.py`).
 """
 from __future__ import annotations
 
