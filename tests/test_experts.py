@@ -19,7 +19,7 @@ from colab_par.layout import Layout, LayoutError, valid_layouts
 from colab_par.models import GPTConfig
 from colab_par.telemetry import expert_row_key
 from parity import (GPT_SIZES, LR, MOE_SIZES, SEED, assert_parity, batches, build_model, engine_model,
-                    engine_run, reference_run)
+                    engine_run, hf_moe_model, reference_run)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 
@@ -81,6 +81,27 @@ def test_hf_moe_under_pipeline_and_ep_trains_like_transformers(cluster4, layout:
 
 
 # ---- each rank holds its n_experts/ep experts -----------------------------------------------------
+def _dense_first_stage_refusal(layout: str) -> str:
+    import transformers
+
+    from colab_par import parallelize
+
+    config = hf_moe_model("qwen3-moe-aux").config
+    config.mlp_only_layers = [0]  # stage 0 of pp2 holds a dense layer only
+    try:
+        parallelize(transformers.Qwen3MoeForCausalLM(config), layout)
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def test_hf_balance_loss_refuses_a_stage_without_moe_layers(cluster4) -> None:
+    """Every stage takes part in the family's loss; one without routers would leave the others
+    waiting, so every rank refuses before training."""
+    for error in cluster4.run(_dense_first_stage_refusal, "pp2 dp2 ep2 gpipe mb1"):
+        assert "holds no MoE layer" in error and "output_router_logits=False" in error, error
+
+
 def _expert_pieces(layout: str) -> tuple[int, dict[str, torch.Tensor]]:
     """Engine side: this rank and its local pieces of every expert weight, after parallelize."""
     import torch.distributed as dist

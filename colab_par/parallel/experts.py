@@ -218,6 +218,31 @@ def _weights_mesh(layout: Layout, device: torch.device) -> tuple[DeviceMesh, Dev
     return source[dims if len(dims) > 1 else dims[0]], expert_mesh
 
 
+def _stage_balance(parts: list[nn.Module], layout: Layout, device: torch.device,
+                   balance: GlobalBalanceLoss | None) -> StageBalance | None:
+    """Under pp, this rank's side of a Hugging Face family's balance loss (None without one). Every
+    stage must take part in it (each sends its router logits to the others, which wait for them):
+    a stage without MoE layers is refused on every rank, before anything waits."""
+    if layout.pp == 1 or not getattr(getattr(parts[0], "config", None), "output_router_logits", False):
+        return None
+    pp_group = build_mesh(layout, device)[0]["pp"].get_group()
+    here = torch.tensor([balance is not None], dtype=torch.int64, device=device)
+    fewest, most = here.clone(), here.clone()
+    dist.all_reduce(fewest, dist.ReduceOp.MIN, group=pp_group)
+    dist.all_reduce(most, dist.ReduceOp.MAX, group=pp_group)
+    if int(most) and not int(fewest):
+        raise ValueError("output_router_logits=True but a pipeline stage of this model holds no MoE layer, "
+                         "so it cannot take part in the family's balance loss over all layers; cut the "
+                         "stages so that each holds one (e.g. fewer stages) or set config.output_router_logits=False")
+    if balance is None:
+        return None
+    if len(parts) > 1:
+        raise ValueError("the routers' balance loss of a Hugging Face MoE (output_router_logits=True) is "
+                         "built for one pipeline stage per rank; use pp_schedule 'gpipe' or '1f1b' or set "
+                         "config.output_router_logits=False")
+    return StageBalance(balance, pp_group, device)
+
+
 def apply_expert_parallel(parts: list[nn.Module], layout: Layout, device: torch.device,
                           data_group: dist.ProcessGroup | None) -> ExpertStep:
     """On the model (or this rank's pipeline stages): give the MoE layers their balance-statistics
@@ -225,13 +250,9 @@ def apply_expert_parallel(parts: list[nn.Module], layout: Layout, device: torch.
     route tokens by all-to-all and set up the experts' gradient reduction; for tp > 1 keep this
     rank's slice of every expert (`expert_tensor.py`)."""
     layers: list[Layer] = moe_layers(parts) or [layer for part in parts for layer in hf_expert_layers(part)]
-    balance, stage_balance = balance_loss_for(parts[0], data_group), None
-    if balance is not None and layout.pp > 1:
-        if len(parts) > 1:
-            raise ValueError("the routers' balance loss of a Hugging Face MoE (output_router_logits=True) is "
-                             "built for one pipeline stage per rank; use pp_schedule 'gpipe' or '1f1b' or set "
-                             "config.output_router_logits=False")
-        balance, stage_balance = None, StageBalance(balance, build_mesh(layout, device)[0]["pp"].get_group(), device)
+    balance = balance_loss_for(parts[0], data_group)
+    stage_balance = _stage_balance(parts, layout, device, balance)
+    balance = None if stage_balance is not None else balance
     stages = StageExperts(parts, stage_balance) if layout.pp > 1 and layers else None
     for layer in layers:
         layer.stats_group = data_group
