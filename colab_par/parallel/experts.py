@@ -40,7 +40,7 @@ from colab_par.models.moe import Experts, MoE, inverse_permutation
 from colab_par.parallel.data_parallel import GradientAverager, fsdp_options
 from colab_par.parallel.expert_tensor import GPT_EXPERT_SPLITS, TensorSplit, hf_expert_splits
 from colab_par.parallel.hf_experts import GlobalBalanceLoss, HFExpertLayer, balance_loss_for, hf_expert_layers
-from colab_par.parallel.mesh import build_expert_mesh, build_mesh
+from colab_par.parallel.mesh import MESH_DIMS, build_expert_mesh, build_mesh
 from colab_par.parallel.stage_balance import StageBalance
 
 __all__ = ["moe_layers", "apply_expert_parallel", "ExpertStep", "StageExperts", "AllToAllDispatch", "ScaleGradients"]
@@ -240,7 +240,16 @@ def _stage_balance(parts: list[nn.Module], layout: Layout, device: torch.device,
         raise ValueError("the routers' balance loss of a Hugging Face MoE (output_router_logits=True) is "
                          "built for one pipeline stage per rank; use pp_schedule 'gpipe' or '1f1b' or set "
                          "config.output_router_logits=False")
-    return StageBalance(balance, pp_group, device)
+    return StageBalance(balance, _exchange_group(layout, device), device)
+
+
+def _exchange_group(layout: Layout, device: torch.device) -> dist.ProcessGroup:
+    """A process group of this rank's pp ranks of its own (every rank creates all of them, in
+    order): the balance loss's messages never queue behind or between the schedule's (NCCL
+    matches point-to-point messages in order, whatever their tags)."""
+    whole = build_mesh(layout, device)[0].mesh
+    ranks = whole.movedim(MESH_DIMS.index("pp"), -1).reshape(-1, layout.pp).tolist()
+    return dist.new_subgroups_by_enumeration(ranks)[0]
 
 
 def apply_expert_parallel(parts: list[nn.Module], layout: Layout, device: torch.device,

@@ -7,12 +7,13 @@ stage cannot compute its part alone. It can compute its exact gradient share, th
 L(x_1, ..., x_p) of the stages' logits has the total derivative Σ_s ∂L/∂x_s, and stage s needs
 only ∂L/∂x_s, the family's function evaluated on every stage's logits with the others held fixed.
 So after each microbatch's forward a stage sends its (global-batch, `GlobalBalanceLoss.gather`)
-router logits to the other stages (point to point, non-blocking), and in that microbatch's
-backward, when every stage's forward of it has run, it receives theirs and differentiates the
-family's loss with respect to its own (`_StageLoss`). The value is the same on every stage and
-counted once, on the first. Sends are tagged by the microbatch's place in the step, so any
-schedule's backward order finds its logits; a stage without routers still sends (nothing) and
-drains what it was sent when the step finishes.
+router logits to the other stages (point to point, non-blocking, on a group of their own), and
+in that microbatch's backward, when every stage's forward of it has run, it receives theirs and
+differentiates the family's loss with respect to its own (`_StageLoss`). The value is the same
+on every stage and counted once, on the first. Every stage sends in microbatch order, so
+messages are received in that order (kept until their backward: any schedule's backward order
+finds its logits, on NCCL too, which ignores tags); what a forward without backward was sent is
+drained when the step finishes.
 """
 from __future__ import annotations
 
@@ -24,9 +25,6 @@ import torch.distributed as dist
 from colab_par.parallel.hf_experts import GlobalBalanceLoss
 
 __all__ = ["StageBalance"]
-
-_TAG_BASE = 1 << 20  # away from the tags of the schedule's own activations (0)
-
 
 class _StageLoss(torch.autograd.Function):
     """A zero in forward whose backward is this stage's share of the family's balance-loss
@@ -51,17 +49,18 @@ class StageBalance:
     """One pipeline rank's side of the family's balance loss: `after_forward` per microbatch,
     `finish` once per step (returns the step's weighted balance loss where it is counted)."""
 
-    def __init__(self, balance: GlobalBalanceLoss, pp_group: dist.ProcessGroup, device: torch.device):
-        self.balance, self.group, self.device = balance, pp_group, device
-        self.stage, size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
-        self.peers = {s: dist.get_global_rank(pp_group, s) for s in range(size) if s != self.stage}
+    def __init__(self, balance: GlobalBalanceLoss, group: dist.ProcessGroup, device: torch.device):
+        """`group`: this rank's pp ranks, in stage order, used for nothing else."""
+        self.balance, self.group, self.device = balance, group, device
+        self.stage, size = dist.get_rank(group), dist.get_world_size(group)
+        self.peers = {s: dist.get_global_rank(group, s) for s in range(size) if s != self.stage}
         self.begin()
 
     def begin(self) -> None:
         self.sends: list[Any] = []
         self.buffers: list[torch.Tensor] = []  # what the sends read, alive until they complete
         self.own: list[list[torch.Tensor]] = []  # per microbatch, this stage's logits (detached)
-        self.received: dict[int, dict[int, list[torch.Tensor]]] = {}
+        self.received: list[dict[int, list[torch.Tensor]]] = []  # per microbatch, in order
         self.values: dict[int, float] = {}
         self.weights: list[float] = []
 
@@ -75,7 +74,7 @@ class StageBalance:
         index = len(self.own)
         self.own.append([t.detach() for t in logits])
         self.weights.append(weight)
-        self._send(index, self.own[-1])
+        self._send(self.own[-1])
         return _StageLoss.apply(self, index, *logits) if logits else None
 
     def loss(self, index: int, own: list[torch.Tensor]) -> torch.Tensor:
@@ -90,7 +89,7 @@ class StageBalance:
         return loss
 
     def finish(self) -> float:
-        """Drain what the stages sent (a stage without routers, or a forward without backward),
+        """Drain what the stages sent for a forward whose backward did not run (none on this stage),
         wait for this stage's sends; the step's weighted loss on the first stage, 0 elsewhere."""
         for index, own in enumerate(self.own):
             if index not in self.values:
@@ -102,24 +101,25 @@ class StageBalance:
         self.begin()
         return total
 
-    def _send(self, index: int, logits: list[torch.Tensor]) -> None:
+    def _send(self, logits: list[torch.Tensor]) -> None:
         rows = logits[0].shape[0] if logits else 0
         header = torch.tensor([len(logits), rows], dtype=torch.int64, device=self.device)
         payload = torch.cat(logits).float() if logits else torch.empty(0, device=self.device)
         self.buffers += [header, payload]
         for peer in self.peers.values():
-            self.sends.append(dist.isend(header, peer, group=self.group, tag=_TAG_BASE + 2 * index))
-            self.sends.append(dist.isend(payload, peer, group=self.group, tag=_TAG_BASE + 2 * index + 1))
+            self.sends.append(dist.isend(header, peer, group=self.group))
+            self.sends.append(dist.isend(payload, peer, group=self.group))
 
     def _receive(self, index: int) -> dict[int, list[torch.Tensor]]:
-        if index not in self.received:
+        """The other stages' logits of microbatch `index` (and of those before it, kept)."""
+        while len(self.received) <= index:
             got = {}
             for stage, peer in self.peers.items():
                 header = torch.empty(2, dtype=torch.int64, device=self.device)
-                dist.recv(header, peer, group=self.group, tag=_TAG_BASE + 2 * index)
+                dist.recv(header, peer, group=self.group)
                 layers, rows = header.tolist()
                 payload = torch.empty(layers * rows, self.balance.n_experts, device=self.device)
-                dist.recv(payload, peer, group=self.group, tag=_TAG_BASE + 2 * index + 1)
+                dist.recv(payload, peer, group=self.group)
                 got[stage] = list(payload.split(rows)) if layers else []
-            self.received[index] = got
+            self.received.append(got)
         return self.received[index]
