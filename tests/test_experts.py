@@ -19,7 +19,7 @@ from colab_par.layout import Layout, LayoutError, valid_layouts
 from colab_par.models import GPTConfig
 from colab_par.telemetry import expert_row_key
 from parity import (GPT_SIZES, LR, MOE_SIZES, SEED, assert_parity, batches, build_model, engine_model,
-                    engine_run, hf_moe_model, reference_run)
+                    _plain_loss, engine_run, hf_moe_model, reference_run, training_batches)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 
@@ -81,6 +81,42 @@ def test_hf_moe_under_pipeline_and_ep_trains_like_transformers(cluster4, layout:
 
 
 # ---- each rank holds its n_experts/ep experts -----------------------------------------------------
+def _accumulated_reference(kind: str, steps: int, dp: int, microbatches: int) -> dict[str, list[float]]:
+    """One process, no kit code, accumulating over the global microbatches a pipeline runs: the
+    j-th microbatch of every dp rank's slice together, each with its own balance loss."""
+    model = build_model(kind, SEED)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grad_norms = [], []
+    for x, y in training_batches(kind, steps):
+        per = x.shape[0] // dp // microbatches
+        total = 0.0
+        for j in range(microbatches):
+            rows = torch.cat([torch.arange(per) + (r * microbatches + j) * per for r in range(dp)])
+            loss = _plain_loss(kind, model, (x[rows], y[rows])) / microbatches
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        grad_norms.append(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(p.grad) for p in model.parameters() if p.grad is not None])).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "grad_norms": grad_norms}
+
+
+def test_hf_balance_loss_under_1f1b_is_each_global_microbatchs(cluster4) -> None:
+    """Two microbatches under 1F1B (the stages' logits of both in flight, received in order): the
+    family's loss of each global microbatch, as one process accumulating over them computes it,
+    which is not the whole batch's (so the microbatches are told apart)."""
+    kind, steps = "qwen3-moe-aux", 4
+    runs = cluster4.run(engine_run, "pp2 dp2 ep2 1f1b mb2", kind, steps)
+    reference = _accumulated_reference(kind, steps, dp=2, microbatches=2)
+    for key in ("losses", "grad_norms"):
+        for run in runs:
+            torch.testing.assert_close(torch.tensor(run[key], dtype=torch.float64),
+                                       torch.tensor(reference[key], dtype=torch.float64), rtol=1e-5, atol=0)
+    assert abs(reference["losses"][0] - reference_run(kind, steps)["losses"][0]) > 1e-4
+
+
 def _dense_first_stage_refusal(layout: str) -> str:
     import transformers
 
