@@ -59,7 +59,8 @@ def test_moe_gpt_under_ep_and_tp_trains_like_single_process(cluster4, layout: st
 def test_experts_sharded_over_ep_tp_and_their_replicas_train_like_single_process(cluster8) -> None:
     """dp4 ep2 tp2 zero3: each expert weight a DTensor over (ep, tp), fully_shard'ed over its two
     replicas (edp): FSDP over three mesh dims, the other parameters over dp and tp."""
-    assert_parity(cluster8.run(engine_run, "dp4 ep2 tp2 zero3", "gpt-moe-aux", STEPS), reference_run("gpt-moe-aux", STEPS))
+    kind = "gpt-moe-aux"
+    assert_parity(cluster8.run(engine_run, "dp4 ep2 tp2 zero3", kind, STEPS), reference_run(kind, STEPS))
 
 
 @pytest.mark.parametrize("layout, kind", [("pp2 dp2 ep2", "gpt-moe"), ("pp2 dp2 ep2 gpipe mb1", "gpt-moe-aux")])
