@@ -11,6 +11,12 @@ How `colab_par.parallel.experts` runs a MoE layer under ep, which these formulas
   receives the R rows routed to its experts in each direction, so it sends and receives
   2·(T·k + R) rows a micro-step. Over an ep group the R's sum to the T·k's: R = T·k on average and
   `load` = R / (T·k) for one rank (above 1 on the rank whose experts the router favours).
+- under pp a rank runs only its stage's MoE layers (`layers`), once per microbatch;
+- under tp every tp rank is in its own ep group (with the other dp ranks of its tp index) and
+  dispatches whole tokens: tp ranks share their data and the experts' input is not split (the tp
+  split is inside each expert), so a tp rank sends what a rank without tp sends, not 1/tp of it.
+  (A Hugging Face family's packed gate|up weights are also regrouped over tp with an all-to-all
+  of weights, not tokens, which these formulas do not count.)
 """
 from __future__ import annotations
 
@@ -26,16 +32,17 @@ def local_expert_params(spec: Any, ep: int) -> float:
     return spec.expert_params / ep
 
 
-def all_to_all_bytes(spec: Any, ep: int, micro_tokens: int, act_bytes: int, load: float = 1.0) -> float:
+def all_to_all_bytes(spec: Any, ep: int, micro_tokens: int, act_bytes: int, load: float = 1.0,
+                     layers: float | None = None) -> float:
     """Bytes one rank's all-to-alls send in one micro-step (it receives as many): over the MoE
-    layers, the count exchange and dispatch + combine forward and backward of `micro_tokens`
+    `layers` it runs (all of them by default; its stage's under pp), the count exchange and dispatch + combine forward and backward of `micro_tokens`
     tokens' top_k copies (`act_bytes` per element), the rank's experts receiving `load` times the
     mean. 0 without expert parallel. Of this, (ep-1)/ep leaves the rank on balanced routing."""
     if ep == 1 or not spec.n_experts:
         return 0.0
     rows = micro_tokens * spec.top_k
     per_layer = 2 * rows * (1 + load) * spec.d_model * act_bytes + spec.n_experts * COUNT_BYTES
-    return spec.n_layer * per_layer
+    return (spec.n_layer if layers is None else layers) * per_layer
 
 
 def expert_flops_share(spec: Any, flops_per_token: float) -> float:

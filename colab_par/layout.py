@@ -457,11 +457,13 @@ def _check_experts_compose(layout: Any, world: int | None, sizes: dict, device: 
         raise LayoutError("ep with pp trains with zero=0 and tp=1 so far (ep with pp and tp or zero is not "
                           "proven); use e.g. 'pp2 dp2 ep2' or 'dp2 ep2 tp2'")
     if layout.zero == 1:
-        raise LayoutError("zero=1 (ZeroRedundancyOptimizer) would mix the different experts dp ranks "
-                          "hold; with ep use zero=0, zero=2 or zero=3")
-    if layout.tp > 1 and layout.zero >= 2:
-        raise LayoutError(f"zero={layout.zero} with ep and tp would shard the experts over three mesh dims "
-                          "(edp, ep, tp), which is not built; with ep and tp use zero=0")
+        raise LayoutError("zero=1 with ep is not built: torch's ZeroRedundancyOptimizer shards whole parameters "
+                          "over ONE group and hands each rank's updated share to all of it, but the ranks of "
+                          "an ep group hold different experts (a ZeRO over dp would overwrite one rank's "
+                          "experts with another's); the experts would need a second ZeRO over the dp/ep ranks "
+                          "holding the same experts, which the kit's checkpoints and memory report (one "
+                          "ZeroRedundancyOptimizer) do not carry. With ep use zero=2 (optimizer state and "
+                          "gradients sharded, the experts over their own replicas), zero=3 or zero=0")
     if layout.compile:
         raise LayoutError("compile is not proven with the experts' all-to-all (its token counts change "
                           "every step); with ep drop 'compile'")

@@ -560,8 +560,8 @@ def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str
         times["dp"] = _data_parallel_seconds(layout, local_params - experts, layers + 1, act_bytes, compute,
                                              dev, bandwidth(t, dp * c), trainable)
     # expert parallel: the experts' gradients reduce over the dp/ep ranks holding the same experts;
-    # the all-to-alls (`expert_costs.all_to_all_bytes`, (ep-1)/ep of them leave the rank; 5 per
-    # layer and micro-step, each ep-1 hops) sit on the critical path, as does the busiest rank's
+    # the all-to-alls of the stage's MoE layers (`expert_costs.all_to_all_bytes`: whole tokens on
+    # every tp rank, (ep-1)/ep of them leave the rank; 5 per layer and micro-step, each ep-1 hops) sit on the critical path, as does the busiest rank's
     # extra expert work when routing is uneven (`expert_load` above 1)
     ep = layout.ep
     if ep > 1:
@@ -569,7 +569,7 @@ def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str
             times["dp"] += _data_parallel_seconds(layout.replace(dp=dp // ep, ep=1), experts, layers + 1,
                                                   act_bytes, compute, dev, bandwidth(t * ep, dp // ep),
                                                   trainable)
-        moved = m * all_to_all_bytes(spec, ep, micro_tokens, act_bytes, expert_load) * (ep - 1) / ep
+        moved = m * all_to_all_bytes(spec, ep, micro_tokens, act_bytes, expert_load, layers) * (ep - 1) / ep
         times["ep"] = moved / bandwidth(t, ep) + m * layers * 5 * (ep - 1) * dev.latency
         share = expert_flops_share(spec, flops_per_token(spec, seq_len, "none"))
         times["imbalance"] = (expert_load - 1) * compute * share

@@ -2,7 +2,8 @@
 
 - the bytes every rank's all-to-alls send and receive in a training step (counted as the c10d ops
   run, forward and backward) equal `expert_costs.all_to_all_bytes` at the rank's own load (the
-  rows the routers sent its experts), and its mean over the ranks equals the balanced formula;
+  rows the routers sent its experts), and its mean over the ranks equals the balanced formula,
+  under dp·ep, zero3, pp (the stage's layers, every microbatch) and tp (whole tokens per tp rank);
 - the parameters and optimizer state a rank holds equal `estimate(...).resting`, its expert
   weights n_experts/ep per layer (further sharded by zero over the dp/ep replicas);
 - `plan()` searches ep for a MoE model (and only for one), the picker offers it, `ep_load` reads
@@ -53,7 +54,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 def _measure(layout: str) -> dict[str, Any]:
     """Engine side: train one step, then count one more: its all-to-all bytes, the routers' counts
-    per layer on this rank, and what the rank holds afterwards."""
+    per layer of this rank's stage (summed over the step's microbatches), its ep group and what the
+    rank holds afterwards."""
     import torch.distributed as dist
 
     from colab_par import parallelize
@@ -66,59 +68,64 @@ def _measure(layout: str) -> dict[str, Any]:
     pm.train_step(*warm)
     with AllToAllBytes() as bytes_:
         pm.train_step(*counted)
+    layers = moe_layers(pm.model)
     experts = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
                   for name, p in pm.model.named_parameters() if ".experts." in name)
     return {"rank": dist.get_rank(), "sent": bytes_.sent, "received": bytes_.received,
-            "counts": [layer.last_counts.tolist() for layer in moe_layers(pm.model)],
+            "ep_group": dist.get_process_group_ranks(layers[0].dispatch.group),
+            "counts": [layer.last_counts.tolist() for layer in layers],
             "memory": memory_report(pm), "expert_elements": experts}
 
 
 @pytest.mark.parametrize("cluster, layout", [("cluster2", "dp2 ep2"), ("cluster2", "dp2 ep2 zero3"),
-                                             ("cluster4", "dp4 ep2 zero3")])
+                                             ("cluster4", "dp4 ep2 zero3"), ("cluster4", "pp2 dp2 ep2"),
+                                             ("cluster4", "dp2 ep2 tp2"), ("cluster4", "dp2 ep2 tp2 zero3")])
 def test_a_real_step_costs_what_the_planner_says(request, cluster: str, layout: str) -> None:
+    """Under pp a rank's all-to-alls serve its stage's MoE layers, once per microbatch; under tp
+    every tp rank dispatches whole tokens over its own ep group (the split is inside the experts)."""
     parsed, spec = Layout.parse(layout), ModelSpec.of(CONFIG)
-    ep, experts = parsed.ep, spec.n_experts
-    ranks = sorted(request.getfixturevalue(cluster).run(_measure, layout), key=lambda r: r["rank"])
-    tokens = GLOBAL_BATCH // parsed.dp * MOE_SIZES["seq_len"]  # one micro-step of one rank
+    ep, experts, m = parsed.ep, spec.n_experts, parsed.microbatches
+    ranks = {r["rank"]: r for r in request.getfixturevalue(cluster).run(_measure, layout)}
+    tokens = GLOBAL_BATCH // parsed.dp // m * MOE_SIZES["seq_len"]  # one micro-step of one rank
     routed = tokens * spec.top_k
+    stage_layers = spec.n_layer // parsed.pp
 
-    # all-to-all bytes: rank r receives, in each MoE layer, the rows its ep group routed to its experts
-    for measured in ranks:
-        rank = measured["rank"]
-        group = [q for q in ranks if q["rank"] // ep == rank // ep]
-        mine = range(rank % ep * experts // ep, (rank % ep + 1) * experts // ep)
-        received_rows = sum(q["counts"][layer][e] for q in group for layer in range(spec.n_layer) for e in mine)
-        assert sum(map(sum, measured["counts"])) == routed * spec.n_layer  # top_k rows per token
-        load = received_rows / (routed * spec.n_layer)
-        predicted = all_to_all_bytes(spec, ep, tokens, FP32, load)
+    # all-to-all bytes: a rank receives, in each of its MoE layers, the rows its ep group routed to
+    # its experts (the ranks of a group run the same stage: they exchange tokens)
+    loads = []
+    for rank, measured in ranks.items():
+        group = measured["ep_group"]
+        assert len(group) == ep and rank in group and all(ranks[q]["ep_group"] == group for q in group)
+        place = group.index(rank)
+        mine = range(place * experts // ep, (place + 1) * experts // ep)
+        assert len(measured["counts"]) == stage_layers
+        received_rows = sum(ranks[q]["counts"][layer][e] for q in group for layer in range(stage_layers)
+                            for e in mine)
+        assert sum(map(sum, measured["counts"])) == m * routed * stage_layers  # top_k rows per token
+        load = received_rows / (m * routed * stage_layers)
+        predicted = m * all_to_all_bytes(spec, ep, tokens, FP32, load, layers=stage_layers)
         assert (measured["sent"], measured["received"]) == (predicted, predicted), f"rank {rank}"
-    assert sum(r["sent"] for r in ranks) / len(ranks) == all_to_all_bytes(spec, ep, tokens, FP32)
-    assert len({r["sent"] for r in ranks}) > 1 or ep == 1  # uneven routing: the loads differ
+        loads.append(load)
+    assert sum(r["sent"] for r in ranks.values()) / len(ranks) == \
+        m * all_to_all_bytes(spec, ep, tokens, FP32, layers=stage_layers)
+    assert len(set(loads)) > 1  # uneven routing: the loads differ, so the test tells them apart
 
-    # parameters and optimizer state per rank: the planner's resting state, exactly
+    # parameters and optimizer state per rank: the planner's resting state, exactly (under pp the
+    # fullest stage's); expert weights n_experts/ep per layer of the stage, sliced by tp and
+    # further sharded by zero over the dp/ep replicas
     plan_ = estimate(CONFIG, parsed, device="cpu", global_batch=GLOBAL_BATCH, seq_len=MOE_SIZES["seq_len"])
     replicas = parsed.dp // ep if parsed.zero >= 2 else 1
-    for measured in ranks:
-        assert measured["expert_elements"] == local_expert_params(spec, ep) / replicas
-        assert measured["memory"]["params"] == plan_.resting.params, f"rank {measured['rank']}"
-        assert measured["memory"]["optimizer"] == plan_.resting.optimizer, f"rank {measured['rank']}"
+    for rank, measured in ranks.items():
+        assert measured["expert_elements"] == local_expert_params(spec, ep) / (parsed.tp * parsed.pp * replicas)
+        assert measured["memory"]["params"] <= plan_.resting.params, f"rank {rank}"
+    fullest = max(ranks.values(), key=lambda r: r["memory"]["params"])
+    for key in ("params", "optimizer"):
+        assert fullest["memory"][key] == getattr(plan_.resting, key)
+        if parsed.pp == 1:  # every rank holds the same
+            assert len({r["memory"][key] for r in ranks.values()}) == 1
 
 
 # ---- the search and the picker -------------------------------------------------------------------
-@pytest.mark.parametrize("layout", ["dp2 ep2 tp2", "pp2 dp2 ep2"])
-def test_expert_parameters_per_rank_under_tp_and_pp(cluster4, layout: str) -> None:
-    """tp slices every expert a rank holds, pp keeps its stage's layers: the planner's resting
-    parameters and optimizer state equal what each rank holds after a real step."""
-    parsed, spec = Layout.parse(layout), ModelSpec.of(CONFIG)
-    plan_ = estimate(CONFIG, parsed, device="cpu", global_batch=GLOBAL_BATCH, seq_len=MOE_SIZES["seq_len"])
-    ranks = cluster4.run(_measure, layout)
-    for measured in ranks:
-        assert measured["expert_elements"] == spec.expert_params / (parsed.ep * parsed.tp * parsed.pp)
-    fullest = max(ranks, key=lambda r: r["memory"]["params"])
-    assert fullest["memory"]["params"] == plan_.resting.params
-    assert fullest["memory"]["optimizer"] == plan_.resting.optimizer
-
-
 def test_plan_searches_ep_only_for_moe_models() -> None:
     moe = GPTConfig(**{**MOE_SIZES, "n_experts": 8})
     layouts = [p.layout for p in plan(moe, 4, device="cpu", global_batch=8, seq_len=16, top=None)]

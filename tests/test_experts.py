@@ -19,7 +19,7 @@ from colab_par.layout import Layout, LayoutError, valid_layouts
 from colab_par.models import GPTConfig
 from colab_par.telemetry import expert_row_key
 from parity import (GPT_SIZES, LR, MOE_SIZES, SEED, assert_parity, batches, build_model, engine_model,
-                    engine_run, reference_run)
+                    _plain_loss, engine_run, hf_moe_model, reference_run, training_batches)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 
@@ -47,10 +47,20 @@ def test_moe_gpt_under_tensor_parallel_trains_like_single_process(cluster2, kind
     assert_parity(cluster2.run(engine_run, "tp2", kind, STEPS), reference_run(kind, STEPS))
 
 
-@pytest.mark.parametrize("kind", ["gpt-moe", "gpt-moe-aux"])
-def test_moe_gpt_under_ep_and_tp_trains_like_single_process(cluster4, kind: str) -> None:
-    """dp2 ep2 tp2: each expert weight one DTensor over (ep, tp), sharded by expert and inside."""
-    assert_parity(cluster4.run(engine_run, "dp2 ep2 tp2", kind, STEPS), reference_run(kind, STEPS))
+@pytest.mark.parametrize("layout, kind", [("dp2 ep2 tp2", "gpt-moe"), ("dp2 ep2 tp2", "gpt-moe-aux"),
+                                          ("dp2 ep2 tp2 zero3", "gpt-moe-aux"), ("dp2 ep2 tp2 zero2", "gpt-moe")])
+def test_moe_gpt_under_ep_and_tp_trains_like_single_process(cluster4, layout: str, kind: str) -> None:
+    """dp2 ep2 tp2: each expert weight one DTensor over (ep, tp), sharded by expert and inside;
+    zero 2/3 shard the other parameters over dp and the experts over their own replicas (edp),
+    fully_shard taking the (ep, tp) DTensors as they are."""
+    assert_parity(cluster4.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
+
+
+def test_experts_sharded_over_ep_tp_and_their_replicas_train_like_single_process(cluster8) -> None:
+    """dp4 ep2 tp2 zero3: each expert weight a DTensor over (ep, tp), fully_shard'ed over its two
+    replicas (edp): FSDP over three mesh dims, the other parameters over dp and tp."""
+    kind = "gpt-moe-aux"
+    assert_parity(cluster8.run(engine_run, "dp4 ep2 tp2 zero3", kind, STEPS), reference_run(kind, STEPS))
 
 
 @pytest.mark.parametrize("layout, kind", [("pp2 dp2 ep2", "gpt-moe"), ("pp2 dp2 ep2 gpipe mb1", "gpt-moe-aux")])
@@ -62,13 +72,73 @@ def test_moe_gpt_under_pipeline_and_ep_trains_like_single_process(cluster4, layo
     assert_parity(cluster4.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
 
 
-def test_hf_moe_under_pipeline_and_ep_trains_like_transformers(cluster4) -> None:
-    """A Hugging Face family's stages split over ep the same way (its balance loss under pp is
-    refused: `test_hf_experts.py`)."""
-    assert_parity(cluster4.run(engine_run, "pp2 dp2 ep2", "qwen3-moe", 6), reference_run("qwen3-moe", 6))
+@pytest.mark.parametrize("layout, kind", [("pp2 dp2 ep2", "qwen3-moe"), ("pp2 dp2 ep2 gpipe mb1", "qwen3-moe-aux")])
+def test_hf_moe_under_pipeline_and_ep_trains_like_transformers(cluster4, layout: str, kind: str) -> None:
+    """A Hugging Face family's stages split over ep the same way. Its own balance loss (Qwen3-MoE's
+    mixes all layers' routing, so no stage can compute a part alone) reaches the loss and the
+    gradients of both stages: each differentiates the family's loss over every stage's logits
+    with respect to its own (`stage_balance.py`); transformers alone computes it whole."""
+    assert_parity(cluster4.run(engine_run, layout, kind, 6), reference_run(kind, 6))
 
 
 # ---- each rank holds its n_experts/ep experts -----------------------------------------------------
+def _accumulated_reference(kind: str, steps: int, dp: int, microbatches: int) -> dict[str, list[float]]:
+    """One process, no kit code, accumulating over the global microbatches a pipeline runs: the
+    j-th microbatch of every dp rank's slice together, each with its own balance loss."""
+    model = build_model(kind, SEED)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grad_norms = [], []
+    for x, y in training_batches(kind, steps):
+        per = x.shape[0] // dp // microbatches
+        total = 0.0
+        for j in range(microbatches):
+            rows = torch.cat([torch.arange(per) + (r * microbatches + j) * per for r in range(dp)])
+            loss = _plain_loss(kind, model, (x[rows], y[rows])) / microbatches
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        grad_norms.append(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(p.grad) for p in model.parameters() if p.grad is not None])).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "grad_norms": grad_norms}
+
+
+def test_hf_balance_loss_under_1f1b_is_each_global_microbatchs(cluster4) -> None:
+    """Two microbatches under 1F1B (the stages' logits of both in flight, received in order): the
+    family's loss of each global microbatch, as one process accumulating over them computes it,
+    which is not the whole batch's (so the microbatches are told apart)."""
+    kind, steps = "qwen3-moe-aux", 4
+    runs = cluster4.run(engine_run, "pp2 dp2 ep2 1f1b mb2", kind, steps)
+    reference = _accumulated_reference(kind, steps, dp=2, microbatches=2)
+    for key in ("losses", "grad_norms"):
+        for run in runs:
+            torch.testing.assert_close(torch.tensor(run[key], dtype=torch.float64),
+                                       torch.tensor(reference[key], dtype=torch.float64), rtol=1e-5, atol=0)
+    assert abs(reference["losses"][0] - reference_run(kind, steps)["losses"][0]) > 1e-4
+
+
+def _dense_first_stage_refusal(layout: str) -> str:
+    import transformers
+
+    from colab_par import parallelize
+
+    config = hf_moe_model("qwen3-moe-aux").config
+    config.mlp_only_layers = [0]  # stage 0 of pp2 holds a dense layer only
+    try:
+        parallelize(transformers.Qwen3MoeForCausalLM(config), layout)
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def test_hf_balance_loss_refuses_a_stage_without_moe_layers(cluster4) -> None:
+    """Every stage takes part in the family's loss; one without routers would leave the others
+    waiting, so every rank refuses before training."""
+    for error in cluster4.run(_dense_first_stage_refusal, "pp2 dp2 ep2 gpipe mb1"):
+        assert "holds no MoE layer" in error and "output_router_logits=False" in error, error
+
+
 def _expert_pieces(layout: str) -> tuple[int, dict[str, torch.Tensor]]:
     """Engine side: this rank and its local pieces of every expert weight, after parallelize."""
     import torch.distributed as dist
@@ -159,10 +229,9 @@ def test_trainer_rows_count_the_tokens_each_expert_got(request, cluster: str, la
     ("dp8 ep8", MOE_SIZES, "does not divide the 4 experts"),
     ("dp2 ep2", GPT_SIZES, "this model has none"),
     ("dp2 ep2 cp2", MOE_SIZES, "not with cp=2"),
-    ("dp2 ep2 tp2 zero3", MOE_SIZES, "with ep and tp use zero=0"),
     ("tp2 sp", MOE_SIZES, "drop 'sp'"),
     ("tp4 2d", MOE_SIZES, "has no split of the experts inside"),
-    ("dp2 ep2 zero1", MOE_SIZES, "use zero=0, zero=2 or zero=3"),
+    ("dp2 ep2 zero1", MOE_SIZES, "ranks of an ep group hold different experts"),
     ("dp2 ep2 compile", MOE_SIZES, "with ep drop 'compile'"),
     ("dp2 cp2", MOE_SIZES, "not cp=2"),
     ("pp2 dp2 ep2 zero2", MOE_SIZES, "ep with pp trains with zero=0 and tp=1"),
@@ -182,9 +251,8 @@ def test_ep_is_a_layout_token_and_enumerated_only_when_asked() -> None:
     for layout in asked:  # exactly what validate accepts (ep's rules run inside the enumeration)
         layout.validate(4, moe)
         assert layout.ep == 1 or (layout.zero != 1 and layout.dp * layout.tp * layout.pp == 4 and layout.cp == 1
-                                  and (layout.tp == 1 or layout.zero == 0)
                                   and (layout.pp == 1 or (layout.tp == 1 and layout.zero == 0)))
-    assert Layout.parse("dp2 ep2 tp2") in asked
+    assert {Layout.parse("dp2 ep2 tp2"), Layout.parse("dp2 ep2 tp2 zero3")} <= asked
 
 
 def _refusal(layout: str, kind: str, source: str) -> str | None:

@@ -54,9 +54,10 @@ def test_hf_moe_under_tensor_parallel_trains_like_transformers(cluster2, family:
     assert_parity(cluster2.run(engine_run, "tp2", kind, STEPS), reference_run(kind, STEPS))
 
 
-@pytest.mark.parametrize("kind", ["qwen3-moe", "qwen3-moe-aux"])
-def test_hf_moe_under_ep_and_tp_trains_like_transformers(cluster4, kind: str) -> None:
-    assert_parity(cluster4.run(engine_run, "dp2 ep2 tp2", kind, STEPS), reference_run(kind, STEPS))
+@pytest.mark.parametrize("layout, kind", [("dp2 ep2 tp2", "qwen3-moe"), ("dp2 ep2 tp2", "qwen3-moe-aux"),
+                                          ("dp2 ep2 tp2 zero3", "qwen3-moe-aux")])
+def test_hf_moe_under_ep_and_tp_trains_like_transformers(cluster4, layout: str, kind: str) -> None:
+    assert_parity(cluster4.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
 
 
 @pytest.mark.parametrize("kind", ["qwen2-moe-aux", "deepseek-v3", "gpt-oss-aux"])

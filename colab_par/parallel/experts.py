@@ -18,8 +18,10 @@ with or without ep. Hugging Face MoE families take the same path from their own 
 (`hf_experts.py`), their balance loss made global there.
 
 With tp the same step splits every expert inside too (`expert_tensor.py`): the weights become one
-DTensor over the (ep, tp) mesh. With pp it runs on each stage after the split, and `StageExperts`
-lets the pipeline runner carry each stage's balance losses into its backward.
+DTensor over the (ep, tp) mesh, which zero 2/3 fully_shard over edp as it is (FSDP over three
+mesh dims). With pp it runs on each stage after the split, and `StageExperts` lets the pipeline
+runner carry each stage's balance losses into its backward (a Hugging Face family's share of its
+own loss too: `stage_balance.py`).
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ from colab_par.models.moe import Experts, MoE, inverse_permutation
 from colab_par.parallel.data_parallel import GradientAverager, fsdp_options
 from colab_par.parallel.expert_tensor import GPT_EXPERT_SPLITS, TensorSplit, hf_expert_splits
 from colab_par.parallel.hf_experts import GlobalBalanceLoss, HFExpertLayer, balance_loss_for, hf_expert_layers
-from colab_par.parallel.mesh import build_expert_mesh, build_mesh
+from colab_par.parallel.mesh import MESH_DIMS, build_expert_mesh, build_mesh
+from colab_par.parallel.stage_balance import StageBalance
 
 __all__ = ["moe_layers", "apply_expert_parallel", "ExpertStep", "StageExperts", "AllToAllDispatch", "ScaleGradients"]
 
@@ -134,16 +137,20 @@ class StageExperts:
     """Pipeline parallel: the MoE layers of this rank's stages, seen by the runner once per stage
     forward of each microbatch. Their balance losses (the kit's GPT adds them in its loss_fn, which
     only the last stage calls, and which sees no stage's layers) ride on the stage's output into
-    its backward, weighted like the microbatch's loss; their token counts are summed over the
+    its backward, weighted like the microbatch's loss; so does a Hugging Face family's share of
+    its own balance loss (`stage_balance.StageBalance`). Their token counts are summed over the
     step's microbatches, so `last_counts` holds the step's (as without pp)."""
 
-    def __init__(self, parts: list[nn.Module]):
+    def __init__(self, parts: list[nn.Module], balance: StageBalance | None = None):
         self.layers = [moe_layers(part) for part in parts]
+        self.balance = balance
         self.counts: list[list[torch.Tensor | None]] = []
         self.loss = 0.0
 
     def begin(self) -> None:
         self.counts, self.loss = [[None] * len(layers) for layers in self.layers], 0.0
+        if self.balance is not None:
+            self.balance.begin()
 
     def after_forward(self, index: int, output: Any, weight: float) -> Any:
         """After part `index`'s forward of one microbatch whose loss weighs `weight`. Forwards
@@ -158,6 +165,9 @@ class StageExperts:
                 sums[i] = layer.last_counts if sums[i] is None else sums[i] + layer.last_counts
         terms = [term for layer in self.layers[index] if isinstance(layer, MoE)
                  for term in [layer.take_aux_loss()] if term is not None]
+        share = self.balance.after_forward(weight) if self.balance is not None else None
+        if share is not None:
+            terms.append(share)  # a zero: its backward is the family loss's gradient share
         if not terms:
             return output
         loss = sum(terms) * weight
@@ -172,7 +182,7 @@ class StageExperts:
                 if total is not None:
                     layer.last_counts = total
         self.counts = []
-        return self.loss
+        return self.loss + (self.balance.finish() if self.balance is not None else 0.0)
 
 
 def _expert_weights(layer: Layer) -> tuple[nn.Module, list[str]]:
@@ -208,6 +218,40 @@ def _weights_mesh(layout: Layout, device: torch.device) -> tuple[DeviceMesh, Dev
     return source[dims if len(dims) > 1 else dims[0]], expert_mesh
 
 
+def _stage_balance(parts: list[nn.Module], layout: Layout, device: torch.device,
+                   balance: GlobalBalanceLoss | None) -> StageBalance | None:
+    """Under pp, this rank's side of a Hugging Face family's balance loss (None without one). Every
+    stage must take part in it (each sends its router logits to the others, which wait for them):
+    a stage without MoE layers is refused on every rank, before anything waits."""
+    if layout.pp == 1 or not getattr(getattr(parts[0], "config", None), "output_router_logits", False):
+        return None
+    pp_group = build_mesh(layout, device)[0]["pp"].get_group()
+    here = torch.tensor([balance is not None], dtype=torch.int64, device=device)
+    fewest, most = here.clone(), here.clone()
+    dist.all_reduce(fewest, dist.ReduceOp.MIN, group=pp_group)
+    dist.all_reduce(most, dist.ReduceOp.MAX, group=pp_group)
+    if int(most) and not int(fewest):
+        raise ValueError("output_router_logits=True but a pipeline stage of this model holds no MoE layer, "
+                         "so it cannot take part in the family's balance loss over all layers; cut the "
+                         "stages so that each holds one (e.g. fewer stages) or set config.output_router_logits=False")
+    if balance is None:
+        return None
+    if len(parts) > 1:
+        raise ValueError("the routers' balance loss of a Hugging Face MoE (output_router_logits=True) is "
+                         "built for one pipeline stage per rank; use pp_schedule 'gpipe' or '1f1b' or set "
+                         "config.output_router_logits=False")
+    return StageBalance(balance, _exchange_group(layout, device), device)
+
+
+def _exchange_group(layout: Layout, device: torch.device) -> dist.ProcessGroup:
+    """A process group of this rank's pp ranks of its own (every rank creates all of them, in
+    order): the balance loss's messages never queue behind or between the schedule's (NCCL
+    matches point-to-point messages in order, whatever their tags)."""
+    whole = build_mesh(layout, device)[0].mesh
+    ranks = whole.movedim(MESH_DIMS.index("pp"), -1).reshape(-1, layout.pp).tolist()
+    return dist.new_subgroups_by_enumeration(ranks)[0]
+
+
 def apply_expert_parallel(parts: list[nn.Module], layout: Layout, device: torch.device,
                           data_group: dist.ProcessGroup | None) -> ExpertStep:
     """On the model (or this rank's pipeline stages): give the MoE layers their balance-statistics
@@ -216,10 +260,9 @@ def apply_expert_parallel(parts: list[nn.Module], layout: Layout, device: torch.
     rank's slice of every expert (`expert_tensor.py`)."""
     layers: list[Layer] = moe_layers(parts) or [layer for part in parts for layer in hf_expert_layers(part)]
     balance = balance_loss_for(parts[0], data_group)
-    if balance is not None and layout.pp > 1:
-        raise ValueError("the routers' balance loss of a Hugging Face MoE (output_router_logits=True) is not "
-                         "added to pipeline stages' losses yet; use pp=1 or set config.output_router_logits=False")
-    stages = StageExperts(parts) if layout.pp > 1 and layers else None
+    stage_balance = _stage_balance(parts, layout, device, balance)
+    balance = None if stage_balance is not None else balance
+    stages = StageExperts(parts, stage_balance) if layout.pp > 1 and layers else None
     for layer in layers:
         layer.stats_group = data_group
     if (layout.ep == 1 and layout.tp == 1) or not layers:

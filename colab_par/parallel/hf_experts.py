@@ -215,10 +215,18 @@ class GlobalBalanceLoss:
 
     def take(self) -> torch.Tensor | None:
         """coef × the family's loss on the global batch's router logits of the last forward, once."""
+        logits, mask = self.gather()
+        return self.loss(logits, mask) if logits else None
+
+    def gather(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The last forward's router logits per layer and its attention mask (None without one),
+        each the global batch's rows (gathered with autograd over the ranks sharing it), once."""
         logits, mask, self.logits, self.mask = self.logits, self.mask, [], None
-        if not logits:
-            return None
-        if self.group is not None:
+        if logits and self.group is not None:
             logits = [GatherRows.apply(layer, self.group) for layer in logits]
             mask = None if mask is None else GatherRows.apply(mask, self.group)
+        return logits, mask
+
+    def loss(self, logits: list[torch.Tensor], mask: torch.Tensor | None = None) -> torch.Tensor:
+        """coef × the family's own balance loss of these per-layer router logits."""
         return self.coef * self.loss_fn(tuple(logits), self.n_experts, self.top_k, mask)
