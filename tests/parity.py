@@ -199,15 +199,16 @@ def engine_model(kind: str, source: str) -> Any:
 
 
 def engine_run(layout: str, kind: str = "gpt", steps: int = STEPS, source: str = DEFAULT_SOURCE, *,
-               lr: float = LR, **options: Any) -> dict[str, Any]:
+               lr: float = LR, max_norm: float = math.inf, **options: Any) -> dict[str, Any]:
     """Runs on every engine: parallelize, train `steps` steps, return losses, gradient norms and state.
 
     The global gradient norm is read between backward and the optimizer step (clipping at infinity
-    changes nothing): Adam is blind to a uniformly scaled gradient, the norm is not. `options` go
-    to `parallelize` (loss_fn, blocks, tp_plan).
+    changes nothing): Adam is blind to a uniformly scaled gradient, the norm is not. A finite
+    `max_norm` clips (compare with `reference_run(..., max_norm=...)`). `options` go to
+    `parallelize` (loss_fn, blocks, tp_plan).
     """
     pm = _parallelized(engine_model(kind, source), layout, lr=lr, **options)
-    run = _train(pm, kind, training_batches(kind, steps))
+    run = _train(pm, kind, training_batches(kind, steps), max_norm)
     return {**run, "state": pm.full_state_dict()}
 
 
@@ -232,12 +233,12 @@ def _parallelized(model: Any, layout: str, *, lr: float = LR, **options: Any) ->
     return parallelize(model, layout, optimizer_fn=lambda p: torch.optim.AdamW(p, lr=lr), **options)
 
 
-def _train(pm: Any, kind: str, batches: list[Any]) -> dict[str, list[float]]:
+def _train(pm: Any, kind: str, batches: list[Any], max_norm: float = math.inf) -> dict[str, list[float]]:
     losses, grad_norms = [], []
     for batch in batches:
         # Language models take (tokens, targets) as two arguments; other models one batch object.
         losses.append(pm.forward_backward(*batch) if takes_tokens(kind) else pm.forward_backward(batch))
-        grad_norms.append(pm.clip_grad_norm_(math.inf))
+        grad_norms.append(pm.clip_grad_norm_(max_norm))
         pm.optimizer_step()
     return {"losses": losses, "grad_norms": grad_norms}
 

@@ -92,6 +92,14 @@ def test_gpt2_fused_qkv_split_as_plain_columns_is_caught(cluster2) -> None:
         assert_parity(results, reference_run("gpt2-lm", steps=3))
 
 
+def test_clipping_scales_a_head_tied_across_pipeline_stages_on_both(cluster2) -> None:
+    """GPT-2's head is tied to its embeddings, so under pp each stage steps its own synchronised
+    copy: clipping (1.0, below every step's norm of 1.7-2.8) must scale both copies, or the stages'
+    weights part and the run leaves the clipped one-process run."""
+    assert_parity(cluster2.run(engine_run, "pp2 1f1b mb2", "gpt2-lm", steps=3, max_norm=1.0),
+                  reference_run("gpt2-lm", steps=3, max_norm=1.0))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2", "dp2 zero3", "pp2 1f1b mb2"])
 @pytest.mark.parametrize("kind", LANGUAGE_MODELS)

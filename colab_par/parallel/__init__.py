@@ -228,8 +228,8 @@ class ParallelModel:
         held = tiers.held_gradient_squares() if tiers is not None else {}
         copies = self._runner.duplicate_copies() if self._runner is not None else set()  # tied across stages
         grads = [(p, None if id(p) in held else p.grad) for part in self.model_parts for p in part.parameters()
-                 if (p.grad is not None or id(p) in held) and id(p) not in copies]
-        total = total_gradient_norm(grads, held, self.device,
+                 if p.grad is not None or id(p) in held]
+        total = total_gradient_norm([(p, grad) for p, grad in grads if id(p) not in copies], held, self.device,
                                     self.mesh["pp"].get_group() if self.layout.pp > 1 else None)
         scale = max_norm / (total + 1e-6)
         if scale < 1.0:
