@@ -304,12 +304,7 @@ def _clipped_run(layout: str) -> dict:
 
     chunks.CHUNK_BYTES = SMALL_CHUNK
     pm = _parallelized(engine_model("gpt", "module"), layout)
-    losses, grad_norms = [], []
-    for batch in training_batches("gpt", STEPS):
-        losses.append(pm.forward_backward(*batch))
-        grad_norms.append(pm.clip_grad_norm_(CLIP))
-        pm.optimizer_step()
-    return {"losses": losses, "grad_norms": grad_norms, "state": pm.full_state_dict()}
+    return {**_train(pm, "gpt", training_batches("gpt", STEPS), CLIP), "state": pm.full_state_dict()}
 
 
 def test_clipping_gradients_on_disk_scales_them_as_one_process_does(cluster2) -> None:

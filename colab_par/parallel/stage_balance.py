@@ -26,6 +26,7 @@ from colab_par.parallel.hf_experts import GlobalBalanceLoss
 
 __all__ = ["StageBalance"]
 
+
 class _StageLoss(torch.autograd.Function):
     """A zero in forward whose backward is this stage's share of the family's balance-loss
     gradient for microbatch `index` (times the incoming gradient: the microbatch's loss weight)."""
