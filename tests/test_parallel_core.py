@@ -71,7 +71,7 @@ def _reference_grad_norm() -> float:
     return torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
 
 
-@pytest.mark.parametrize("layout", ["dp2 zero3", "tp2", "tp2 sp", "pp2 mb2"])
+@pytest.mark.parametrize("layout", ["dp2", "cp2", "dp2 zero3", "tp2", "tp2 sp", "pp2 mb2"])
 def test_clip_grad_norm_sums_over_all_shards(cluster2, layout: str) -> None:
     expected = _reference_grad_norm()
     for before, after in cluster2.run(_clipped_norms, layout, expected / 2):

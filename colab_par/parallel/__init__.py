@@ -229,8 +229,10 @@ class ParallelModel:
         copies = self._runner.duplicate_copies() if self._runner is not None else set()  # tied across stages
         grads = [(p, None if id(p) in held else p.grad) for part in self.model_parts for p in part.parameters()
                  if p.grad is not None or id(p) in held]
+        replicas = self.model_parts[0].process_group if all(  # DDP: every dp rank holds every gradient
+            isinstance(part, DistributedDataParallel) for part in self.model_parts) else None
         total = total_gradient_norm([(p, grad) for p, grad in grads if id(p) not in copies], held, self.device,
-                                    self.mesh["pp"].get_group() if self.layout.pp > 1 else None)
+                                    self.mesh["pp"].get_group() if self.layout.pp > 1 else None, replicas)
         scale = max_norm / (total + 1e-6)
         if scale < 1.0:
             for _, grad in grads:

@@ -7,7 +7,9 @@ float64; that sum becomes the one element of a stand-in DTensor sharded over the
 dimensions (any sharding, FSDP's strided one included; partial gradients are reduced first),
 whose norm DTensor reduces over exactly the dimensions the kind is sharded on and not over those
 it is replicated on: one collective per kind on every rank, whichever of its gradients a
-rank's tiers happen to hold.
+rank's tiers happen to hold. Plain gradients every rank of a group holds alike (DDP's) are
+split over that group: each rank reads its share and one all-reduce adds them, so no replica
+reads the whole model.
 """
 from __future__ import annotations
 
@@ -22,25 +24,35 @@ __all__ = ["total_gradient_norm"]
 
 
 def total_gradient_norm(grads: list[tuple[nn.Parameter, "torch.Tensor | None"]], held: Mapping[int, float],
-                        device: torch.device, pp_group: Any = None) -> float:
+                        device: torch.device, pp_group: Any = None, replicas: Any = None) -> float:
     """The 2-norm of all gradients. `grads`: (parameter, its gradient, or None where `held` has
-    the sum of squares of this rank's piece of it); `pp_group`: where pipeline stages add theirs."""
-    kinds: dict[Any, torch.Tensor] = {}
+    the sum of squares of this rank's piece of it); `pp_group`: where pipeline stages add theirs;
+    `replicas`: a group whose ranks all hold the same plain gradients."""
+    pieces: dict[Any, list[torch.Tensor]] = {}  # each kind's local gradients
+    held_squares: dict[Any, float] = {}  # each kind's sums of squares memory tiers counted
+    order: dict[Any, None] = {}  # kinds in parameter order, the same on every rank: collectives match
     for param, grad in grads:
-        source = param if grad is None else grad
-        key = (source.device_mesh, source.placements) if isinstance(source, DTensor) else None
         if grad is None:
-            squares = torch.tensor(held[id(param)], dtype=torch.float64, device=device)
+            key = _kind(param)
+            held_squares[key] = held_squares.get(key, 0.0) + held[id(param)]
         else:
             if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
                 grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p
                                                             for p in grad.placements])
-                key = (grad.device_mesh, grad.placements)
-            piece = grad.to_local() if isinstance(grad, DTensor) else grad
-            squares = torch.linalg.vector_norm(piece).double() ** 2  # in the gradient's own dtype
-        kinds[key] = kinds[key] + squares if key in kinds else squares
+            key = _kind(grad)
+            pieces.setdefault(key, []).append(grad.to_local() if isinstance(grad, DTensor) else grad)
+        order.setdefault(key)
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for key, squares in kinds.items():
+    for key in order:
+        shared = key is None and replicas is not None and dist.get_world_size(replicas) > 1
+        mine = _share(pieces.get(key, []), replicas) if shared else pieces.get(key, [])
+        squares = torch.tensor(held_squares.get(key, 0.0), dtype=torch.float64, device=device)
+        if shared:
+            squares /= dist.get_world_size(replicas)  # every replica counted the same held squares
+        if mine:  # torch's foreach norms, in the gradients' own dtype, squared in float64
+            squares += torch.nn.utils.get_total_norm(mine).double() ** 2
+        if shared:
+            dist.all_reduce(squares, group=replicas)
         if key is None:
             total += squares
             continue
@@ -52,3 +64,20 @@ def total_gradient_norm(grads: list[tuple[nn.Parameter, "torch.Tensor | None"]],
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
     return total.sqrt().item()
+
+
+def _kind(tensor: torch.Tensor) -> Any:
+    """What decides how a tensor's local squares combine across ranks: its mesh and placements."""
+    return (tensor.device_mesh, tensor.placements) if isinstance(tensor, DTensor) else None
+
+
+def _share(tensors: list[torch.Tensor], group: Any) -> list[torch.Tensor]:
+    """This rank's contiguous run of `tensors`, the runs about equal in elements over `group`."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    total = sum(t.numel() for t in tensors)
+    start, mine = 0, []
+    for tensor in tensors:
+        if start * size // max(total, 1) == rank:  # the share the tensor's first element falls in
+            mine.append(tensor)
+        start += tensor.numel()
+    return mine
