@@ -13,6 +13,10 @@ So the result is the sum over every piece of every rank of (its mean loss × its
 all units: the loss of all the data at once, not a mean of per-batch means (a short last batch
 counts by its size). Perplexity, exp(loss), is reported for language models: token batches under
 the model's own or the default loss, and labelled batches scored by a transformers LM loss.
+A mixture of experts' load-balancing loss is left out under every layout: it regularizes training
+and depends on how a batch is split (ranks, microbatches), so the held-out loss and perplexity are
+the data's alone, as Megatron's and torchtitan's validation report them (transformers' own model
+adds it to its loss where ``output_router_logits`` is on, in eval mode too).
 """
 from __future__ import annotations
 

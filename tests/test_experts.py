@@ -19,7 +19,7 @@ from colab_par.layout import Layout, LayoutError, valid_layouts
 from colab_par.models import GPTConfig
 from colab_par.telemetry import expert_row_key
 from parity import (GPT_SIZES, LR, MOE_SIZES, SEED, assert_parity, batches, build_model, engine_model,
-                    _plain_loss, engine_run, hf_moe_model, reference_run, training_batches)
+                    _parallelized, _plain_loss, engine_run, hf_moe_model, reference_run, training_batches)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 
@@ -72,7 +72,8 @@ def test_moe_gpt_under_pipeline_and_ep_trains_like_single_process(cluster4, layo
     assert_parity(cluster4.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
 
 
-@pytest.mark.parametrize("layout, kind", [("pp2 dp2 ep2", "qwen3-moe"), ("pp2 dp2 ep2 gpipe mb1", "qwen3-moe-aux")])
+@pytest.mark.parametrize("layout, kind", [(layout, family + aux) for family in ("qwen3-moe", "mixtral", "olmoe")
+                                          for layout, aux in (("pp2 dp2 ep2", ""), ("pp2 dp2 ep2 gpipe mb1", "-aux"))])
 def test_hf_moe_under_pipeline_and_ep_trains_like_transformers(cluster4, layout: str, kind: str) -> None:
     """A Hugging Face family's stages split over ep the same way. Its own balance loss (Qwen3-MoE's
     mixes all layers' routing, so no stage can compute a part alone) reaches the loss and the
@@ -221,6 +222,44 @@ def test_trainer_rows_count_the_tokens_each_expert_got(request, cluster: str, la
             got = [[row[expert_row_key(layer, e)] for e in range(MOE_SIZES["n_experts"])]
                    for layer in range(MOE_SIZES["n_layer"])]
             assert got == counts.tolist(), f"step {row['step']}"
+
+
+# ---- evaluation scores the data alone ------------------------------------------------------------
+EVAL_BATCHES = 3
+
+
+def _evaluated(layout: str, kind: str) -> float:
+    pm = _parallelized(engine_model(kind, "module"), layout)
+    return pm.evaluate(training_batches(kind, EVAL_BATCHES))["loss"]
+
+
+def _held_out_losses(kind: str) -> tuple[float, float]:
+    """One process, no kit code, on the same batches (every row and token scored, so a mean of
+    the batches' means is the mean): the cross-entropy alone, and the training loss (with the
+    routers' balance loss)."""
+    import torch.nn.functional as F
+
+    model, data = build_model(kind, SEED), training_batches(kind, EVAL_BATCHES)
+    data_loss = 0.0
+    with torch.no_grad():
+        for x, y in data:
+            logits = model(x) if kind.startswith("gpt") else model(input_ids=x, use_cache=False).logits
+            data_loss += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)).item()
+    training_loss = sum(_plain_loss(kind, model, batch).item() for batch in data)
+    return data_loss / len(data), training_loss / len(data)
+
+
+@pytest.mark.parametrize("kind", ["gpt-moe-aux", "qwen3-moe-aux"])
+@pytest.mark.parametrize("cluster, layout", [("cluster2", "dp2 ep2"), ("cluster2", "tp2"),
+                                             ("cluster4", "pp2 dp2 ep2 1f1b mb2")])
+def test_evaluation_leaves_the_balance_loss_out_under_every_layout(request, cluster: str, layout: str,
+                                                                    kind: str) -> None:
+    """The held-out loss is the data's (the balance loss depends on how a batch is split, per
+    microbatch under pp): the same number without pp and with it, that of one process."""
+    data_loss, training_loss = _held_out_losses(kind)
+    assert training_loss - data_loss > 1e-3 * data_loss  # the balance loss is on and would show
+    for loss in request.getfixturevalue(cluster).run(_evaluated, layout, kind):
+        assert loss == pytest.approx(data_loss, rel=1e-6)
 
 
 # ---- refused before any work --------------------------------------------------------------------

@@ -24,10 +24,11 @@ from parity import (LR, SEED, assert_parity, build_model, engine_model, engine_r
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 
 STEPS, SMOKE_STEPS = 6, 2
+FAMILIES, AUX = ("qwen3-moe", "mixtral", "olmoe"), ("", "-aux")  # the issue's families, with and without the loss
 
 
-@pytest.mark.parametrize("aux", ["", "-aux"])
-@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("aux", AUX)
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layout", ["dp2 ep2", "dp2 ep2 zero3"])
 def test_hf_moe_trains_like_transformers(cluster2, layout: str, family: str, aux: str) -> None:
     kind = family + aux
@@ -39,14 +40,15 @@ def test_hf_balance_loss_is_global_under_plain_dp(cluster2) -> None:
     assert_parity(cluster2.run(engine_run, "dp2", "qwen3-moe-aux", STEPS), reference_run("qwen3-moe-aux", STEPS))
 
 
-@pytest.mark.parametrize("layout", ["dp4 ep2", "dp4 ep2 zero3"])
-def test_two_ep_groups_train_like_transformers(cluster4, layout: str) -> None:
+@pytest.mark.parametrize("layout, kind", [*[("dp4 ep2", family + aux) for family in FAMILIES for aux in AUX],
+                                          ("dp4 ep2 zero3", "mixtral-aux")])
+def test_two_ep_groups_train_like_transformers(cluster4, layout: str, kind: str) -> None:
     """Each expert on two ranks (edp): its gradient summed over them and divided by dp."""
-    assert_parity(cluster4.run(engine_run, layout, "mixtral-aux", STEPS), reference_run("mixtral-aux", STEPS))
+    assert_parity(cluster4.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
 
 
-@pytest.mark.parametrize("aux", ["", "-aux"])
-@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("aux", AUX)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_hf_moe_under_tensor_parallel_trains_like_transformers(cluster2, family: str, aux: str) -> None:
     """tp2 as the family's own plan says: attention by its colwise/rowwise entries, the experts
     split inside ('moe_tp_experts': gate|up packed_colwise, down rowwise), the router whole."""
@@ -54,7 +56,7 @@ def test_hf_moe_under_tensor_parallel_trains_like_transformers(cluster2, family:
     assert_parity(cluster2.run(engine_run, "tp2", kind, STEPS), reference_run(kind, STEPS))
 
 
-@pytest.mark.parametrize("layout, kind", [("dp2 ep2 tp2", "qwen3-moe"), ("dp2 ep2 tp2", "qwen3-moe-aux"),
+@pytest.mark.parametrize("layout, kind", [*[("dp2 ep2 tp2", family + aux) for family in FAMILIES for aux in AUX],
                                           ("dp2 ep2 tp2 zero3", "qwen3-moe-aux")])
 def test_hf_moe_under_ep_and_tp_trains_like_transformers(cluster4, layout: str, kind: str) -> None:
     assert_parity(cluster4.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))

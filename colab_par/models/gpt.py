@@ -269,7 +269,8 @@ class GPT(nn.Module):
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (the fused Triton kernel when kernels are on), plus the
-        experts' load-balancing losses of the last forward (taken: a model holds no graph after)."""
+        experts' load-balancing losses of the last forward (taken: a model holds no graph after)
+        where gradients are on: a training term, so evaluation (no_grad) scores the data alone."""
         flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
         if _use_triton(self.config, logits):
             from colab_par.kernels import cross_entropy
@@ -278,4 +279,4 @@ class GPT(nn.Module):
             loss = F.cross_entropy(flat_logits.float(), flat_targets)
         balance = [m.take_aux_loss() for m in self.modules() if isinstance(m, MoE)]
         balance = [term for term in balance if term is not None]
-        return loss + sum(balance) if balance else loss
+        return loss + sum(balance) if balance and torch.is_grad_enabled() else loss

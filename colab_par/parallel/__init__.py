@@ -178,8 +178,9 @@ class ParallelModel:
         return self._with_balance_loss(loss), targets
 
     def _with_balance_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Add the routers' global-batch balance loss of the forward just run, where there is one."""
-        balance = self.balance_loss.take() if self.balance_loss is not None else None
+        """Add the routers' global-batch balance loss of the forward just run, where there is one
+        and gradients are on (a training term: evaluation scores the data alone)."""
+        balance = self.balance_loss.take() if self.balance_loss is not None and torch.is_grad_enabled() else None
         return loss if balance is None else loss + balance.to(loss.dtype)
 
     def _autocast(self) -> torch.autocast:
