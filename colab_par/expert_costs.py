@@ -15,14 +15,17 @@ How `colab_par.parallel.experts` runs a MoE layer under ep, which these formulas
 - under tp every tp rank is in its own ep group (with the other dp ranks of its tp index) and
   dispatches whole tokens: tp ranks share their data and the experts' input is not split (the tp
   split is inside each expert), so a tp rank sends what a rank without tp sends, not 1/tp of it.
-  (A Hugging Face family's packed gate|up weights are also regrouped over tp with an all-to-all
-  of weights, not tokens, which these formulas do not count.)
+- a Hugging Face family stores gate|up packed side by side, split over tp as a plain contiguous
+  piece (`parallel.expert_tensor`): every forward regroups each layer's piece with one all-to-all
+  of weights, not tokens, and backward sends its gradient back the same way
+  (`packed_regroup_bytes`).
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["COUNT_BYTES", "local_expert_params", "all_to_all_bytes", "expert_flops_share", "ep_load"]
+__all__ = ["COUNT_BYTES", "local_expert_params", "all_to_all_bytes", "packed_regroup_bytes", "expert_flops_share",
+           "ep_load"]
 
 COUNT_BYTES = 8  # a per-expert token count crosses the ep group as an int64
 
@@ -43,6 +46,18 @@ def all_to_all_bytes(spec: Any, ep: int, micro_tokens: int, act_bytes: int, load
     rows = micro_tokens * spec.top_k
     per_layer = 2 * rows * (1 + load) * spec.d_model * act_bytes + spec.n_experts * COUNT_BYTES
     return (spec.n_layer if layers is None else layers) * per_layer
+
+
+def packed_regroup_bytes(spec: Any, ep: int, tp: int, weight_bytes: int, layers: float | None = None,
+                         forwards: int = 1) -> float:
+    """Bytes one rank's regrouping all-to-alls send in one micro-step (it receives as many): over
+    the MoE `layers` it runs, its tp piece of the packed gate|up weights of its n_experts/ep
+    experts, `forwards` times (2 with full recompute) and its gradient once. 0 without tp or
+    packing. Of this, (tp-1)/tp leaves the rank."""
+    if tp == 1 or not spec.n_experts or not spec.packed_gate_up:
+        return 0.0
+    piece = spec.n_experts / ep * 2 * spec.expert_hidden * spec.d_model / tp * weight_bytes
+    return (spec.n_layer if layers is None else layers) * (forwards + 1) * piece
 
 
 def expert_flops_share(spec: Any, flops_per_token: float) -> float:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from colab_par.layout import model_sizes
+from colab_par.layout import has_expert_plan, model_sizes
 
 __all__ = ["ModelSpec", "flops_per_token", "trainable_share"]
 
@@ -34,6 +34,8 @@ class ModelSpec:
     n_experts: int = 0  # 0: dense feed-forward
     top_k: int = 0
     expert_hidden: int = 0
+    packed_gate_up: bool = False  # experts' gate|up stored side by side (transformers' packed_colwise)
+    expert_plan: bool = False  # a Hugging Face family whose experts ep can split (`layout.has_expert_plan`)
 
     def __post_init__(self) -> None:
         if not self.n_kv_head:
@@ -71,7 +73,9 @@ class ModelSpec:
                    hugging_face=bool(getattr(model, "model_type", None)), trainable=share,
                    n_experts=sizes.get("n_experts", 0),
                    top_k=sizes.get("top_k", 0) if sizes.get("n_experts") else 0,
-                   expert_hidden=sizes.get("expert_hidden", 0) if sizes.get("n_experts") else 0)
+                   expert_hidden=sizes.get("expert_hidden", 0) if sizes.get("n_experts") else 0,
+                   packed_gate_up=bool(sizes.get("n_experts")) and _packs_gate_up(model),
+                   expert_plan=has_expert_plan(model))
 
     @property
     def head_dim(self) -> int:
@@ -126,7 +130,16 @@ class ModelSpec:
                  "ffn_hidden": self.ffn_hidden, "seq_len": seq_len}
         if self.n_experts:
             sizes.update(n_experts=self.n_experts, top_k=self.top_k)
+        if self.expert_plan:
+            sizes["expert_plan"] = 1
         return {**sizes, "hugging_face": 1} if self.hugging_face else sizes
+
+
+def _packs_gate_up(config: Any) -> bool:
+    """Whether a Hugging Face config's own tensor plan packs its experts' gate and up projections
+    (a ``packed_colwise`` entry on an experts weight)."""
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    return any(style == "packed_colwise" and "experts" in key for key, style in plan.items())
 
 
 def trainable_share(model: Any) -> float:

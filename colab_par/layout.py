@@ -215,6 +215,14 @@ def _check_domain(name: str, value: Any) -> None:
         raise LayoutError(f"{name}={value!r} must be a positive integer; {hint}")
 
 
+def has_expert_plan(model_config: Any) -> bool:
+    """A Hugging Face MoE family whose experts ep can split: its config's own expert plan
+    dispatches tokens to them (or a sizes mapping that says so)."""
+    if isinstance(model_config, Mapping):
+        return bool(model_config.get("expert_plan"))
+    return "ep_dispatch_experts" in (getattr(model_config, "base_model_ep_plan", None) or {}).values()
+
+
 def _rule_sizes(world: int | None, model_config: Any, global_batch: int | None) -> dict[str, int]:
     """Check the arguments of `validate` / `valid_layouts` and gather the sizes the rules read."""
     if world is not None and (not isinstance(world, int) or isinstance(world, bool) or world < 1):
@@ -224,8 +232,8 @@ def _rule_sizes(world: int | None, model_config: Any, global_batch: int | None) 
     if getattr(model_config, "model_type", None) or (isinstance(model_config, Mapping)
                                                      and model_config.get("hugging_face")):
         sizes["hugging_face"] = 1  # a Hugging Face config
-    if "ep_dispatch_experts" in (getattr(model_config, "base_model_ep_plan", None) or {}).values():
-        sizes["expert_plan"] = 1  # a Hugging Face MoE family whose experts ep can split
+    if has_expert_plan(model_config):
+        sizes["expert_plan"] = 1
     if global_batch is not None:
         sizes["global_batch"] = global_batch
     return sizes

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping
 
 from colab_par.devices import (CPU_PROCESS_BYTES, CPU_WRAPPER_COST, DEVICES, GiB, DeviceSpec,
                                cpu_compute_costs, cpu_device, get_device, measure_cpu_device)
-from colab_par.expert_costs import all_to_all_bytes, expert_flops_share, local_expert_params
+from colab_par.expert_costs import all_to_all_bytes, expert_flops_share, local_expert_params, packed_regroup_bytes
 from colab_par.flops import ModelSpec, flops_per_token
 from colab_par.layout import CP_MODES, TP_MODES, Choices, Layout, LayoutError, valid_layouts
 from colab_par.module_spec import ModuleSpec
@@ -536,6 +536,13 @@ def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str
                       + micro_tokens * spec.vocab_size * act_bytes) * (t - 1) / t
         hops = m * (layers * per_layer + 2) * 2 * (t - 1)  # a ring all-reduce takes 2(t−1) hops
         times["tp"] = volume / bandwidth(1, t) + hops * dev.latency
+    # a Hugging Face MoE's packed gate|up weights: each forward regroups this rank's tp piece of
+    # them and backward its gradient (`expert_costs.packed_regroup_bytes`), one all-to-all each
+    if t > 1 and spec.packed_gate_up:
+        forwards = 2 if layout.checkpointing == "full" else 1
+        weight_bytes = 2 if _state_precision(layout) == "mixed" else 4
+        regrouped = m * packed_regroup_bytes(spec, layout.ep, t, weight_bytes, layers, forwards) * (t - 1) / t
+        times["tp"] += regrouped / bandwidth(1, t) + m * layers * (forwards + 1) * (t - 1) * dev.latency
     # context parallel: ring passes K,V around (backward passes K,V and dK,dV: 3x forward), hidden
     # behind the attention compute; Ulysses: 4 all-to-alls forward, 4 backward, exposed.
     if c > 1:
