@@ -270,13 +270,16 @@ def bf16_engine_run(layout: str, **options: Any) -> dict[str, Any]:
 BF16_MIN_LOSS_DIFFERENCE = 1e-5
 
 
-def assert_close_to_fp32(results: list[dict], reference: dict) -> None:
+def assert_close_to_fp32(results: list[dict], reference: dict, stray: float = 0.0) -> None:
     """bf16 compute with fp32 master weights (results of `bf16_engine_run`): every linear ran in
     bf16 on every rank, the losses differ from the fp32 reference as bf16 rounding must make them
     (`BF16_MIN_LOSS_DIFFERENCE`) yet stay within 2e-2 relative, weights within 5e-3.
 
     20 Adam steps at lr 1e-3 can move a weight by up to 2e-2; bf16 gradient noise flips the sign of
-    a few near-zero updates (measured worst: 2.8e-3 on 2 of 2048 elements), hence 5e-3.
+    a few near-zero updates (measured worst: 2.8e-3 on 2 of 2048 elements), hence 5e-3. Experts
+    see a share of the tokens each, so more of their elements have near-zero gradients whose sign
+    bf16 decides: a `stray` share of the elements may pass 5e-3, none the 2·lr·steps that updates
+    of opposite sign at every step can reach. A missing or wrong update moves most elements.
     """
     for rank, result in enumerate(results):
         assert result["linear_dtypes"] == ["bfloat16"], (
@@ -286,9 +289,16 @@ def assert_close_to_fp32(results: list[dict], reference: dict) -> None:
     difference = ((losses - expected).abs() / expected.abs()).max().item()
     assert difference > BF16_MIN_LOSS_DIFFERENCE, (
         f"losses within {difference:.1e} of fp32: bf16 rounding should show (> {BF16_MIN_LOSS_DIFFERENCE})")
+    flipped = 2 * LR * len(reference["losses"])
     for key, expected_state in reference["state"].items():
-        assert results[0]["state"][key].dtype == torch.float32, "master weights must stay fp32"
-        torch.testing.assert_close(results[0]["state"][key], expected_state, rtol=0.0, atol=5e-3)
+        got = results[0]["state"][key]
+        assert got.dtype == torch.float32, "master weights must stay fp32"
+        if not stray:
+            torch.testing.assert_close(got, expected_state, rtol=0.0, atol=5e-3)
+            continue
+        apart = (got - expected_state).abs()
+        assert (apart > 5e-3).float().mean().item() <= stray and apart.max().item() <= flipped, \
+            f"{key}: {(apart > 5e-3).sum().item()} of {apart.numel()} elements beyond 5e-3, max {apart.max().item():.1e}"
 
 
 # Float32 unit roundoff, and how many units of its tensor's largest gradient element one element's

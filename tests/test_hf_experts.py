@@ -11,15 +11,17 @@ DeepSeek-V3 (shared expert, no balance loss) and GPT-OSS (expert biases) a two-s
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import cloudpickle
 import pytest
 import torch
 
+from colab_par import compat
 from colab_par.layout import Layout, LayoutError
 from colab_par.telemetry import expert_row_key
-from parity import (LR, SEED, assert_parity, build_model, engine_model, engine_run, engine_run_moved,
-                    reference_run, training_batches)
+from parity import (LR, SEED, assert_close_to_fp32, assert_parity, bf16_engine_run, build_model, engine_model,
+                    engine_run, engine_run_moved, reference_run, training_batches)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 
@@ -60,6 +62,44 @@ def test_hf_moe_under_tensor_parallel_trains_like_transformers(cluster2, family:
                                           ("dp2 ep2 tp2 zero3", "qwen3-moe-aux")])
 def test_hf_moe_under_ep_and_tp_trains_like_transformers(cluster4, layout: str, kind: str) -> None:
     assert_parity(cluster4.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
+
+
+MATMULS = {"mm", "bmm", "addmm", "baddbmm", "_grouped_mm"}
+
+
+class MatmulDtypes(compat.torch_dispatch_mode()):
+    """The dtypes of every matrix multiply that runs (forward and backward), grouped ones too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.overloadpacket.__name__ in MATMULS:
+            self.dtypes.update(str(a.dtype).removeprefix("torch.") for a in args[:3]
+                               if isinstance(a, torch.Tensor) and a.is_floating_point())
+        return func(*args, **(kwargs or {}))
+
+
+def bf16_moe_run(layout: str, kind: str) -> dict[str, Any]:
+    """`parity.bf16_engine_run`, also recording the dtype of every matrix multiply of the steps."""
+    with MatmulDtypes() as seen:
+        result = bf16_engine_run(layout, kind=kind, steps=STEPS)
+    return {**result, "matmul_dtypes": sorted(seen.dtypes)}
+
+
+@pytest.mark.parametrize("kind, layout", [("qwen3-moe-aux", "dp2 bf16"), ("qwen3-moe-aux", "dp2 ep2 bf16"),
+                                          ("qwen3-moe-aux", "dp2 ep2 zero3 bf16"), ("qwen3-moe", "tp2 bf16"),
+                                          ("gpt-moe-aux", "dp2 ep2 bf16"), ("gpt-moe-aux", "dp2 ep2 zero3 bf16")])
+def test_bf16_runs_the_experts_in_bf16(cluster2, kind: str, layout: str) -> None:
+    """torch's grouped matmul is not on autocast's list, and transformers' computes in its weights'
+    dtype: without a cast the experts, most of a MoE's compute, ran in float32 under bf16 while
+    every linear ran in bf16. Now every matrix multiply of the step is bf16, forward and backward,
+    and the run stays as close to float32 training as bf16 allows (`parity.assert_close_to_fp32`)."""
+    results = cluster2.run(bf16_moe_run, layout, kind)
+    for rank, result in enumerate(results):
+        assert result["matmul_dtypes"] == ["bfloat16"], f"rank {rank}: {result['matmul_dtypes']}"
+    assert_close_to_fp32(results, reference_run(kind, STEPS), stray=1e-3)  # measured: 1-2 of 8192-10240
 
 
 @pytest.mark.parametrize("kind", ["qwen2-moe-aux", "deepseek-v3", "gpt-oss-aux"])

@@ -30,12 +30,22 @@ from torch.distributed.tensor import DTensor
 
 from colab_par.compat import grouped_mm
 
-__all__ = ["MoE", "Experts", "local_dispatch", "inverse_permutation"]
+__all__ = ["MoE", "Experts", "local_dispatch", "inverse_permutation", "in_autocast_dtype"]
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts of a weight expert parallel made a DTensor (sharded by expert)."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def in_autocast_dtype(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in the dtype autocast computes matmuls in on its device (as it is where autocast
+    is off): torch's grouped matmul is not on autocast's list, so under a bf16 layout the experts,
+    most of a MoE's compute, would run in float32 while every linear runs in bf16."""
+    device = tensor.device.type
+    if not torch.is_autocast_enabled(device) or not tensor.is_floating_point():
+        return tensor
+    return tensor.to(torch.get_autocast_dtype(device))
 
 
 class Experts(nn.Module):
@@ -49,9 +59,10 @@ class Experts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ends = counts.cumsum(0).to(torch.int32)
-        gate = grouped_mm(tokens, _local(self.w1), ends)
-        up = grouped_mm(tokens, _local(self.w3), ends)
-        return grouped_mm(F.silu(gate) * up, _local(self.w2), ends)
+        tokens, w1, w3, w2 = (in_autocast_dtype(t) for t in (tokens, _local(self.w1), _local(self.w3), _local(self.w2)))
+        gate = grouped_mm(tokens, w1, ends)
+        up = grouped_mm(tokens, w3, ends)
+        return grouped_mm(F.silu(gate) * up, w2, ends)
 
 
 Dispatch = Callable[[torch.Tensor, torch.Tensor, Experts], torch.Tensor]

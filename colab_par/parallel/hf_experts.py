@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from colab_par.compat import hf_output_recorder, swapped_parameters
-from colab_par.models.moe import inverse_permutation
+from colab_par.models.moe import in_autocast_dtype, inverse_permutation
 
 __all__ = ["hf_expert_layers", "packed_expert_names", "HFExpertLayer", "GlobalBalanceLoss", "GatherRows", "balance_loss_for"]
 
@@ -104,11 +104,9 @@ class HFExpertLayer:
         hidden, index, weights = self._arguments.bind(*args, **kwargs).arguments.values()
         self.last_counts = torch.bincount(index.reshape(-1), minlength=self.n_experts).detach()
         split = self.tensor_split
-        if split is None and self.dispatch is None:
-            return self._family_forward(hidden, index, weights)
         if split is not None:
             hidden, weights = split.inputs(hidden), split.inputs(weights)
-        if self.dispatch is None:  # tp alone: every expert here, a slice of each
+        if self.dispatch is None:  # every expert here (under tp a slice of each)
             with self._local_slice(None):
                 out = self._family_forward(hidden, index, weights)
         else:
@@ -151,9 +149,11 @@ class HFExpertLayer:
                 module.num_experts = had_count
 
     def _local_weight(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's piece, in autocast's dtype (transformers' grouped matmul computes in the
+        weights' dtype, and autocast does not cast it)."""
         if self.tensor_split is not None:
-            return self.tensor_split.local(name, weight)
-        return weight.to_local() if isinstance(weight, DTensor) else weight
+            return in_autocast_dtype(self.tensor_split.local(name, weight))
+        return in_autocast_dtype(weight.to_local() if isinstance(weight, DTensor) else weight)
 
 
 class GatherRows(torch.autograd.Function):
