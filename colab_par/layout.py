@@ -453,7 +453,7 @@ def _check_experts_split(layout: Any, world: int | None, sizes: dict, device: st
                           "neither, train it with ep=1 (plain dp / zero)")
 
 
-@_rule("ep", "tp", "pp", "cp", "zero", "compile")
+@_rule("ep", "cp", "zero", "compile")
 def _check_experts_compose(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     if layout.ep == 1:
         return
@@ -461,9 +461,6 @@ def _check_experts_compose(layout: Any, world: int | None, sizes: dict, device: 
         raise LayoutError(f"ep composes with dp, zero, tp, pp and activation checkpointing so far, not with "
                           f"cp={layout.cp} (the experts' all-to-all is not built into context parallel yet); "
                           f"use e.g. 'dp{layout.dp} ep{layout.ep}' or drop ep")
-    if layout.pp > 1 and (layout.tp > 1 or layout.zero > 0):
-        raise LayoutError("ep with pp trains with zero=0 and tp=1 so far (ep with pp and tp or zero is not "
-                          "proven); use e.g. 'pp2 dp2 ep2' or 'dp2 ep2 tp2'")
     if layout.zero == 1:
         raise LayoutError("zero=1 with ep is not built: torch's ZeroRedundancyOptimizer shards whole parameters "
                           "over ONE group and hands each rank's updated share to all of it, but the ranks of "

@@ -63,7 +63,8 @@ def test_experts_sharded_over_ep_tp_and_their_replicas_train_like_single_process
     assert_parity(cluster8.run(engine_run, "dp4 ep2 tp2 zero3", kind, STEPS), reference_run(kind, STEPS))
 
 
-@pytest.mark.parametrize("layout, kind", [("pp2 dp2 ep2", "gpt-moe"), ("pp2 dp2 ep2 gpipe mb1", "gpt-moe-aux")])
+@pytest.mark.parametrize("layout, kind", [("pp2 dp2 ep2", "gpt-moe"), ("pp2 dp2 ep2 gpipe mb1", "gpt-moe-aux"),
+                                          ("pp2 dp2 ep2 zero3", "gpt-moe"), ("pp2 dp2 ep2 zero2 gpipe mb1", "gpt-moe-aux")])
 def test_moe_gpt_under_pipeline_and_ep_trains_like_single_process(cluster4, layout: str, kind: str) -> None:
     """Each stage's MoE layers split over ep; the balance losses of BOTH stages reach the loss and
     the gradients (a loss computed in stage 0 rides on its output into its backward). One
@@ -72,14 +73,23 @@ def test_moe_gpt_under_pipeline_and_ep_trains_like_single_process(cluster4, layo
     assert_parity(cluster4.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
 
 
-@pytest.mark.parametrize("layout, kind", [(layout, family + aux) for family in ("qwen3-moe", "mixtral", "olmoe")
-                                          for layout, aux in (("pp2 dp2 ep2", ""), ("pp2 dp2 ep2 gpipe mb1", "-aux"))])
+@pytest.mark.parametrize("layout, kind", [*[(layout, family + aux) for family in ("qwen3-moe", "mixtral", "olmoe")
+                                            for layout, aux in (("pp2 dp2 ep2", ""), ("pp2 dp2 ep2 gpipe mb1", "-aux"))],
+                                          ("pp2 dp2 ep2 zero2", "qwen3-moe"), ("pp2 dp2 ep2 zero3 gpipe mb1", "qwen3-moe-aux")])
 def test_hf_moe_under_pipeline_and_ep_trains_like_transformers(cluster4, layout: str, kind: str) -> None:
     """A Hugging Face family's stages split over ep the same way. Its own balance loss (Qwen3-MoE's
     mixes all layers' routing, so no stage can compute a part alone) reaches the loss and the
     gradients of both stages: each differentiates the family's loss over every stage's logits
     with respect to its own (`stage_balance.py`); transformers alone computes it whole."""
     assert_parity(cluster4.run(engine_run, layout, kind, 6), reference_run(kind, 6))
+
+
+@pytest.mark.parametrize("layout, kind", [("pp2 dp2 ep2 tp2", "gpt-moe"), ("pp2 dp2 ep2 tp2 zero3 gpipe mb1", "gpt-moe-aux"),
+                                          ("pp2 dp2 ep2 tp2 gpipe mb1", "qwen3-moe-aux")])
+def test_moe_under_pipeline_ep_and_tp_trains_like_single_process(cluster8, layout: str, kind: str) -> None:
+    """All four at once on 8 engines: each stage's experts split over ep and inside over tp, the
+    balance losses (the kit's, the family's across stages) computed as without tp."""
+    assert_parity(cluster8.run(engine_run, layout, kind, 6), reference_run(kind, 6))
 
 
 # ---- each rank holds its n_experts/ep experts -----------------------------------------------------
@@ -273,7 +283,6 @@ def test_evaluation_leaves_the_balance_loss_out_under_every_layout(request, clus
     ("dp2 ep2 zero1", MOE_SIZES, "ranks of an ep group hold different experts"),
     ("dp2 ep2 compile", MOE_SIZES, "with ep drop 'compile'"),
     ("dp2 cp2", MOE_SIZES, "not cp=2"),
-    ("pp2 dp2 ep2 zero2", MOE_SIZES, "ep with pp trains with zero=0 and tp=1"),
 ])
 def test_impossible_expert_layouts_are_refused(layout: str, config: dict, message: str) -> None:
     with pytest.raises(LayoutError, match=re.escape(message)):
