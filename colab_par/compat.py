@@ -89,13 +89,15 @@ def grouped_mm(tokens: Any, weights: Any, ends: Any) -> Any:
     """Rows of `tokens` grouped by expert (group g ends at row ends[g]) times that expert's matrix
     of `weights` (experts, in, out): one `torch._grouped_mm` (private, no public equivalent yet)
     where it takes the inputs (float32/bf16/fp16, rows of whole 16-byte multiples, CPU included),
-    a loop of matmuls otherwise (float64 references, odd widths, a torch without it)."""
+    a loop of matmuls otherwise (float64 references, odd widths, a torch without it, and under
+    torch.compile anything but bf16, which is all its fake-tensor kernel takes)."""
     import torch
 
     grouped = getattr(torch, "_grouped_mm", None)
     aligned = all(size * tokens.element_size() % 16 == 0
                   for size in (tokens.shape[1], weights.shape[2]))
-    if grouped is not None and aligned and str(tokens.dtype).removeprefix("torch.") in _GROUPED_DTYPES \
+    traceable = not torch.compiler.is_compiling() or tokens.dtype == torch.bfloat16
+    if grouped is not None and aligned and traceable and str(tokens.dtype).removeprefix("torch.") in _GROUPED_DTYPES \
             and tokens.dtype == weights.dtype:
         out = grouped(tokens.contiguous(), weights.contiguous(), offs=ends)
         if out.requires_grad:  # its CPU backward needs a dense gradient (not an expanded one)

@@ -453,13 +453,13 @@ def _check_experts_split(layout: Any, world: int | None, sizes: dict, device: st
                           "neither, train it with ep=1 (plain dp / zero)")
 
 
-@_rule("ep", "cp", "zero", "compile")
+@_rule("ep", "cp", "zero")
 def _check_experts_compose(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     if layout.ep == 1:
         return
     if layout.cp > 1:
-        raise LayoutError(f"ep composes with dp, zero, tp, pp and activation checkpointing so far, not with "
-                          f"cp={layout.cp} (the experts' all-to-all is not built into context parallel yet); "
+        raise LayoutError(f"ep composes with dp, zero, tp, pp, activation checkpointing and compile so far, "
+                          f"not with cp={layout.cp} (the experts' all-to-all is not built into context parallel yet); "
                           f"use e.g. 'dp{layout.dp} ep{layout.ep}' or drop ep")
     if layout.zero == 1:
         raise LayoutError("zero=1 with ep is not built: torch's ZeroRedundancyOptimizer shards whole parameters "
@@ -469,9 +469,6 @@ def _check_experts_compose(layout: Any, world: int | None, sizes: dict, device: 
                           "holding the same experts, which the kit's checkpoints and memory report (one "
                           "ZeroRedundancyOptimizer) do not carry. With ep use zero=2 (optimizer state and "
                           "gradients sharded, the experts over their own replicas), zero=3 or zero=0")
-    if layout.compile:
-        raise LayoutError("compile is not proven with the experts' all-to-all (its token counts change "
-                          "every step); with ep drop 'compile'")
 
 
 @_rule("tp", "tp_mode", "sequence_parallel")
