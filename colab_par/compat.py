@@ -23,7 +23,8 @@ __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_pat
            "engine_kernel", "engine_shell", "after_output", "engine_idents", "mux_stream", "client_context",
            "client_io_loop", "client_reply_handler", "unanswered",
            "checkpoint_wrapper", "sdpa_aten_ops",
-           "torch_dispatch_mode", "device_constructors", "op_schema", "storage_key", "module_reset",
+           "torch_dispatch_mode", "pin_inductor_vector_width", "device_constructors", "op_schema", "storage_key",
+           "module_reset",
            "triton_interpreted", "tree_flatten", "tree_unflatten", "tree_map", "tree_leaves",
            "hf_token_losses", "answer_control_requests", "send_control_requests", "group_sequence",
            "process_groups", "compile_seconds", "grouped_mm", "fused_optimizer_devices", "recompile_limit",
@@ -475,6 +476,22 @@ def recompile_limit_error() -> type:
     if error is None:
         raise _missing("torch", "torch._dynamo.exc.FailOnRecompileLimitHit")
     return error
+
+
+def pin_inductor_vector_width() -> int:
+    """Fix inductor's CPU vector width (``cpp.simdlen``) to the one it would pick now, and return it.
+
+    Left unset, inductor picks it per compile from ATEN_CPU_CAPABILITY, but its graph cache keys
+    on its config, not on that choice: code generated for avx512 was served under avx2 and built
+    with avx2's headers (NaN losses), and under "default" failed to build at all. Pinned, the
+    width is part of the key (`torch._inductor.cpu_vec_isa.pick_vec_isa`)."""
+    config = getattr(_torch_private("torch._inductor"), "config", None)
+    pick = getattr(_torch_private("torch._inductor.cpu_vec_isa"), "pick_vec_isa", None)
+    if config is None or pick is None or not hasattr(config, "cpp"):
+        raise _missing("torch", "torch._inductor.config.cpp.simdlen / cpu_vec_isa.pick_vec_isa")
+    if config.cpp.simdlen is None:
+        config.cpp.simdlen = pick().bit_width()
+    return config.cpp.simdlen
 
 
 # ---- triton --------------------------------------------------------------------------------------------

@@ -183,6 +183,35 @@ def test_a_block_past_the_recompile_limit_raises_instead_of_running_eager() -> N
     torch._dynamo.reset()
 
 
+def test_code_compiled_for_one_cpu_vector_width_is_never_served_to_another(tmp_path, monkeypatch) -> None:
+    """Inductor picks its CPU vector width from ATEN_CPU_CAPABILITY per compile, but keys its graph
+    cache on its config: an avx512 entry was served under avx2 (wrong numbers; NaN losses in the
+    parity tests) and under "default" failed to build. The kit pins the width into the config
+    (`compat.pin_inductor_vector_width`), so each capability compiles its own code. Without the
+    pin the avx2 result here is wrong (checked)."""
+    import torch._dynamo
+    from torch._inductor import config
+
+    from colab_par.compat import pin_inductor_vector_width
+
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        return (x.softmax(-1) * x).sum(-1) + x.mean()
+
+    x = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # one cache for every capability
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    widths = {}
+    for capability in (None, "avx2", "default"):
+        if capability:
+            monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+        torch._dynamo.reset()
+        with config.patch({"cpp.simdlen": None}):
+            widths[capability] = pin_inductor_vector_width()
+            torch.testing.assert_close(torch.compile(reduce)(x), reduce(x))
+    torch._dynamo.reset()
+    assert widths["default"] == 0 and (not torch.cpu._is_avx2_supported() or widths["avx2"] == 256)
+
+
 def _trainer_rows(layout: str) -> list[list[dict]]:
     """Engine side: two cells, each parallelizing a new GPT and fitting a Trainer for 2 steps."""
     import torch._dynamo

@@ -78,8 +78,9 @@ def _measure(layout: str, kind: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("cluster, layout, kind", [
-    ("cluster2", "dp2 ep2", "gpt-moe"), ("cluster2", "dp2 ep2 zero3", "gpt-moe"), ("cluster4", "dp4 ep2 zero3", "gpt-moe"),
-    ("cluster4", "pp2 dp2 ep2", "gpt-moe"), ("cluster4", "dp2 ep2 tp2", "gpt-moe"),
+    ("cluster2", "dp2 ep2", "gpt-moe"), ("cluster2", "dp2 ep2 zero3", "gpt-moe"),
+    ("cluster4", "dp4 ep2 zero3", "gpt-moe"), ("cluster4", "pp2 dp2 ep2", "gpt-moe"),
+    ("cluster4", "dp2 ep2 tp2", "gpt-moe"),
     ("cluster4", "dp2 ep2 tp2 zero3", "gpt-moe"), ("cluster4", "dp2 ep2 tp2", "qwen3-moe")])
 def test_a_real_step_costs_what_the_planner_says(request, cluster: str, layout: str, kind: str) -> None:
     """Under pp a rank's all-to-alls serve its stage's MoE layers, once per microbatch; under tp

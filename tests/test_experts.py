@@ -63,14 +63,16 @@ def test_experts_sharded_over_ep_tp_and_their_replicas_train_like_single_process
     assert_parity(cluster8.run(engine_run, "dp4 ep2 tp2 zero3", kind, STEPS), reference_run(kind, STEPS))
 
 
-@pytest.mark.parametrize("layout, kind", [("dp2 ep2 zero3 offload", "gpt-moe-aux"), ("dp2 ep2 zero2 offload", "qwen3-moe-aux")])
+@pytest.mark.parametrize("layout, kind", [("dp2 ep2 zero3 offload", "gpt-moe-aux"),
+                                          ("dp2 ep2 zero2 offload", "qwen3-moe-aux")])
 def test_ep_with_fsdp_cpu_offload_trains_like_single_process(cluster2, layout: str, kind: str) -> None:
     """FSDP's CPU offload of the shards, the experts' (sharded over their own replicas) included."""
     assert_parity(cluster2.run(engine_run, layout, kind, 6), reference_run(kind, 6))
 
 
 @pytest.mark.parametrize("layout, kind", [("pp2 dp2 ep2", "gpt-moe"), ("pp2 dp2 ep2 gpipe mb1", "gpt-moe-aux"),
-                                          ("pp2 dp2 ep2 zero3", "gpt-moe"), ("pp2 dp2 ep2 zero2 gpipe mb1", "gpt-moe-aux")])
+                                          ("pp2 dp2 ep2 zero3", "gpt-moe"),
+                                          ("pp2 dp2 ep2 zero2 gpipe mb1", "gpt-moe-aux")])
 def test_moe_gpt_under_pipeline_and_ep_trains_like_single_process(cluster4, layout: str, kind: str) -> None:
     """Each stage's MoE layers split over ep; the balance losses of BOTH stages reach the loss and
     the gradients (a loss computed in stage 0 rides on its output into its backward). One
@@ -79,9 +81,13 @@ def test_moe_gpt_under_pipeline_and_ep_trains_like_single_process(cluster4, layo
     assert_parity(cluster4.run(engine_run, layout, kind, STEPS), reference_run(kind, STEPS))
 
 
+PP_EP = (("pp2 dp2 ep2", ""), ("pp2 dp2 ep2 gpipe mb1", "-aux"))  # the balance loss per microbatch: one
+
+
 @pytest.mark.parametrize("layout, kind", [*[(layout, family + aux) for family in ("qwen3-moe", "mixtral", "olmoe")
-                                            for layout, aux in (("pp2 dp2 ep2", ""), ("pp2 dp2 ep2 gpipe mb1", "-aux"))],
-                                          ("pp2 dp2 ep2 zero2", "qwen3-moe"), ("pp2 dp2 ep2 zero3 gpipe mb1", "qwen3-moe-aux")])
+                                            for layout, aux in PP_EP],
+                                          ("pp2 dp2 ep2 zero2", "qwen3-moe"),
+                                          ("pp2 dp2 ep2 zero3 gpipe mb1", "qwen3-moe-aux")])
 def test_hf_moe_under_pipeline_and_ep_trains_like_transformers(cluster4, layout: str, kind: str) -> None:
     """A Hugging Face family's stages split over ep the same way. Its own balance loss (Qwen3-MoE's
     mixes all layers' routing, so no stage can compute a part alone) reaches the loss and the
@@ -90,7 +96,8 @@ def test_hf_moe_under_pipeline_and_ep_trains_like_transformers(cluster4, layout:
     assert_parity(cluster4.run(engine_run, layout, kind, 6), reference_run(kind, 6))
 
 
-@pytest.mark.parametrize("layout, kind", [("pp2 dp2 ep2 tp2", "gpt-moe"), ("pp2 dp2 ep2 tp2 zero3 gpipe mb1", "gpt-moe-aux"),
+@pytest.mark.parametrize("layout, kind", [("pp2 dp2 ep2 tp2", "gpt-moe"),
+                                          ("pp2 dp2 ep2 tp2 zero3 gpipe mb1", "gpt-moe-aux"),
                                           ("pp2 dp2 ep2 tp2 gpipe mb1", "qwen3-moe-aux")])
 def test_moe_under_pipeline_ep_and_tp_trains_like_single_process(cluster8, layout: str, kind: str) -> None:
     """All four at once on 8 engines: each stage's experts split over ep and inside over tp, the

@@ -247,7 +247,8 @@ def test_ep_builds_shard_first_from_a_factory(cluster2, kind: str, layout: str) 
 
 @pytest.mark.parametrize("kind, first, second", [("qwen3-moe-aux", "dp2 ep2", "dp2"),
                                                  ("gpt-moe-aux", "dp2", "dp2 ep2 zero3"),
-                                                 ("qwen3-moe-aux", "dp2 ep2", "tp2"), ("gpt-moe-aux", "tp2", "dp2 ep2")])
+                                                 ("qwen3-moe-aux", "dp2 ep2", "tp2"),
+                                                 ("gpt-moe-aux", "tp2", "dp2 ep2")])
 def test_moe_checkpoint_moves_between_ep_dp_and_tp(cluster2, tmp_path, kind: str, first: str, second: str) -> None:
     """Half the steps under one layout, saved (DCP, model and optimizer), loaded under the other,
     the rest there: equal to all steps in one process."""

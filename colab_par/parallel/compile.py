@@ -12,6 +12,8 @@ Choosing `compile` also chooses torch's fused optimizer kernel where the user's 
 and left the implementation open (`fused_optimizer_fn`): on CPU the per-parameter loop of AdamW
 costs as much as everything compiling saves inside the blocks. And a block that hits dynamo's
 recompile limit stops with an error instead of running eager from then on (`_guarded_call`).
+The CPU vector width is pinned first (`compat.pin_inductor_vector_width`), so code compiled under
+one ATEN_CPU_CAPABILITY is never served under another.
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ import shutil
 from typing import Any, Callable
 
 import torch
-from colab_par.compat import (failing_at_recompile_limit, fused_optimizer_devices, recompile_limit,
-                              recompile_limit_error, tree_map)
+from colab_par.compat import (failing_at_recompile_limit, fused_optimizer_devices, pin_inductor_vector_width,
+                              recompile_limit, recompile_limit_error, tree_map)
 from colab_par.parallel.blocks import Block
 
 __all__ = ["apply_compile", "check_compiler", "fused_optimizer_fn"]
@@ -34,6 +36,7 @@ def apply_compile(blocks: list[Block], enabled: bool) -> list[Block]:
     checkpointing wrapped the block); returns the blocks as FSDP should now shard them."""
     if not enabled:
         return blocks
+    pin_inductor_vector_width()
     compiled: list[Block] = []
     for container, key, _ in blocks:
         outer = container.get_submodule(key)
