@@ -53,14 +53,16 @@ class Curve:
 @dataclass(frozen=True)
 class PanelSpec:
     """One plot: `curves` over steps, or stacked bars per rank of the latest row's `parts` (times
-    `scale`), with `note` above each bar: (row key, format template, factor) of the row's value.
-    `{}` in `title` is the first curve's name."""
+    `scale`), with `note` above each bar: (row key, format template, factor) of the row's value,
+    and `limit` across them: (row key, label) of a bound the bars must stay under (the largest
+    rank's, times `scale`). `{}` in `title` is the first curve's name."""
 
     title: str
     curves: tuple[Curve, ...] = ()
     parts: tuple[tuple[str, str, str], ...] = ()
     scale: float = 1.0
     note: tuple[str, str, float] | None = None
+    limit: tuple[str, str] | None = None
 
     @property
     def colours(self) -> tuple[str, ...]:
@@ -80,7 +82,8 @@ PANELS = (
 )
 # a run with memory tiers adds this plot after PANELS (a dense run's frame has none)
 TIER_PANEL = PanelSpec("state per tier by rank (MiB)", parts=TIER_PARTS, scale=2 ** -20,
-                       note=("mem_tier_moved", "moved {:,.0f} MiB/step", 2 ** -20))
+                       note=("mem_tier_moved", "moved {:,.0f} MiB/step", 2 ** -20),
+                       limit=("mem_tier_budget", "budget per rank"))
 # MoE models add a row per heat map of the latest step's per-expert counts (layer × expert):
 # (what `telemetry.expert_counts` reads, title); a dense model's frame has none
 EXPERT_MAPS = (("tokens", "tokens per expert"), ("dropped", "dropped tokens per expert"))
@@ -256,8 +259,10 @@ class LiveDashboard:
             key, template, factor = spec.note or ("", "", 1.0)
             notes = tuple(template.format(latest[r][key] * factor) if spec.note and latest[r].get(key) is not None
                           else "" for r in ranks)
+            key, label = spec.limit or ("", "")
+            bound = max((float(latest[r].get(key) or 0.0) for r in ranks), default=0.0) * spec.scale
             return Plot(spec.title, bars=True, categories=tuple(str(r) for r in ranks),
-                        stacks=stacks, notes=notes)
+                        stacks=stacks, notes=notes, limit=bound or None, limit_label=label)
         lines = []
         for curve in spec.curves:
             name, steps, values = curve.keys[0][1], np.empty(0), np.empty(0)
@@ -428,9 +433,12 @@ class LiveDashboard:
             if note:
                 self._drawn.append(ax.annotate(note, (i, bottoms[i]), ha="center", va="bottom",
                                               fontsize=7))
+        if plot.limit:
+            self._drawn.append(ax.axhline(plot.limit, color="#333333", linestyle="--", linewidth=1,
+                                          label=plot.limit_label))
         ax.set_xticks(positions, list(plot.categories))
         ax.set_xlim(-0.6, len(positions) - 0.4)
-        ax.set_ylim(0, 1.8 * max(bottoms, default=0.0) or 1.0)  # headroom for legend and notes
+        ax.set_ylim(0, 1.8 * max(bottoms + [plot.limit or 0.0]) or 1.0)  # headroom for legend and notes
         if positions:
             self._drawn.append(ax.legend(fontsize=7, loc="upper center", ncol=3))
 

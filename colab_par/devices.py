@@ -202,11 +202,14 @@ def _cpu_measurements() -> dict[str, float]:
 
 
 def cpu_device(engines: int, *, cores: int, peak_flops: float, efficiency: float, layer_overhead: float,
-               bandwidth: float, latency: float, process_memory: float = CPU_PROCESS_BYTES) -> DeviceSpec:
-    """A DeviceSpec for `engines` engines sharing `cores` cores, from single-core measurements."""
+               bandwidth: float, latency: float, state_bandwidth: float,
+               process_memory: float = CPU_PROCESS_BYTES) -> DeviceSpec:
+    """A DeviceSpec for `engines` engines sharing `cores` cores, from single-core measurements
+    (`state_bandwidth`: the rate AdamW's step streams the training state, see
+    `cpu_compute_costs`; it stands for the memory bandwidth the planner prices the step with)."""
     share = min(1.0, cores / max(engines, 1))  # a core's share per engine when they take turns
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(engines, 1)
-    return DeviceSpec("CPU", memory, {"fp32": peak_flops * share}, 10e9 * share, bandwidth * share,
+    return DeviceSpec("CPU", memory, {"fp32": peak_flops * share}, state_bandwidth * share, bandwidth * share,
                       bandwidth * share, math.inf, latency=latency / share, efficiency=efficiency,
                       half_tokens=0, overlap=CPU_COSTS.overlap, layer_overhead=layer_overhead / share,
                       wrapper_overhead={k: v * layer_overhead / share for k, v in CPU_WRAPPER_COST.items()},
@@ -216,7 +219,10 @@ def cpu_device(engines: int, *, cores: int, peak_flops: float, efficiency: float
 
 def cpu_compute_costs() -> dict[str, float]:
     """Single-thread matmul peak (FLOP/s), the fixed cost of one layer's forward + backward
-    (seconds, from a tiny layer) and the efficiency a mid-sized layer reaches on top of it."""
+    (seconds, from a tiny layer), the efficiency a mid-sized layer reaches on top of it, and the
+    state bandwidth: the bytes of parameters, gradients and AdamW's two moments that torch's AdamW
+    (the kit's default optimizer, as it runs on a CPU) reads and writes per second in its step,
+    over 64 MiB of state, more than a core's caches hold."""
     import torch
 
     threads = torch.get_num_threads()
@@ -227,9 +233,23 @@ def cpu_compute_costs() -> dict[str, float]:
         overhead = _seconds_per_call(_layer_step(16, 8, 1)[0])
         step, flops = _layer_step(128, 128, 2)
         rate = flops / max(_seconds_per_call(step) - overhead, 1e-9)
+        state_bandwidth = _adamw_state_bandwidth()
     finally:
         torch.set_num_threads(threads)
-    return {"peak_flops": peak, "layer_overhead": overhead, "efficiency": min(1.0, rate / peak)}
+    return {"peak_flops": peak, "layer_overhead": overhead, "efficiency": min(1.0, rate / peak),
+            "state_bandwidth": state_bandwidth}
+
+
+def _adamw_state_bandwidth(numel: int = 2 ** 20, tensors: int = 4) -> float:
+    """2 × the state bytes (fp32 parameters, gradients and two moments: 16 per parameter) over
+    the seconds of one AdamW step: the planner's `2 · state / bandwidth` then gives that step."""
+    import torch
+
+    params = [torch.zeros(numel, requires_grad=True) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.full((numel,), 1e-3)
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    return 2 * 16 * numel * tensors / _seconds_per_call(optimizer.step)
 
 
 def _seconds_per_call(fn: Any, budget: float = 0.15, windows: int = 5) -> float:

@@ -286,13 +286,15 @@ def _spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
 
 def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", global_batch: int,
              seq_len: int, gpus_per_node: int = 8, optimizer: str = "adam",
-             validate: bool = True, init: str = "meta", expert_load: float = 1.0) -> Plan:
+             validate: bool = True, init: str = "meta", expert_load: float = 1.0,
+             grad_clip: bool = False) -> Plan:
     """Predict memory and step time of `layout` for `model` (raises LayoutError if impossible).
 
     `init` says how the model reaches the ranks (`INIT_MODES`, see `init_peak_bytes`): the plan
     fits only if both that peak and the training peak do. `expert_load` (MoE models under ep):
     the busiest rank's routed tokens over the mean, 1.0 for balanced routing; a run's own is
-    `expert_costs.ep_load` of its heat map's counts."""
+    `expert_costs.ep_load` of its heat map's counts. `grad_clip`: the run clips its gradients
+    (`Trainer(grad_clip=...)`), whose norm reads the gradients memory tiers keep on disk once more."""
     if expert_load < 1.0:
         raise ValueError(f"expert_load={expert_load!r} is the busiest rank's tokens over the mean, "
                          "at least 1.0 (1.0: balanced routing)")
@@ -302,7 +304,7 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
     dev = get_device(device, layout.world_size)
     if isinstance(spec, ModuleSpec):
         return _estimate_module(spec, layout, dev, global_batch=global_batch, gpus_per_node=gpus_per_node,
-                                optimizer=optimizer, validate=validate, init=init)
+                                optimizer=optimizer, validate=validate, init=init, grad_clip=grad_clip)
     if validate:
         layout.validate(layout.world_size, spec.config(seq_len), device=dev.name, global_batch=global_batch)
     # bytes follow what the kit holds (bf16 layouts run in bf16 on any device, a CPU included);
@@ -373,7 +375,7 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
     times = _step_times(spec, layout, dev, precision, global_batch, seq_len, gpus_per_node,
                         local, act_bytes, resting, trainable, experts, expert_load)
     memory, tiers = _place_in_tiers(layout, memory, resting, times, dev, gpus_per_node,
-                                    _STATE_BYTES[state_precision, optimizer][2])
+                                    _STATE_BYTES[state_precision, optimizer][2], grad_clip)
     step = sum(times.values())
     tokens = global_batch * seq_len
     model_flops = tokens * flops_per_token(spec, seq_len, "none")
@@ -386,7 +388,7 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
 
 
 def _estimate_module(spec: ModuleSpec, layout: Layout, dev: DeviceSpec, *, global_batch: int,
-                     gpus_per_node: int, optimizer: str, validate: bool, init: str) -> Plan:
+                     gpus_per_node: int, optimizer: str, validate: bool, init: str, grad_clip: bool) -> Plan:
     """`estimate` for a model the kit did not write, from its probe (`module_spec.py`).
 
     Parameters split evenly over tp and pp (the pipeline is cut to balance parameters); under
@@ -439,7 +441,7 @@ def _estimate_module(spec: ModuleSpec, layout: Layout, dev: DeviceSpec, *, globa
     if layout.offload:
         times["offload"] = 2 * local / layout.dp * act_bytes / dev.host_bandwidth
     memory, tiers = _place_in_tiers(layout, memory, resting, times, dev, gpus_per_node,
-                                    _STATE_BYTES[state_precision, optimizer][2])
+                                    _STATE_BYTES[state_precision, optimizer][2], grad_clip)
     step = sum(times.values())
     mfu = flops / (step * layout.world_size * dev.peak_flops[precision])
     return Plan(layout, memory, step, mfu, memory.peak <= 0.9 * dev.memory and (tiers is None or tiers.fits),
@@ -447,8 +449,8 @@ def _estimate_module(spec: ModuleSpec, layout: Layout, dev: DeviceSpec, *, globa
 
 
 def _place_in_tiers(layout: Layout, memory: MemoryBreakdown, resting: MemoryBreakdown, times: dict[str, float],
-                    dev: DeviceSpec, gpus_per_node: int,
-                    optimizer_bytes_per_param: float) -> tuple[MemoryBreakdown, TierPlan | None]:
+                    dev: DeviceSpec, gpus_per_node: int, optimizer_bytes_per_param: float,
+                    grad_clip: bool) -> tuple[MemoryBreakdown, TierPlan | None]:
     """The training memory with the rank's local state (`resting`) placed by `layout.tiers`
     (`tier_costs.tier_plan`), adding the exposed seconds to `times["tiers"]`; as is without tiers.
     Working memory is the peak less that state: activations, gathered parameters, buffers. A CPU
@@ -463,7 +465,7 @@ def _place_in_tiers(layout: Layout, memory: MemoryBreakdown, resting: MemoryBrea
                       compute=times["compute"], optimizer_time=times["optimizer"],
                       optimizer_bytes_per_param=optimizer_bytes_per_param, ranks_per_host=ranks,
                       core_share=dev.core_share, host_capacity=host_memory / ranks,
-                      link_bandwidth=dev.host_bandwidth)
+                      link_bandwidth=dev.host_bandwidth, clip=grad_clip)
     if tiers.tight_heap:  # every part of the step pays the mapped blocks' page faults
         times["heap"] = (HEAP_COSTS.tight_step_ratio - 1) * sum(times.values())
     times["tiers"] = tiers.seconds
@@ -709,14 +711,16 @@ def candidate_layouts(spec: ModelSpec, world_size: int, *, global_batch: int, se
 
 def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batch: int, seq_len: int,
          gpus_per_node: int = 8, top: int | None = 10, optimizer: str = "adam",
-         init: str = "meta", expert_load: float = 1.0, tiers: MemoryTiers | None = None) -> list[Plan]:
+         init: str = "meta", expert_load: float = 1.0, tiers: MemoryTiers | None = None,
+         grad_clip: bool = False) -> list[Plan]:
     """Valid layouts for `model` on `world_size` devices, best first: fitting before not fitting,
     then by predicted step time, then fewer parallel dimensions, then less memory.
     `model` is a GPTConfig, a Hugging Face config, a dict of sizes, or a `ModuleSpec` (any
     nn.Module, probed; `seq_len` is then unused). A plan fits only if building the model the
     `init` way fits too (see `estimate`). A MoE model's layouts include ep, costed at
     `expert_load` (see `estimate`). `tiers` (e.g. ``MemoryTiers(budget="8GiB", disk="tmp")``)
-    puts every candidate under that budget and those tiers instead of trying FSDP's offload."""
+    puts every candidate under that budget and those tiers instead of trying FSDP's offload;
+    `grad_clip` as in `estimate`."""
     _check_init(init)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer, e.g. 8")
@@ -726,7 +730,7 @@ def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batc
     dev = get_device(device, world_size)
     options = dict(device=dev, global_batch=global_batch, seq_len=seq_len,
                    gpus_per_node=gpus_per_node, optimizer=optimizer, validate=False, init=init,
-                   expert_load=expert_load)
+                   expert_load=expert_load, grad_clip=grad_clip)
     plans = [_cheapest_fitting(spec, layout.replace(tiers=tiers or MemoryTiers()), options)
              for layout in candidate_layouts(spec, world_size, global_batch=global_batch, seq_len=seq_len,
                                              bf16=dev.bf16, gpus_per_node=gpus_per_node, device=dev.name)]

@@ -48,8 +48,9 @@ class Stack:
 @dataclass(frozen=True)
 class Plot:
     """Lines over a shared x axis, or (`bars`) stacked bars over `categories` with a note above
-    each bar, or (`heat`, rows of values) a heat map with `row_labels` down and `categories`
-    across. `span` is how many grid columns the plot takes."""
+    each bar and (`limit`, a height) a dashed line across them named `limit_label`, or (`heat`,
+    rows of values) a heat map with `row_labels` down and `categories` across. `span` is how many
+    grid columns the plot takes."""
 
     title: str
     bars: bool = False
@@ -57,6 +58,8 @@ class Plot:
     categories: tuple[str, ...] = ()
     stacks: tuple[Stack, ...] = ()
     notes: tuple[str, ...] = ()
+    limit: float | None = None
+    limit_label: str = ""
     heat: tuple[tuple[float, ...], ...] = ()
     row_labels: tuple[str, ...] = ()
     span: int = 1
@@ -198,7 +201,7 @@ def _bars(plot: Plot, box: tuple[float, float, float, float]) -> list[str]:
     if not count or not stacks:
         return _waiting(box)
     totals = [sum(s.heights[i] for s in stacks) for i in range(count)]
-    ticks = _nice_ticks(0.0, 1.35 * max(totals))  # headroom for the legend and the notes
+    ticks = _nice_ticks(0.0, 1.35 * max(totals + [plot.limit or 0.0]))  # headroom for the legend and notes
     scale = (bottom - top) / ticks[-1]
     slot = (right - left) / count
     parts = []
@@ -221,6 +224,12 @@ def _bars(plot: Plot, box: tuple[float, float, float, float]) -> list[str]:
         if i < len(plot.notes) and plot.notes[i]:
             parts.append(f'<text x="{x + 0.3 * slot:.1f}" y="{base - 3:.1f}" text-anchor="middle" '
                          f'font-size="8">{escape(plot.notes[i])}</text>')
+    if plot.limit:
+        py = bottom - plot.limit * scale
+        parts.append(f'<line class="limit" data-label="{escape(plot.limit_label)}" x1="{left:.0f}" '
+                     f'x2="{right:.0f}" y1="{py:.1f}" y2="{py:.1f}" stroke="#333" stroke-dasharray="4 3"/>'
+                     f'<text x="{right - 2:.0f}" y="{py - 3:.1f}" text-anchor="end" font-size="8">'
+                     f'{escape(plot.limit_label)}</text>')
     x, y = left + 4, top + 4
     for stack in stacks:  # legend along the top, wrapped at the plot's right edge
         width = 14 + 5 * len(stack.label)  # 8-pixel text is about 5 pixels a character

@@ -18,10 +18,12 @@ Pure arithmetic, below the planner. It models the runtime's contract (`colab_par
   runtime fixes the heap's mmap threshold (`host_heap.tighten_heap`): the step then holds only its
   live working memory and runs slower, both by the ratios `benchmarks/host_heap.py` measured
   (`host_heap.json`; `TierPlan.tight_heap`, priced by the planner);
-- per step the disk reads optimizer state, grads once and params twice (forward, backward) of
-  what it holds, and writes optimizer state, grads and params once each (`TierPlan.disk_read`,
-  `disk_write`); on CUDA every byte off the device crosses PCIe the same way, and the optimizer
-  chunks off the device are stepped on the host by `adamw_chunk_step`.
+- per step the disk reads optimizer state, grads once (twice when the run clips: the norm reads
+  them first) and params twice (forward, backward) of what it holds, and writes optimizer state,
+  grads and params once each (`TierPlan.disk_read`, `disk_write`); on CUDA every byte off the
+  device crosses PCIe the same way, and the optimizer chunks off the device are priced as stepped
+  on the host (ZeRO-Offload's split). The runtime does so on a CPU rank (`host_adam.py`); on CUDA
+  it still stages such chunks to the device for their update, which this model does not price.
 """
 from __future__ import annotations
 
@@ -225,19 +227,20 @@ def _with_verdict(plan: TierPlan, budget: float, unplaced: float, overfull: bool
     return replace(plan, fits=False, reason=reason)
 
 
-def _io_bytes(plan: TierPlan, state: Mapping[str, float], one_memory: bool) -> dict[str, float]:
+def _io_bytes(plan: TierPlan, state: Mapping[str, float], one_memory: bool, clip: bool) -> dict[str, float]:
     """Bytes per step per phase: disk reads / writes and PCIe copies in forward + backward
-    ("fb_*") and in the optimizer step ("step_*").
+    ("fb_*"), clipping's norm ("clip_read") and the optimizer step ("step_*").
 
     Disk: params read in forward and backward and written after the step, grads written in
-    backward and read in the step, optimizer state read and written in the step. PCIe (CUDA): the
+    backward and read in the step (and once before it, by the norm, when `clip`), optimizer state
+    read and written in the step. PCIe (CUDA): the
     same for everything off the device, except that what the host steps (a share f of the optimizer
     off the device) needs its grads brought down once and its params sent back up once, and does
     not cross again."""
     disk = plan.disk
     io = {"fb_read": 2 * disk["params"], "fb_write": disk["grads"],
           "step_read": disk["optimizer"] + disk["grads"], "step_write": disk["optimizer"] + disk["params"],
-          "fb_copy": 0.0, "step_copy": 0.0}
+          "clip_read": disk["grads"] if clip else 0.0, "fb_copy": 0.0, "step_copy": 0.0}
     if not one_memory:
         off = {kind: plan.host[kind] + disk[kind] for kind in STATE_KINDS}
         f = off["optimizer"] / state["optimizer"] if state["optimizer"] else 0.0
@@ -250,7 +253,7 @@ def _io_bytes(plan: TierPlan, state: Mapping[str, float], one_memory: bool) -> d
 def tier_plan(state: Mapping[str, float], tiers: MemoryTiers, working: float, *, one_memory: bool,
               compute: float, optimizer_time: float, optimizer_bytes_per_param: float,
               ranks_per_host: int, core_share: float = 1.0, host_capacity: float = math.inf,
-              link_bandwidth: float = math.inf, rates: TierRates = TIER_RATES,
+              link_bandwidth: float = math.inf, clip: bool = False, rates: TierRates = TIER_RATES,
               heap: HeapCosts = HEAP_COSTS) -> TierPlan:
     """Placement, bytes moved and exposed seconds per step of one rank's state under `tiers`.
 
@@ -259,7 +262,8 @@ def tier_plan(state: Mapping[str, float], tiers: MemoryTiers, working: float, *,
     written) behind the optimizer step (`optimizer_time` on a CPU, where every chunk is stepped on
     the host; on CUDA the host AdamW of the chunks off the device). What shows is
         max(0, io_fb - compute) + max(0, max(io_step, host_adam) - optimizer_time) + 2 · chunk / read
-    (the first chunk of each phase waits for its read). The `ranks_per_host` ranks share the disk
+    (the first chunk of each phase waits for its read), plus, when the run clips (`clip`), the
+    norm's read of the gradients on disk, which nothing hides. The `ranks_per_host` ranks share the disk
     and the PCIe links' host side: each gets its share of the measured rates; a CPU rank's host
     AdamW runs at the measured rate times its `core_share`. Host <-> device copies run at the
     measured rate where the rates file has one (measured on CUDA), else at `link_bandwidth` (the
@@ -272,7 +276,7 @@ def tier_plan(state: Mapping[str, float], tiers: MemoryTiers, working: float, *,
     tight_heap = one_memory and tiers.budget is not None and _binds(place_state(
         state, tiers, working * heap.default_working_ratio, one_memory=True, chunk_bytes=rates.chunk_bytes,
         optimizer_arrays=max(1, round(optimizer_bytes_per_param / 4)), disk_capacity=free), tiers, state)
-    io = _io_bytes(plan, state, one_memory)
+    io = _io_bytes(plan, state, one_memory, clip)
     read, write = rates.disk_read / ranks_per_host, rates.disk_write / ranks_per_host
     copy = (link_bandwidth if rates.host_device is None else rates.host_device) / ranks_per_host
     io_fb = io["fb_read"] / read + io["fb_write"] / write + io["fb_copy"] / copy
@@ -282,8 +286,8 @@ def tier_plan(state: Mapping[str, float], tiers: MemoryTiers, working: float, *,
     first = 2 * min(rates.chunk_bytes, sum(plan.disk.values())) / read
     times = {"tier_fb": max(0.0, io_fb - compute),
              "tier_step": max(0.0, max(io_step, host_adam) - (optimizer_time if one_memory else 0.0)),
-             "tier_first": first}
-    return replace(plan, disk_read=io["fb_read"] + io["step_read"], disk_write=io["fb_write"] + io["step_write"],
+             "tier_first": first, "tier_clip": io["clip_read"] / read}
+    return replace(plan, disk_read=io["fb_read"] + io["clip_read"] + io["step_read"], disk_write=io["fb_write"] + io["step_write"],
                    host_device=io["fb_copy"] + io["step_copy"], seconds=sum(times.values()),
                    times={"io_fb": io_fb, "io_step": io_step, "host_adam": host_adam, **times},
                    tight_heap=tight_heap)

@@ -86,6 +86,7 @@ def test_a_budget_that_forces_spilling_holds_and_fails_without_tiers(cluster2) -
     for rank, (mine, without) in enumerate(zip(tiered, plain)):
         assert mine["report"]["tier_disk"] > 0, f"rank {rank}: nothing was placed on disk"
         assert mine["report"]["tier_moved"] > 0 and mine["report"]["tier_working"] > 0
+        assert mine["report"]["tier_budget"] == BUDGET  # what the dashboard draws its line at
         assert mine["report"]["grads"] == 0, f"rank {rank}: the gradients stayed in memory"
         assert mine["tightened"] and mine["loosened"] and not without["tightened"]
         over, over_without = mine["peak"] - mine["baseline"], without["peak"] - mine["baseline"]
@@ -94,6 +95,62 @@ def test_a_budget_that_forces_spilling_holds_and_fails_without_tiers(cluster2) -
             f"rank {rank}: without tiers the run fits 900 MiB ({over_without / 2 ** 20:.1f} MiB): the budget "
             "proves nothing")
         torch.testing.assert_close(torch.tensor(mine["losses"]), torch.tensor(without["losses"]), rtol=1e-5, atol=0)
+
+
+def _norm_rise(layout: str) -> dict:
+    """Engine side, the big GPT: how far the resident set rises (VmHWM over VmRSS just before) while
+    the gradient norm reads the gradients the tiers hold on disk, the norm, and the bytes moved by a
+    clipped step and by an unclipped one after it (the first step reads no optimizer state yet)."""
+    import math
+
+    import colab_par.memory_tiers.chunks as chunks
+    from colab_par import parallelize
+    from colab_par.parallel import memory_report
+
+    chunks.CHUNK_BYTES = BIG_CHUNK
+    _released()
+    torch.manual_seed(SEED)
+    pm = parallelize(lambda: GPT(GPTConfig(**BIG_GPT)), layout,
+                     optimizer_fn=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    first, clipped, plain = batches(64, 16, 3, batch=2)
+    pm.forward_backward(*first)
+    pm.optimizer_step()
+    pm.forward_backward(*clipped)
+    placed = getattr(pm.optimizer, "placed_bytes", None)  # the tiers' optimizer; plain AdamW without
+    grads_on_disk = placed()["disk"]["grads"] if placed else 0
+    _released()
+    before = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    norm = float(pm.clip_grad_norm_(math.inf))
+    rise = _status("VmHWM") - before
+    resident_grads = memory_report(pm)["grads"]
+    pm.optimizer_step()
+    moved_clipped = getattr(pm.optimizer, "last_moved", 0)
+    pm.forward_backward(*plain)
+    pm.optimizer_step()
+    moved_plain = getattr(pm.optimizer, "last_moved", 0)
+    del pm
+    _released()
+    return {"rise": rise, "grads_on_disk": grads_on_disk, "resident_grads": resident_grads, "norm": norm,
+            "moved_by_clipping": moved_clipped - moved_plain}
+
+
+def test_the_gradient_norm_reads_gradients_on_disk_a_chunk_at_a_time(cluster2) -> None:
+    """Clipping with gradients on disk: the norm's pass over them raises a rank's resident set by a
+    few 2 MiB chunks, not by the 96 MiB of gradients each rank holds there (read all at once, the
+    rise would be that); it reads them once more, what the planner adds for a clipped run
+    (`estimate(..., grad_clip=True)`, test_tier_costs), and the norm equals the one of the same
+    gradients kept in memory."""
+    tiered = cluster2.run(_norm_rise, "dp2 zero3 grads@disk optimizer@disk")
+    plain = cluster2.run(_norm_rise, "dp2 zero3")
+    for rank, (mine, without) in enumerate(zip(tiered, plain)):
+        assert mine["resident_grads"] == 0 and mine["grads_on_disk"] >= 90 * 2 ** 20, mine
+        assert mine["rise"] <= 8 * BIG_CHUNK, (
+            f"rank {rank}: the norm raised the resident set by {mine['rise'] / 2 ** 20:.1f} MiB with "
+            f"{mine['grads_on_disk'] / 2 ** 20:.0f} MiB of gradients on disk")
+        assert mine["moved_by_clipping"] == mine["grads_on_disk"]
+        assert mine["norm"] == pytest.approx(without["norm"], rel=1e-6)
 
 
 def test_parameters_on_disk_leave_the_resident_set(cluster2) -> None:

@@ -275,6 +275,8 @@ def test_measured_cpu_device_is_cached_and_shared_between_engines() -> None:
     assert measure_cpu_device(1) is one
     assert one.peak_flops["fp32"] > 1e8 and not one.bf16
     assert four.peak_flops["fp32"] < one.peak_flops["fp32"] and four.memory < one.memory
+    # AdamW's state rate, measured (no constant): four engines on two cores get half each
+    assert one.hbm_bandwidth > 1e8 and four.hbm_bandwidth == pytest.approx(one.hbm_bandwidth / 2)
 
 
 # ---- CPU costs measured with a process group (benchmarks/cpu_costs.py) -------------------------------
@@ -287,7 +289,7 @@ def test_the_planners_cpu_costs_are_the_measured_files() -> None:
     assert shipped["machine"] and shipped["measured"]
     assert CPU_WRAPPER_COST == shipped["wrapper_cost"] and CPU_PROCESS_BYTES == shipped["process_bytes"]
     cpu = cpu_device(4, cores=2, peak_flops=1e10, efficiency=0.5, layer_overhead=1e-3, bandwidth=1e9,
-                     latency=1e-5)
+                     latency=1e-5, state_bandwidth=1e10)
     per_pass = 1e-3 / 0.5  # two engines per core: each pass takes twice as long
     expected = {k: v * per_pass for k, v in shipped["wrapper_cost"].items()}
     assert cpu.wrapper_overhead == pytest.approx(expected)

@@ -15,7 +15,7 @@ LLAMA_70B = dict(n_layer=80, d_model=8192, n_head=64, n_kv_head=8, ffn_hidden=28
 # a vocabulary so large that its embedding dwarfs the layers: its largest tensor sets the init peak
 WIDE_VOCAB = GPTConfig(vocab_size=1 << 20, seq_len=16, n_layer=2, n_head=8, d_model=256)
 CPU = cpu_device(2, cores=2, peak_flops=1e10, efficiency=0.5, layer_overhead=1e-4, bandwidth=1e9,
-                 latency=1e-5)
+                 latency=1e-5, state_bandwidth=1e10)
 
 
 def _counts(config: GPTConfig) -> tuple[int, int]:

@@ -170,6 +170,20 @@ def test_bytes_of_a_small_gpt_with_its_optimizer_on_disk() -> None:
     assert "disk" in str(option) and plain.tiers is None
 
 
+def test_clipping_reads_the_gradients_on_disk_once_more_and_nothing_hides_it() -> None:
+    n = sum(p.numel() for p in GPT(SMALL).parameters())
+    options = dict(device="cpu", global_batch=4, seq_len=64)
+    on_disk = estimate(SMALL, "dp2 zero3 grads@disk optimizer@disk", **options)
+    clipped = estimate(SMALL, "dp2 zero3 grads@disk optimizer@disk", grad_clip=True, **options)
+    # the norm reads this rank's fp32 gradient shard (what test_memory_tiers measures the runtime move)
+    assert clipped.tiers.disk_read - on_disk.tiers.disk_read == pytest.approx(n * 4 / 2)
+    assert clipped.tiers.disk_write == on_disk.tiers.disk_write
+    read_rate = load_tier_rates().disk_read / 2  # the two ranks share the disk
+    assert clipped.step_time - on_disk.step_time == pytest.approx(n * 4 / 2 / read_rate)
+    in_memory = dict(layout="dp2 zero3 optimizer@disk", model=SMALL)
+    assert estimate(**in_memory, grad_clip=True, **options).step_time == estimate(**in_memory, **options).step_time
+
+
 def test_zero1_counts_a_ranks_share_of_the_optimizer_state() -> None:
     """dp2 zero1, optimizer on disk: a rank holds the whole parameters and gradients (4 + 4 bytes
     per parameter) but only its half of the AdamW state (8 / 2), on disk, read and written once per

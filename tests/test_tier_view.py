@@ -1,7 +1,8 @@
 """The dashboard's memory-tier plot: from the `mem_tier_*` columns of a real metrics stream (the
 runtime's memory_report keys, as telemetry publishes them) each rank's bar stacks its working
-memory and resident state per tier with the bytes moved per step above it, in the SVG frames and
-the PNG picture; a run without tiers keeps its frame exactly."""
+memory and resident state per tier with the bytes moved per step above it, and a dashed line marks
+the budget per rank, in the SVG frames and the PNG picture; a run without tiers keeps its frame
+exactly."""
 from __future__ import annotations
 
 import io
@@ -19,12 +20,14 @@ from colab_par.telemetry import metrics_data
 MiB = 2 ** 20
 # per rank: (working, device, host, disk, moved) MiB; rank 1 holds more on disk and moves more
 TIERS = {0: (64, 256, 0, 128, 384), 1: (64, 192, 0, 512, 1536)}
+BUDGET_MIB = 400
 
 
 def tier_row(step: int, rank: int) -> dict:
     working, device, host, disk, moved = TIERS[rank]
     return row(step, rank, mem_tier_working=working * MiB, mem_tier_device=device * MiB,
-               mem_tier_host=host * MiB, mem_tier_disk=disk * MiB, mem_tier_moved=moved * MiB)
+               mem_tier_host=host * MiB, mem_tier_disk=disk * MiB, mem_tier_moved=moved * MiB,
+               mem_tier_budget=BUDGET_MIB * MiB)
 
 
 def tier_dashboard() -> LiveDashboard:
@@ -52,6 +55,11 @@ def test_tier_bars_carry_each_ranks_bytes_per_tier_and_moved() -> None:
             assert abs(heights[label] - mib * pixels_per_mib) <= 0.1, (rank, label, heights)
     notes = [t.text for t in plot.iter(f"{SVG}text") if t.text and t.text.startswith("moved")]
     assert notes == ["moved 384 MiB/step", "moved 1,536 MiB/step"]
+    bottom = max(float(r.get("y")) + float(r.get("height")) for r in plot.iter(f"{SVG}rect")
+                 if r.get("class") == "data")
+    [limit] = [line for line in plot.iter(f"{SVG}line") if line.get("class") == "limit"]
+    assert limit.get("data-label") == "budget per rank"
+    assert abs(bottom - float(limit.get("y1")) - BUDGET_MIB * pixels_per_mib) <= 0.2
 
 
 def test_tier_plot_in_the_png_picture() -> None:
@@ -67,6 +75,10 @@ def test_tier_plot_in_the_png_picture() -> None:
     area = area[-int(0.25 * area.shape[0]):]  # bars stand on the bottom edge
     for colour in ("#d62728", "#1f77b4", "#2ca02c"):  # working, device, disk
         assert (np.abs(area - np.array(to_rgb(colour))) < 0.08).all(axis=-1).sum() > 50, colour
+    # the budget's dashed line: one pixel row across the plot dark grey in many places
+    plot = image[top + 3:bottom - 3, left + 3:right - 3]
+    dark = (np.abs(plot - np.array(to_rgb("#333333"))) < 0.12).all(axis=-1).sum(axis=1)
+    assert dark.max() > 0.3 * plot.shape[1], "no budget line across the tier plot"
 
 
 def test_progress_line_says_what_moved() -> None:

@@ -78,3 +78,4 @@ def _add_tiers(report: dict[str, int], optimizer: torch.optim.Optimizer) -> None
     report["tier_disk"] = sum(placed["disk"].values()) if placed else 0
     report["tier_moved"] = optimizer.last_moved if placed else 0
     report["tier_working"] = optimizer.working if placed else 0
+    report["tier_budget"] = optimizer.tiers.budget or 0  # bytes per rank; 0: no budget
