@@ -33,8 +33,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from colab_par.checkpoint_format import (FORMAT, NON_TENSORS, CheckpointError, TensorOnlyLoadPlanner,
-                                         TensorOnlyReader, from_json, split_state, to_json)
+from colab_par.checkpoint_format import (FORMAT, NON_TENSORS, CheckpointError, TensorOnlyReader, from_json,
+                                         split_state, to_json)
+from colab_par.memory_tiers.checkpoint_pages import PagedLoadPlanner, PagedSavePlanner, disk_pages, drop_pages
 
 __all__ = ["save", "load", "relayout", "latest_checkpoint", "saved_history", "CheckpointError"]
 
@@ -53,13 +54,15 @@ def save(pm: Any, path: str | os.PathLike, *, trainer: Any = None, keep: int = 2
     if keep < 1:
         raise ValueError(f"keep={keep} must be >= 1 (the version just written is always kept)")
     _single_part(pm)  # refuse unsupported layouts before any folder is made
+    pages = disk_pages(_local_optimizer(pm))
     tensors, non_tensors = _savable_state(pm)
     root, rank = Path(path), _rank()
     token = shared_random_id()
     step = int(trainer.step) if trainer is not None else 0
     staging = root / f".tmp-{token:016x}"
     _make_staging(root, staging)
-    dcp.save(tensors, checkpoint_id=str(staging))
+    dcp.save(tensors, checkpoint_id=str(staging), planner=PagedSavePlanner(pages))
+    drop_pages(pages)
     _write_json(staging / f"rng-rank{rank}.json", _rng_state())
     if trainer is not None:
         _write_json(staging / f"history-rank{rank}.json", trainer.history)
@@ -169,12 +172,13 @@ def load(pm: Any, path: str | os.PathLike, *, trainer: Any = None) -> dict:
     meta = json.loads((version / META).read_text())
     if trainer is not None:
         _check_resumable(meta, trainer, version)
+    pages = disk_pages(_local_optimizer(pm))
     state = _state(pm)
     tensors, others = split_state(state)
     reader = TensorOnlyReader(version)
     saved_others = _saved_non_tensors(version)
     _refuse_misfit(tensors, others, reader.read_metadata(), saved_others, version)
-    dcp.load(tensors, storage_reader=reader, planner=TensorOnlyLoadPlanner())
+    dcp.load(tensors, storage_reader=reader, planner=PagedLoadPlanner(pages))
     for part, values in tensors.items():
         state[part].update(values)
     for name in others:

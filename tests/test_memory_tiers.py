@@ -153,6 +153,61 @@ def test_the_gradient_norm_reads_gradients_on_disk_a_chunk_at_a_time(cluster2) -
         assert mine["norm"] == pytest.approx(without["norm"], rel=1e-6)
 
 
+def _checkpoint_rise(layout: str, folder: str) -> dict:
+    """Engine side, the big GPT after two steps: how far the resident set rises (VmHWM over VmRSS
+    just before) while it is saved, and while a fresh model loads it; the next loss of each."""
+    import colab_par.memory_tiers.chunks as chunks
+    from colab_par import load, parallelize, save
+
+    chunks.CHUNK_BYTES = BIG_CHUNK
+
+    def build() -> object:
+        _released()
+        torch.manual_seed(SEED)
+        return parallelize(lambda: GPT(GPTConfig(**BIG_GPT)), layout,
+                           optimizer_fn=lambda p: torch.optim.AdamW(p, lr=1e-3))
+
+    def rise(work: object, pm: object) -> int:
+        _released()
+        before = _status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        work(pm, folder)
+        return _status("VmHWM") - before
+
+    *steps, following = batches(64, 16, 3, batch=2)
+    saved = build()
+    for batch in steps:
+        saved.train_step(*batch)
+    on_disk = sum(saved.optimizer.placed_bytes()["disk"].values())
+    saving = rise(save, saved)
+    continued = saved.train_step(*following)
+    del saved
+    fresh = build()
+    loading = rise(load, fresh)
+    result = {"on_disk": on_disk, "save": saving, "load": loading, "continued": continued,
+              "loaded": fresh.train_step(*following)}
+    del fresh
+    _released()
+    return result
+
+
+def test_checkpoints_read_and_write_the_disk_tier_a_chunk_at_a_time(cluster2, tmp_path) -> None:
+    """Saving the big GPT with 200 MiB of AdamW state per rank on disk, and loading it into a fresh
+    model, raise a rank's resident set by a few chunks and DCP's own buffers, not by that state
+    (measured before: +200 MiB at save, DCP holding a copy of every tensor of its file; +290 MiB at
+    load, the state's pages and torch's zero-gradient step); the loaded model goes on exactly as
+    the saved one does."""
+    for rank, result in enumerate(cluster2.run(_checkpoint_rise, "dp2 zero3 optimizer@disk grads@disk",
+                                               str(tmp_path / "ckpt"))):
+        assert result["on_disk"] >= 190 * 2 ** 20, result
+        for what in ("save", "load"):
+            assert result[what] <= 64 * 2 ** 20, (
+                f"rank {rank}: {what} raised the resident set by {result[what] / 2 ** 20:.0f} MiB with "
+                f"{result['on_disk'] / 2 ** 20:.0f} MiB of state on disk")
+        assert result["loaded"] == result["continued"]
+
+
 def test_parameters_on_disk_leave_the_resident_set(cluster2) -> None:
     """params@disk on engines that trained before (the budget run above tightened and loosened
     glibc's heap, leaving it full of free holes): the big GPT's 192 MiB of parameters per rank live

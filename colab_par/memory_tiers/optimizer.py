@@ -466,11 +466,21 @@ class TieredAdamW(torch.optim.Optimizer):
                 and any(store.tier != FAST for store in stores.values()))
 
     # ---- checkpoints ----------------------------------------------------------------------------
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch AdamW's format; the values land in the chunks wherever they are placed."""
+    def place_state(self) -> None:
+        """Chunks placed and AdamW's state bound (zeros, step 0) without a step. torch's state-dict
+        helpers otherwise create the state by a step with a zero gradient for every parameter,
+        all of them resident at once."""
         self._ensure_chunks()
         if not self._placed:
             self._place(measured=False)
+
+    def disk_stores(self) -> list[Any]:
+        """The stores on the disk tier (`checkpoint_pages.py` drops their pages during DCP I/O)."""
+        return [store for stores in self._stores for store in stores.values() if store.tier_on_disk]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch AdamW's format; the values land in the chunks wherever they are placed."""
+        self.place_state()
         super().load_state_dict(state_dict)
         loaded, self.state = self.state, defaultdict(dict)
         for chunk in self._chunks:

@@ -77,6 +77,15 @@ class DiskStore:
         self._resident = False
         return self.nbytes if dirty else 0
 
+    def own_view(self, view: torch.Tensor) -> torch.Tensor:
+        """`view` (a contiguous piece of this chunk) as a tensor whose storage is exactly its bytes
+        of the mapping: DCP's writer copies a tensor whose storage is larger than itself, and keeps
+        every tensor of a file until the file is written, so a view would cost its size in memory."""
+        if not view.is_contiguous():
+            raise ValueError("a view of a chunk's slot is contiguous")
+        return torch.frombuffer(self._map, dtype=view.dtype, count=view.numel(),
+                                offset=view.storage_offset() * view.element_size()).view(view.shape)
+
     def close(self) -> None:
         """Unmap (once no view of the chunk is left) and delete the file."""
         self.tensor = None  # type: ignore[assignment]
