@@ -11,7 +11,12 @@ Without a CUDA GPU it prints one line saying so and exits 0. With one (one GPU i
    predicted step time, tokens/s and memory beside each;
 4. memory telemetry: the Trainer's reading of the CUDA allocator's peak over a step against
    `torch.cuda.max_memory_allocated` over a step of the same shape taken outside the Trainer, and
-   the kit's own accounting (model state + activations) beside both.
+   the kit's own accounting (model state + activations) beside both;
+5. memory tiers on the GPU: a small GPT with its AdamW moments on the host (pinned) and on disk,
+   in float32 and bf16, against the same run with everything on the GPU (learnable data): the
+   losses' largest relative difference (the host step's fused AdamW against torch's CUDA AdamW),
+   the allocator peak (the moments must not reach the GPU), step time, bytes the tiers moved and
+   the planner's host <-> device bytes and peak.
 It writes its tables into benchmarks/RESULTS.md under a heading with the date and the card's name
 (a later run on the same card replaces that section).
 """
@@ -49,6 +54,7 @@ def main() -> int:
     sections = [f"{time.strftime('%Y-%m-%d')}, `python benchmarks/gpu_check.py{' --quick' if args.quick else ''}`"]
     sections.append(kernel_section(args.quick))
     sections.append(training_section(QUICK if args.quick else GPT_1_3B, args.steps, card))
+    sections.append(tiers_section(card))
     write_section(args.results, card, "\n\n".join(sections))
     print(f"wrote the section '{HEADING}{card}' into {args.results}")
     return 0
@@ -139,6 +145,101 @@ def training_section(model: dict, steps: int, card: str) -> str:
             + (f"{plan.step_time:.3f} | {plan.tokens_per_s:,.0f} | {100 * plan.mfu:.1f} % | " if plan else "- | - | - | ")
             + f"{timed[-1]['mem_cuda_peak'] / GiB:.2f} / {result['allocator_peak'] / GiB:.2f} | "
             f"{timed[-1]['mem_total'] / GiB:.2f} | " + (f"{plan.memory.peak / GiB:.2f} |" if plan else "- |"))
+    return "\n".join(lines)
+
+
+# ---- memory tiers: ZeRO-Offload's host step on CUDA ------------------------------------------------
+TIERS_GPT = dict(vocab_size=8192, seq_len=256, n_layer=4, n_head=8, d_model=512)
+TIER_LAYOUTS = ("dp1", "dp1 optimizer@host", "dp1 optimizer@disk", "dp1 bf16", "dp1 bf16 optimizer@host")
+
+
+def learnable_batches(vocab: int, seq_len: int, steps: int, device: str, batch: int = 4) -> list:
+    """(inputs, targets) with a next-token rule plus 20 % noise: the loss falls, so a wrong update shows."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        seq = (torch.randint(0, vocab, (batch, 1), generator=gen) + 3 * torch.arange(seq_len + 1)) % vocab
+        noise = torch.rand(seq.shape, generator=gen) < 0.2
+        seq = torch.where(noise, torch.randint(0, vocab, seq.shape, generator=gen), seq)
+        out.append((seq[:, :-1].contiguous().to(device), seq[:, 1:].contiguous().to(device)))
+    return out
+
+
+def tier_measurements(model: dict, steps: int, layouts: tuple[str, ...] = TIER_LAYOUTS) -> dict:
+    """Engine side: per layout the losses, the CUDA allocator's peak over training (None on a CPU
+    engine, where tests run this), the median step seconds and the tier report of the last step."""
+    import statistics
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+
+    from colab_par import parallelize
+    from colab_par.models import GPT, GPTConfig
+    from colab_par.parallel import memory_report
+
+    out = {}
+    batches = learnable_batches(model["vocab_size"], model["seq_len"], steps, "cuda" if cuda else "cpu")
+    for layout in layouts:
+        torch.manual_seed(0)
+        pm = parallelize(lambda: GPT(GPTConfig(**model)), layout,
+                         optimizer_fn=lambda p: torch.optim.AdamW(p, lr=1e-3))
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        losses, seconds = [], []
+        for batch in batches:
+            start = time.perf_counter()
+            losses.append(pm.train_step(*batch))
+            if cuda:
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - start)
+        report = memory_report(pm)
+        out[layout] = {"losses": losses, "peak": torch.cuda.max_memory_allocated() if cuda else None,
+                       "step_s": statistics.median(seconds[1:]), "moved": report.get("tier_moved", 0),
+                       "host": report.get("tier_host", 0), "disk": report.get("tier_disk", 0)}
+        getattr(pm.optimizer, "release", lambda: None)()
+        del pm
+        if cuda:
+            torch.cuda.empty_cache()
+    return out
+
+
+def tiers_section(card: str, steps: int = 8, runs: dict | None = None) -> str:
+    """Memory tiers on one nccl engine against the same run without them; the planner beside.
+    `runs`: `tier_measurements`' result when already taken (tests, on a CPU engine)."""
+    from colab_par import Cluster
+    from colab_par.devices import device_for_product
+    from colab_par.models import GPTConfig
+    from colab_par.planner import estimate
+
+    if runs is None:
+        cluster = Cluster(n=1, backend="nccl", dashboard=False)
+        cluster.start()
+        try:
+            (runs,) = cluster.run(tier_measurements, TIERS_GPT, steps)
+        finally:
+            cluster.stop()
+    catalogue = device_for_product(card)
+    lines = [f"Memory tiers on the GPU: GPT {TIERS_GPT}, micro batch 4, {steps} steps of learnable data, "
+             "AdamW lr 1e-3; moments on the host or disk are stepped there (fused host AdamW), the GPU "
+             "keeps parameters and gradients. Loss difference: largest relative, against the same "
+             "precision without tiers.", "",
+             "| layout | max rel loss diff | last loss | allocator peak MiB | step s | tiers moved MiB/step "
+             "| host / disk MiB | planner host<->device MiB | planner peak MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for layout, run in runs.items():
+        plain = runs[" ".join(token for token in layout.split() if "@" not in token)]  # the same, untiered
+        diff = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], plain["losses"]))
+        plan = (estimate(GPTConfig(**TIERS_GPT), layout, device=catalogue.name, global_batch=4,
+                         seq_len=TIERS_GPT["seq_len"]) if catalogue else None)
+        crossing = f"{plan.tiers.host_device / 2 ** 20:.1f}" if plan and plan.tiers else "-"
+        peak = "-" if run["peak"] is None else f"{run['peak'] / 2 ** 20:.0f}"
+        lines.append(f"| `{layout}` | {diff:.1e} | {run['losses'][-1]:.4f} | {peak} | "
+                     f"{run['step_s']:.3f} | {run['moved'] / 2 ** 20:.1f} | {run['host'] / 2 ** 20:.0f} / "
+                     f"{run['disk'] / 2 ** 20:.0f} | {crossing} | "
+                     + (f"{plan.memory.peak / 2 ** 20:.0f} |" if plan else "- |"))
     return "\n".join(lines)
 
 

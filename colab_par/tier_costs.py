@@ -21,9 +21,9 @@ Pure arithmetic, below the planner. It models the runtime's contract (`colab_par
 - per step the disk reads optimizer state, grads once (twice when the run clips: the norm reads
   them first) and params twice (forward, backward) of what it holds, and writes optimizer state,
   grads and params once each (`TierPlan.disk_read`, `disk_write`); on CUDA every byte off the
-  device crosses PCIe the same way, and the optimizer chunks off the device are priced as stepped
-  on the host (ZeRO-Offload's split). The runtime does so on a CPU rank (`host_adam.py`); on CUDA
-  it still stages such chunks to the device for their update, which this model does not price.
+  device crosses PCIe the same way, and the optimizer chunks off the device are stepped on the
+  host (`host_adam.py`; ZeRO-Offload's split: their grads come down, their params go back up, and
+  come down first too where no float32 master lives on the host).
 """
 from __future__ import annotations
 
@@ -227,7 +227,8 @@ def _with_verdict(plan: TierPlan, budget: float, unplaced: float, overfull: bool
     return replace(plan, fits=False, reason=reason)
 
 
-def _io_bytes(plan: TierPlan, state: Mapping[str, float], one_memory: bool, clip: bool) -> dict[str, float]:
+def _io_bytes(plan: TierPlan, state: Mapping[str, float], one_memory: bool, clip: bool,
+              master: bool) -> dict[str, float]:
     """Bytes per step per phase: disk reads / writes and PCIe copies in forward + backward
     ("fb_*"), clipping's norm ("clip_read") and the optimizer step ("step_*").
 
@@ -235,8 +236,8 @@ def _io_bytes(plan: TierPlan, state: Mapping[str, float], one_memory: bool, clip
     backward and read in the step (and once before it, by the norm, when `clip`), optimizer state
     read and written in the step. PCIe (CUDA): the
     same for everything off the device, except that what the host steps (a share f of the optimizer
-    off the device) needs its grads brought down once and its params sent back up once, and does
-    not cross again."""
+    off the device) needs its grads brought down once and its params sent back up once (brought
+    down first too without a float32 `master` on the host), and does not cross again."""
     disk = plan.disk
     io = {"fb_read": 2 * disk["params"], "fb_write": disk["grads"],
           "step_read": disk["optimizer"] + disk["grads"], "step_write": disk["optimizer"] + disk["params"],
@@ -245,8 +246,9 @@ def _io_bytes(plan: TierPlan, state: Mapping[str, float], one_memory: bool, clip
         off = {kind: plan.host[kind] + disk[kind] for kind in STATE_KINDS}
         f = off["optimizer"] / state["optimizer"] if state["optimizer"] else 0.0
         io["fb_copy"] = 2 * off["params"] + off["grads"]
+        params_crossings = 1 if master else 2
         io["step_copy"] = (off["params"] * (1 - f) + off["grads"] * (1 - f)
-                           + f * (state["grads"] - off["grads"] + state["params"] - off["params"]))
+                           + f * (state["grads"] - off["grads"] + params_crossings * (state["params"] - off["params"])))
     return io
 
 
@@ -276,7 +278,7 @@ def tier_plan(state: Mapping[str, float], tiers: MemoryTiers, working: float, *,
     tight_heap = one_memory and tiers.budget is not None and _binds(place_state(
         state, tiers, working * heap.default_working_ratio, one_memory=True, chunk_bytes=rates.chunk_bytes,
         optimizer_arrays=max(1, round(optimizer_bytes_per_param / 4)), disk_capacity=free), tiers, state)
-    io = _io_bytes(plan, state, one_memory, clip)
+    io = _io_bytes(plan, state, one_memory, clip, master=optimizer_bytes_per_param > 8)
     read, write = rates.disk_read / ranks_per_host, rates.disk_write / ranks_per_host
     copy = (link_bandwidth if rates.host_device is None else rates.host_device) / ranks_per_host
     io_fb = io["fb_read"] / read + io["fb_write"] / write + io["fb_copy"] / copy

@@ -24,6 +24,7 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_0(tmp_path: Path) -> Non
 def _gpu_check():
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # so cloudpickle can ship its functions by value
     spec.loader.exec_module(module)
     return module
 
@@ -38,3 +39,28 @@ def test_a_section_goes_first_and_a_later_run_on_the_same_card_replaces_it(tmp_p
     assert "first run" not in text and text.count("## GPU check on NVIDIA H100 80GB HBM3") == 1
     assert text.index("l4 run") < text.index("second run") < text.index("## Older")
     assert text.endswith("## Older\n\nold table\n")
+
+
+def test_the_tiers_check_runs_its_engine_code_and_reports_each_layout(cluster2) -> None:
+    """The GPU check's memory-tier part, on CPU engines (no GPU here): its engine code runs the
+    layouts it names, a tiered run trains as the plain one does (the host step on a CPU rank), and
+    the table has a row per layout with the planner's figures for a catalogued card."""
+    gpu_check = _gpu_check()
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(gpu_check)
+    tiny = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
+    layouts = ("dp2", "dp2 optimizer@disk")  # the GPU check's dp1 layouts, over this cluster's 2 engines
+    runs = cluster2.run(gpu_check.tier_measurements, tiny, 4, layouts)[0]
+    assert list(runs) == list(layouts)
+    assert runs["dp2 optimizer@disk"]["disk"] > 0 and runs["dp2 optimizer@disk"]["moved"] > 0
+    for tiered, plain in zip(runs["dp2 optimizer@disk"]["losses"], runs["dp2"]["losses"]):
+        assert abs(tiered - plain) <= 1e-5 * abs(plain)
+    assert runs["dp2"]["losses"][-1] < runs["dp2"]["losses"][0]
+    gpu_check.TIERS_GPT = tiny
+    table = gpu_check.tiers_section("NVIDIA H100 80GB HBM3", runs=runs)
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == list(layouts)
+    cells = [[cell.strip() for cell in row.strip(" |").split("|")] for row in rows]
+    assert all(float(row[-1]) > 0 for row in cells), rows  # the planner's peak for a catalogued card
+    assert cells[0][-2] == "-" and float(cells[1][-2]) > 0, rows  # host <-> device bytes with tiers only

@@ -149,6 +149,10 @@ def test_cuda_host_optimizer_moves_grads_down_and_params_up_and_steps_on_the_hos
     assert plan.host_device == 200.0 and plan.disk_read == 0.0
     assert plan.times["host_adam"] == pytest.approx(400 * 8 / 12 / 8)
     assert plan.seconds == pytest.approx(max(200 / 20, 400 * 8 / 12 / 8))
+    # float32 training has no master on the host: the params come down as well as up
+    fp32 = tier_plan(STATE, MemoryTiers(optimizer="host"), 0.0, one_memory=False, compute=0.0, optimizer_time=0.0,
+                     optimizer_bytes_per_param=8, ranks_per_host=1, rates=RATES)
+    assert fp32.host_device == 300.0
 
 
 SMALL = GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=64, kernels="torch")

@@ -429,7 +429,7 @@ class TieredAdamW(torch.optim.Optimizer):
                 continue
             target = slot.of(stores["master"].tensor) if chunk.master else local(slot.param)
             params.append(target)
-            grads.append(grad if grad.dtype == target.dtype else grad.to(target.dtype))
+            grads.append(grad)
             avgs.append(slot.of(stores["exp_avg"].tensor))
             squares.append(slot.of(stores["exp_avg_sq"].tensor))
             steps.append(self._steps[id(slot.param)])
@@ -439,16 +439,24 @@ class TieredAdamW(torch.optim.Optimizer):
             return
         beta1, beta2 = group["betas"]
         if self._host_step(group, stores):
-            host_adamw_step(params, grads, avgs, squares, steps,
+            # ZeRO-Offload's split on CUDA: gradients come down (in their own dtype, widened on the
+            # host), float32 parameters without a master come down too, and go back up updated;
+            # the moments never cross. On a CPU rank every tensor is already here.
+            on_host = [(_to_host(p), p) for p in params]
+            host_adamw_step([p for p, _ in on_host], [_to_host(g).to(p.dtype) for g, p in zip(grads, params)],
+                            avgs, squares, steps,
                             AdamWHyper(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                                        weight_decay=group["weight_decay"], maximize=group.get("maximize", False)))
+            for updated, home in on_host:
+                if updated is not home:
+                    home.copy_(updated)
             for working, master in back:
                 working.copy_(master.to(working.device))
             return
         staged = [_on(t, chunk.device) for t in params + avgs + squares] if self._cuda else None
         work = [s for s, _ in staged] if staged else params + avgs + squares
         n = len(params)
-        adamw(work[:n], [g.to(chunk.device) for g in grads], work[n:2 * n], work[2 * n:], [], steps,
+        adamw(work[:n], [g.to(chunk.device, p.dtype) for g, p in zip(grads, params)], work[n:2 * n], work[2 * n:], [], steps,
               foreach=group.get("foreach"), fused=group.get("fused"), amsgrad=False, beta1=beta1, beta2=beta2,
               lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
               maximize=group.get("maximize", False))
@@ -459,11 +467,16 @@ class TieredAdamW(torch.optim.Optimizer):
             working.copy_(master.to(working.device))
 
     def _host_step(self, group: dict[str, Any], stores: dict[str, Any]) -> bool:
-        """Whether this chunk steps with the fast host kernel: its state is off the fast tier of a
-        CPU rank (host memory is the device there) and the user named no implementation. A chunk
-        kept resident steps with the user's own choice, exactly as plain AdamW."""
-        return (not self._cuda and group.get("foreach") is None and not group.get("fused")
-                and any(store.tier != FAST for store in stores.values()))
+        """Whether this chunk steps with the fast host kernel, where the user named no AdamW
+        implementation: on a CPU rank when any of its state is off the fast tier (host memory is
+        the device there); on CUDA when its moments are off the device, so they are updated where
+        they are, never staged to the GPU. A chunk kept resident steps with the user's own choice,
+        exactly as plain AdamW."""
+        if group.get("foreach") is not None or group.get("fused"):
+            return False
+        if self._cuda:
+            return stores["exp_avg"].tier != FAST
+        return any(store.tier != FAST for store in stores.values())
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def place_state(self) -> None:
@@ -539,7 +552,13 @@ def _like(param: nn.Parameter, view: torch.Tensor) -> torch.Tensor:
                               shape=param.shape, stride=param.stride())
 
 
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in host memory: itself there, else a blocking copy (a non-blocking one could be
+    read before it lands)."""
+    return tensor if tensor.device.type == "cpu" else tensor.to("cpu")
+
+
 def _on(tensor: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the tensor on `device`, the tensor): host/disk chunks are staged to the GPU for the update."""
+    """(the tensor on `device`, the tensor): a copy only where it lives elsewhere (CUDA ranks)."""
     return (tensor if tensor.device == device else tensor.to(device, non_blocking=True)), tensor
 
