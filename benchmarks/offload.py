@@ -12,6 +12,7 @@ each run, whatever happens.
     python benchmarks/offload.py largest --only 3072x36      # the >= 4 B run, optimizer on disk
     python benchmarks/offload.py budget --budget 8GiB         # largest under 8 GiB per rank, +/- disk
     python benchmarks/offload.py overhead                     # fits: tiers auto vs off, alternated
+    python benchmarks/offload.py checkpoint                   # save / load: resident rise and seconds
     python benchmarks/offload.py largest --only 512x4 --steps 3   # a one-minute smoke run
 """
 from __future__ import annotations
@@ -241,6 +242,86 @@ def cmd_overhead(args: argparse.Namespace) -> None:
     print(f"auto / off = {medians['auto'] / medians['off']:.3f} (goal <= 1.03)")
 
 
+def checkpoint_round(sizes: dict[str, Any], layout: str, folder: str) -> dict[str, Any]:
+    """On every engine: one training step, then a save and a load into a fresh model: each one's
+    seconds and resident rise (VmHWM over VmRSS just before, freed heap dropped first), the state
+    on disk, and whether the loaded model's next loss equals the saved one's."""
+    import gc
+
+    import torch
+
+    from colab_par import load, parallelize, save
+    from colab_par.host_heap import trim_host_heap
+    from colab_par.models.gpt import GPT, GPTConfig
+
+    torch.set_num_threads(1)
+    config = GPTConfig(**sizes)
+    inputs = torch.randint(0, config.vocab_size, (GLOBAL_BATCH, config.seq_len),
+                           generator=torch.Generator().manual_seed(0))
+    batch = (inputs, torch.roll(inputs, -1, dims=1))
+
+    def build() -> Any:
+        gc.collect()
+        trim_host_heap()
+        torch.manual_seed(0)
+        return parallelize(lambda: GPT(config), layout, optimizer_fn=lambda params: torch.optim.AdamW(params, lr=LR))
+
+    def timed(work: Any, pm: Any) -> tuple[float, int]:
+        gc.collect()
+        trim_host_heap()
+        before = scale._status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        start = time.perf_counter()
+        work(pm, folder)
+        return time.perf_counter() - start, scale._status("VmHWM") - before
+
+    saved = build()
+    saved.train_step(*batch)
+    placed = getattr(saved.optimizer, "placed_bytes", None)
+    on_disk = sum(placed()["disk"].values()) if placed else 0
+    save_s, save_rise = timed(save, saved)
+    continued = saved.train_step(*batch)
+    del saved
+    fresh = build()
+    load_s, load_rise = timed(load, fresh)
+    same = fresh.train_step(*batch) == continued
+    del fresh
+    gc.collect()
+    return {"on_disk": on_disk, "save_s": save_s, "save_rise": save_rise, "load_s": load_s,
+            "load_rise": load_rise, "same": same}
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> None:
+    """Save and load under `--layout` with its optimizer on disk and without tiers, arms
+    alternated over `--rounds` in one cluster; per arm the median (min-max) over rounds of the
+    slower rank's seconds and the larger rank's resident rise."""
+    from colab_par import Cluster
+
+    width, depth = parse_size(args.size)
+    sizes = scale.gpt_config(width, depth, VOCAB, SEQ)
+    arms = {"tiers": f"{args.layout} optimizer@disk", "plain": args.layout}
+    samples: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+    with Cluster(n=2, backend="gloo", dashboard=False, timeout=1800.0) as cluster:
+        for round_ in range(args.rounds):
+            for arm in (arms if round_ % 2 == 0 else reversed(list(arms))):
+                folder = tempfile.mkdtemp(prefix="colab_par_ckpt_", dir=args.disk)
+                try:
+                    per_rank = cluster.run(checkpoint_round, sizes, arms[arm], folder)
+                finally:
+                    shutil.rmtree(folder, ignore_errors=True)
+                assert all(rank["same"] for rank in per_rank), f"{arm}: the loaded model went on differently"
+                samples[arm].append({key: max(rank[key] for rank in per_rank) for key in per_rank[0]})
+    print(f"{args.size} ({ModelSpec.of(sizes).n_params / 1e6:.0f} M parameters), {args.rounds} rounds")
+    for arm, rounds in samples.items():
+        def spread(key: str, unit: float, fmt: str) -> str:
+            values = [r[key] / unit for r in rounds]
+            return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+        print(f"{arm:>6} ({arms[arm]}): on disk {rounds[0]['on_disk'] / 2 ** 20:.0f} MiB/rank; "
+              f"save {spread('save_s', 1, '.2f')} s, rise {spread('save_rise', 2 ** 20, '.0f')} MiB; "
+              f"load {spread('load_s', 1, '.2f')} s, rise {spread('load_rise', 2 ** 20, '.0f')} MiB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -256,6 +337,12 @@ def main() -> None:
     budget.add_argument("--steps", type=int, default=3)
     budget.add_argument("--disk", default=tempfile.gettempdir())
     budget.set_defaults(run=cmd_budget)
+    checkpoint = sub.add_parser("checkpoint", help="save and load with the optimizer on disk vs without tiers")
+    checkpoint.add_argument("--size", default="1024x8")
+    checkpoint.add_argument("--layout", default="dp2 zero3")
+    checkpoint.add_argument("--rounds", type=int, default=3)
+    checkpoint.add_argument("--disk", default=tempfile.gettempdir())
+    checkpoint.set_defaults(run=cmd_checkpoint)
     overhead = sub.add_parser("overhead", help="a model that fits: tiers auto vs off")
     overhead.add_argument("--size", default="768x8")
     overhead.add_argument("--layout", default="dp2 zero3")
