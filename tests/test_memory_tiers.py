@@ -208,6 +208,63 @@ def test_checkpoints_read_and_write_the_disk_tier_a_chunk_at_a_time(cluster2, tm
         assert result["loaded"] == result["continued"]
 
 
+FULL_DISK_CHILD = r"""
+import resource, socket, sys
+import torch
+import torch.distributed as dist
+from colab_par.memory_tiers.stores import DiskStore, DiskTierFull
+
+folder = sys.argv[1]
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))  # python ignores SIGXFSZ
+try:
+    DiskStore(folder, "big", 2 ** 20, torch.float32)  # 4 MiB
+except DiskTierFull as error:
+    print("store:", error)
+with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+from colab_par import parallelize
+from colab_par.models import GPT, GPTConfig
+
+config = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=64, kernels="torch")
+pm = parallelize(lambda: GPT(config), f"dp1 optimizer@disk disk:{folder}")
+tokens = torch.randint(0, 64, (2, 17))
+try:
+    pm.train_step(tokens[:, :-1], tokens[:, 1:])
+except DiskTierFull as error:
+    print("step:", error)
+"""
+
+
+def test_disk_chunks_reserve_their_blocks_and_a_full_disk_is_a_clear_error(tmp_path) -> None:
+    """A chunk's file has its blocks allocated when it is made: a write through the mapping into a
+    block the disk lacks would kill the rank with SIGBUS mid-step, so a full disk is refused when
+    the file is made, naming the folder, the space and what to do; a placement that needs more
+    than the folder's free space is refused before any file is written. The full disk is real: the
+    file-size limit (RLIMIT_FSIZE) of a child process, which trains one step of a one-rank layout."""
+    import shutil
+    import subprocess
+
+    from colab_par.memory_tiers.stores import DiskStore, DiskTierFull, check_disk_room
+
+    store = DiskStore(str(tmp_path), "reserved", 2 ** 20, torch.float32)
+    assert os.stat(store.path).st_blocks * 512 >= store.nbytes  # not a sparse file
+    store.close()
+    with pytest.raises(DiskTierFull, match="rank 1: the disk tier's folder .* needs .* GiB more"):
+        check_disk_room(str(tmp_path), shutil.disk_usage(tmp_path).free + 2 ** 30, rank=1)
+    full = tmp_path / "full"
+    full.mkdir()
+    done = subprocess.run([sys.executable, "-c", FULL_DISK_CHILD, str(full)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["store", "step"], done.stdout + done.stderr[-2000:]
+    for line in lines:
+        assert f"the disk tier's folder {full}" in line and "disk:/path" in line, line
+    assert not [path for path in full.rglob("*") if path.is_file()]  # nothing half-made is left
+
+
 def test_parameters_on_disk_leave_the_resident_set(cluster2) -> None:
     """params@disk on engines that trained before (the budget run above tightened and loosened
     glibc's heap, leaving it full of free holes): the big GPT's 192 MiB of parameters per rank live

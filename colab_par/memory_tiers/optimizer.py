@@ -37,7 +37,7 @@ from colab_par.memory_tiers.param_pages import PagedParameters
 from colab_par.memory_tiers.measure import peak_bytes, reset_peak, resident_bytes
 from colab_par.memory_tiers.ownership import Ownership
 from colab_par.memory_tiers.placement import FAST, Measured, TierBudgetError, budget_text, place
-from colab_par.memory_tiers.stores import DiskStore, MemoryStore, RunFolder
+from colab_par.memory_tiers.stores import DiskStore, MemoryStore, RunFolder, check_disk_room
 from colab_par.tier_options import MemoryTiers, format_bytes
 
 __all__ = ["TieredAdamW", "check_optimizer"]
@@ -230,16 +230,32 @@ class TieredAdamW(torch.optim.Optimizer):
         step was measured, else from the measured working memory; values move with their chunks."""
         grads, plan = self._plan(self.working, pessimistic=not measured)
         self._grads_tier = grads["grads"] if self._grads_movable else FAST
+        moves = []
         for chunk, tiers in zip(self._chunks, plan):
             wanted = dict(tiers)
             if self._grads_tier != FAST:
                 wanted["grads"] = self._grads_tier
             if self._params_on_disk:
                 wanted["params"] = "disk"
+            moves.append((chunk, wanted))
+        self._check_disk_room(moves)
+        for chunk, wanted in moves:
             self._move(chunk, wanted)
         if self._params_on_disk and not self._placed:
             trim_host_heap()  # the parameters' old memory: glibc would keep it resident
         self._placed = True
+
+    def _check_disk_room(self, moves: list[tuple[Chunk, dict[str, str]]]) -> None:
+        """Refuse the placement before any value moves if its new disk files do not fit the folder."""
+        need = sum(chunk.bytes_of(kind) for chunk, wanted in moves for kind, tier in wanted.items()
+                   if tier == "disk" and getattr(self._stores[chunk.index].get(kind), "tier", None) != "disk")
+        if need:
+            check_disk_room(self._disk_folder(), need, self.rank)
+
+    def _disk_folder(self) -> str:
+        if self._folder is None:
+            self._folder = RunFolder(self.tiers.disk_folder or "tmp", self, self.rank)
+        return self._folder.path
 
     def _move(self, chunk: Chunk, wanted: dict[str, str]) -> None:
         """Give each kind of `chunk` a store in its wanted tier, carrying values over."""
@@ -297,9 +313,7 @@ class TieredAdamW(torch.optim.Optimizer):
     def _new_store(self, chunk: Chunk, kind: str, tier: str) -> Any:
         dtype = chunk.dtype if kind in ("grads", "params") else torch.float32
         if tier == "disk":
-            if self._folder is None:
-                self._folder = RunFolder(self.tiers.disk_folder or "tmp", self, self.rank)
-            store = DiskStore(self._folder.path, f"chunk{chunk.index}.{kind}", chunk.numel, dtype)
+            store = DiskStore(self._disk_folder(), f"chunk{chunk.index}.{kind}", chunk.numel, dtype, self.rank)
         else:
             on_host = tier == "host" and self._cuda
             store = MemoryStore(chunk.numel, dtype, torch.device("cpu") if on_host else chunk.device, tier,

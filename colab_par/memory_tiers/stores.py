@@ -5,9 +5,14 @@ mapping (`torch.frombuffer`), with no copy of its own. `madvise(MADV_WILLNEED)` 
 readahead of the next chunk while the current one updates (asynchronous by itself, so no I/O
 thread is needed), and after an update `flush` (msync) writes the dirty range back and
 `madvise(MADV_DONTNEED)` drops its pages from this process, so its resident memory really falls.
+
+A file's blocks are reserved when it is made (`posix_fallocate`): a write through a mapping into a
+block the disk no longer has kills the process with SIGBUS, so a full disk is refused there, with
+the folder and the space, instead (`DiskTierFull`).
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import shutil
@@ -17,7 +22,28 @@ import torch
 
 from colab_par.tier_options import DEFAULT_DISK
 
-__all__ = ["MemoryStore", "DiskStore", "RunFolder"]
+__all__ = ["MemoryStore", "DiskStore", "RunFolder", "DiskTierFull", "check_disk_room"]
+
+
+class DiskTierFull(OSError):
+    """The disk tier's folder has too little free space for the state placed there."""
+
+
+_WHAT_TO_DO = ("free space there, name a folder with room ('disk:/path'), or raise the budget so that "
+               "less spills to disk")
+
+
+def _size(count: int) -> str:
+    return f"{count / 2 ** 30:.2f} GiB" if count >= 2 ** 30 else f"{count / 2 ** 20:.1f} MiB"
+
+
+def check_disk_room(folder: str, need: int, rank: int) -> None:
+    """Refuse placing `need` more bytes in `folder` before any file is written, if it lacks room
+    (the reservation of each file catches ranks that share the disk and race for it)."""
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise DiskTierFull(f"rank {rank}: the disk tier's folder {folder} has {_size(free)} free, and this "
+                           f"rank's state placed there needs {_size(need)} more: {_WHAT_TO_DO}")
 
 
 class MemoryStore:
@@ -47,15 +73,22 @@ class DiskStore:
     tier_on_disk = True
     tier = "disk"
 
-    def __init__(self, folder: str, name: str, numel: int, dtype: torch.dtype):
+    def __init__(self, folder: str, name: str, numel: int, dtype: torch.dtype, rank: int = 0):
         self.path = os.path.join(folder, name)
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.nbytes = numel * itemsize
         size = max(-(-self.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE)
         descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(descriptor, size)  # sparse: reads as zeros, as fresh Adam state starts
+            _reserve(descriptor, size)  # reads as zeros, as fresh Adam state starts
             self._map = mmap.mmap(descriptor, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as error:
+            os.unlink(self.path)
+            if isinstance(error, DiskTierFull):
+                raise DiskTierFull(f"rank {rank}: the disk tier's folder {folder} cannot take a {_size(size)} "
+                                   f"chunk file ({error}; {_size(shutil.disk_usage(folder).free)} free there): "
+                                   f"{_WHAT_TO_DO}") from None
+            raise
         finally:
             os.close(descriptor)
         self.tensor = torch.frombuffer(self._map, dtype=dtype, count=numel)
@@ -97,6 +130,19 @@ class DiskStore:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def _reserve(descriptor: int, size: int) -> None:
+    """Give the file `size` bytes with its blocks allocated (where the system can say so)."""
+    if not hasattr(os, "posix_fallocate"):  # macOS: a sparse file
+        os.ftruncate(descriptor, size)
+        return
+    try:
+        os.posix_fallocate(descriptor, 0, size)
+    except OSError as error:
+        if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise DiskTierFull(str(error)) from error
+        raise
 
 
 class RunFolder:
