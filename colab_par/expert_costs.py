@@ -40,7 +40,8 @@ def all_to_all_bytes(spec: Any, ep: int, micro_tokens: int, act_bytes: int, load
     """Bytes one rank's all-to-alls send in one micro-step (it receives as many): over the MoE
     `layers` it runs (all of them by default; its stage's under pp), the count exchange and
     dispatch + combine forward and backward of `micro_tokens` tokens' top_k copies (`act_bytes`
-    per element), the rank's experts receiving `load` times the mean. 0 without expert parallel. Of this, (ep-1)/ep leaves the rank on balanced routing."""
+    per element), the rank's experts receiving `load` times the mean. 0 without expert parallel.
+    Of this, (ep-1)/ep leaves the rank on balanced routing."""
     if ep == 1 or not spec.n_experts:
         return 0.0
     rows = micro_tokens * spec.top_k

@@ -570,8 +570,9 @@ def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str
                                              dev, bandwidth(t, dp * c), trainable)
     # expert parallel: the experts' gradients reduce over the dp/ep ranks holding the same experts;
     # the all-to-alls of the stage's MoE layers (`expert_costs.all_to_all_bytes`: whole tokens on
-    # every tp rank, (ep-1)/ep of them leave the rank; 5 per layer and micro-step, each ep-1 hops) sit on the critical path, as does the busiest rank's
-    # extra expert work when routing is uneven (`expert_load` above 1)
+    # every tp rank, (ep-1)/ep of them leave the rank; 5 per layer and micro-step, each ep-1 hops)
+    # sit on the critical path, as does the busiest rank's extra expert work when routing is uneven
+    # (`expert_load` above 1)
     ep = layout.ep
     if ep > 1:
         if dp // ep > 1:

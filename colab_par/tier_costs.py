@@ -289,7 +289,8 @@ def tier_plan(state: Mapping[str, float], tiers: MemoryTiers, working: float, *,
     times = {"tier_fb": max(0.0, io_fb - compute),
              "tier_step": max(0.0, max(io_step, host_adam) - (optimizer_time if one_memory else 0.0)),
              "tier_first": first, "tier_clip": io["clip_read"] / read}
-    return replace(plan, disk_read=io["fb_read"] + io["clip_read"] + io["step_read"], disk_write=io["fb_write"] + io["step_write"],
+    return replace(plan, disk_read=io["fb_read"] + io["clip_read"] + io["step_read"],
+                   disk_write=io["fb_write"] + io["step_write"],
                    host_device=io["fb_copy"] + io["step_copy"], seconds=sum(times.values()),
                    times={"io_fb": io_fb, "io_step": io_step, "host_adam": host_adam, **times},
                    tight_heap=tight_heap)

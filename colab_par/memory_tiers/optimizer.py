@@ -470,7 +470,8 @@ class TieredAdamW(torch.optim.Optimizer):
         staged = [_on(t, chunk.device) for t in params + avgs + squares] if self._cuda else None
         work = [s for s, _ in staged] if staged else params + avgs + squares
         n = len(params)
-        adamw(work[:n], [g.to(chunk.device, p.dtype) for g, p in zip(grads, params)], work[n:2 * n], work[2 * n:], [], steps,
+        on_device = [g.to(chunk.device, p.dtype) for g, p in zip(grads, params)]
+        adamw(work[:n], on_device, work[n:2 * n], work[2 * n:], [], steps,
               foreach=group.get("foreach"), fused=group.get("fused"), amsgrad=False, beta1=beta1, beta2=beta2,
               lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
               maximize=group.get("maximize", False))

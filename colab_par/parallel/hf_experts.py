@@ -152,8 +152,10 @@ class HFExpertLayer:
         """This rank's piece, in autocast's dtype (transformers' grouped matmul computes in the
         weights' dtype, and autocast does not cast it)."""
         if self.tensor_split is not None:
-            return in_autocast_dtype(self.tensor_split.local(name, weight))
-        return in_autocast_dtype(weight.to_local() if isinstance(weight, DTensor) else weight)
+            weight = self.tensor_split.local(name, weight)
+        elif isinstance(weight, DTensor):
+            weight = weight.to_local()
+        return in_autocast_dtype(weight)
 
 
 class GatherRows(torch.autograd.Function):
