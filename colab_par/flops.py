@@ -10,7 +10,12 @@ from typing import Any, Mapping
 
 from colab_par.layout import has_expert_plan, model_sizes
 
-__all__ = ["ModelSpec", "flops_per_token", "trainable_share"]
+__all__ = ["ModelSpec", "flops_per_token", "trainable_share", "PACKED_ATTENTION"]
+
+PACKED_ATTENTION = {"gpt2": 3}
+"""Hugging Face families (by ``model_type``) whose attention projects q, k and v in one weight,
+side by side, that the kit's tensor plan splits by columns and regroups over tp every forward
+(`parallel.hf_plans.Conv1DColwise`): how many blocks it packs."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class ModelSpec:
     expert_hidden: int = 0
     packed_gate_up: bool = False  # experts' gate|up stored side by side (transformers' packed_colwise)
     expert_plan: bool = False  # a Hugging Face family whose experts ep can split (`layout.has_expert_plan`)
+    packed_attention: int = 0  # blocks of d_model in a packed q|k|v projection (`PACKED_ATTENTION`), else 0
 
     def __post_init__(self) -> None:
         if not self.n_kv_head:
@@ -75,7 +81,7 @@ class ModelSpec:
                    top_k=sizes.get("top_k", 0) if sizes.get("n_experts") else 0,
                    expert_hidden=sizes.get("expert_hidden", 0) if sizes.get("n_experts") else 0,
                    packed_gate_up=bool(sizes.get("n_experts")) and _packs_gate_up(model),
-                   expert_plan=has_expert_plan(model))
+                   expert_plan=has_expert_plan(model), packed_attention=PACKED_ATTENTION.get(get("model_type"), 0))
 
     @property
     def head_dim(self) -> int:

@@ -27,7 +27,8 @@ __all__ = ["MemoryBreakdown", "ModelSpec", "DeviceSpec", "Plan", "DEVICES", "GiB
            "FROZEN_BYTES", "model_state_bytes", "init_peak_bytes",
            "activation_bytes_per_layer", "pipeline_bubble", "get_device", "measure_cpu_device",
            "cpu_device", "cpu_compute_costs", "estimate", "search_space", "preferred",
-           "candidate_layouts", "plan", "flops_per_token", "CPU_PROCESS_BYTES", "CPU_WRAPPER_COST"]
+           "candidate_layouts", "plan", "flops_per_token", "packed_attention_bytes", "CPU_PROCESS_BYTES",
+           "CPU_WRAPPER_COST"]
 
 
 # ---- model state (ZeRO paper) --------------------------------------------------------------------
@@ -545,6 +546,12 @@ def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str
         weight_bytes = 2 if _state_precision(layout) == "mixed" else 4
         regrouped = m * packed_regroup_bytes(spec, layout.ep, t, weight_bytes, layers, forwards) * (t - 1) / t
         times["tp"] += regrouped / bandwidth(1, t) + m * layers * (forwards + 1) * (t - 1) * dev.latency
+    # GPT-2's packed q|k|v projection: regrouped the same way, its weight and its bias
+    if t > 1 and spec.packed_attention:
+        forwards = 2 if layout.checkpointing == "full" else 1
+        weight_bytes = 2 if _state_precision(layout) == "mixed" else 4
+        regrouped = m * packed_attention_bytes(spec, t, weight_bytes, layers, forwards) * (t - 1) / t
+        times["tp"] += regrouped / bandwidth(1, t) + m * layers * (forwards + 1) * 2 * (t - 1) * dev.latency
     # context parallel: ring passes K,V around (backward passes K,V and dK,dV: 3x forward), hidden
     # behind the attention compute; Ulysses: 4 all-to-alls forward, 4 backward, exposed.
     if c > 1:
@@ -595,6 +602,18 @@ def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str
     if layout.offload:
         times["offload"] = 2 * local_params / (dp * c) * act_bytes / dev.host_bandwidth
     return times
+
+
+def packed_attention_bytes(spec: ModelSpec, tp: int, weight_bytes: int, layers: float,
+                           forwards: int = 1) -> float:
+    """Bytes one rank's regrouping all-to-alls send in one micro-step for a packed q|k|v projection
+    (`ModelSpec.packed_attention` blocks of d_model; GPT-2's Conv1D): over `layers`, its tp piece
+    of the weight (d × blocks·d) and of the bias, `forwards` times and their gradients once.
+    0 without tp or packing. Of this, (tp-1)/tp leaves the rank."""
+    if tp == 1 or not spec.packed_attention:
+        return 0.0
+    width = spec.packed_attention * spec.d_model
+    return layers * (forwards + 1) * (spec.d_model + 1) * width / tp * weight_bytes
 
 
 def _grid_seconds(spec: ModelSpec, layout: Layout, micro: int, seq: int, act_bytes: int,

@@ -9,6 +9,7 @@ its own loss says whether labels are shifted (GPT-2's are, BERT's are not).
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import cloudpickle
@@ -18,8 +19,9 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 from any_models import CAUSAL_LMS, bert, causal_lm  # noqa: E402
-from parity import (HF_DECODERS, LR, SEED, _vocab_seq, assert_parity, batches, build_model,  # noqa: E402
-                    engine_run, reference_run)
+from parity import (HF_DECODERS, LR, SEED, _parallelized, _vocab_seq, assert_parity, batches,  # noqa: E402
+                    build_model, engine_model, engine_run, reference_run, training_batches)
+from test_expert_costs import AllToAllBytes  # noqa: E402
 
 from colab_par.models.hf import is_hf_decoder, is_hf_model, shifts_labels  # noqa: E402
 from colab_par.parallel.hf_plans import Conv1DColwise, gpt2_tp_plan  # noqa: E402
@@ -90,6 +92,32 @@ def test_gpt2_fused_qkv_split_as_plain_columns_is_caught(cluster2) -> None:
     results = cluster2.run(engine_run, "tp2", "gpt2-lm", steps=3, tp_plan=plain)
     with pytest.raises(AssertionError):
         assert_parity(results, reference_run("gpt2-lm", steps=3))
+
+
+def _all_to_all_bytes(layout: str) -> int:
+    """Engine side: a GPT-2 step under `layout` after a warm-up one: the bytes its all-to-alls send."""
+    pm = _parallelized(engine_model("gpt2-lm", "module"), layout)
+    warm, counted = training_batches("gpt2-lm", 2)
+    pm.train_step(warm)
+    with AllToAllBytes() as bytes_:
+        pm.train_step(counted)
+    return bytes_.sent
+
+
+@pytest.mark.parametrize("layout, forwards", [("tp2", 1), ("tp2 ac-full", 2)])
+def test_the_planner_counts_the_regroup_of_gpt2s_packed_qkv(cluster2, layout: str, forwards: int) -> None:
+    """GPT-2's q|k|v weight and bias are regrouped over tp by an all-to-all each forward (twice with
+    full recompute) and their gradients once: exactly the bytes the planner now counts."""
+    from colab_par.planner import ModelSpec, estimate, packed_attention_bytes
+
+    spec = ModelSpec.of(causal_lm("gpt2").config)
+    assert spec.packed_attention == 3 and ModelSpec.of(causal_lm("llama").config).packed_attention == 0
+    predicted = packed_attention_bytes(spec, 2, 4, spec.n_layer, forwards)
+    assert predicted > 0
+    assert cluster2.run(_all_to_all_bytes, layout) == [predicted, predicted]
+    unpacked = dataclasses.replace(spec, packed_attention=0)
+    options = dict(device="cpu", global_batch=4, seq_len=16)
+    assert estimate(spec, layout, **options).times["tp"] > estimate(unpacked, layout, **options).times["tp"]
 
 
 def test_clipping_scales_a_head_tied_across_pipeline_stages_on_both(cluster2) -> None:

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from colab_par.flops import PACKED_ATTENTION
 from colab_par.parallel.collectives import regroup_blocks, sum_grad_over, sum_replicas
 
 __all__ = ["KIT_PLANS", "base_prefix", "bert_tp_plan", "gpt2_tp_plan", "Conv1DColwise", "Conv1DRowwise",
@@ -56,7 +57,7 @@ def gpt2_tp_plan(model: nn.Module) -> dict[str, Any]:
     plan: dict[str, Any] = {
         f"{base}wte": "embedding_rowwise",
         f"{layer}.attn": DivideAttribute("split_size"),
-        f"{layer}.attn.c_attn": Conv1DColwise(parts=3), f"{layer}.attn.c_proj": Conv1DRowwise(),
+        f"{layer}.attn.c_attn": Conv1DColwise(parts=PACKED_ATTENTION["gpt2"]), f"{layer}.attn.c_proj": Conv1DRowwise(),
         f"{layer}.mlp.c_fc": Conv1DColwise(), f"{layer}.mlp.c_proj": Conv1DRowwise()}
     if isinstance(dict(model.named_modules()).get("lm_head"), nn.Linear):
         plan["lm_head"] = "colwise_gather_output"  # tied to wte, split the same way
