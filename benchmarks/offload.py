@@ -338,7 +338,7 @@ def main() -> None:
     budget.add_argument("--disk", default=tempfile.gettempdir())
     budget.set_defaults(run=cmd_budget)
     checkpoint = sub.add_parser("checkpoint", help="save and load with the optimizer on disk vs without tiers")
-    checkpoint.add_argument("--size", default="1024x8")
+    checkpoint.add_argument("--size", default="1536x12")
     checkpoint.add_argument("--layout", default="dp2 zero3")
     checkpoint.add_argument("--rounds", type=int, default=3)
     checkpoint.add_argument("--disk", default=tempfile.gettempdir())

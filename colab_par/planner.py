@@ -539,19 +539,18 @@ def _step_times(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision: str
                       + micro_tokens * spec.vocab_size * act_bytes) * (t - 1) / t
         hops = m * (layers * per_layer + 2) * 2 * (t - 1)  # a ring all-reduce takes 2(t−1) hops
         times["tp"] = volume / bandwidth(1, t) + hops * dev.latency
-    # a Hugging Face MoE's packed gate|up weights: each forward regroups this rank's tp piece of
-    # them and backward its gradient (`expert_costs.packed_regroup_bytes`), one all-to-all each
-    if t > 1 and spec.packed_gate_up:
+    # weights packed side by side and split by columns (a Hugging Face MoE's gate|up,
+    # `expert_costs.packed_regroup_bytes`; GPT-2's q|k|v weight and bias, `packed_attention_bytes`):
+    # each forward regroups this rank's tp piece of them and backward their gradients, one
+    # all-to-all per tensor each time
+    regrouped_tensors = bool(spec.packed_gate_up) + 2 * bool(spec.packed_attention)
+    if t > 1 and regrouped_tensors:
         forwards = 2 if layout.checkpointing == "full" else 1
         weight_bytes = 2 if _state_precision(layout) == "mixed" else 4
-        regrouped = m * packed_regroup_bytes(spec, layout.ep, t, weight_bytes, layers, forwards) * (t - 1) / t
-        times["tp"] += regrouped / bandwidth(1, t) + m * layers * (forwards + 1) * (t - 1) * dev.latency
-    # GPT-2's packed q|k|v projection: regrouped the same way, its weight and its bias
-    if t > 1 and spec.packed_attention:
-        forwards = 2 if layout.checkpointing == "full" else 1
-        weight_bytes = 2 if _state_precision(layout) == "mixed" else 4
-        regrouped = m * packed_attention_bytes(spec, t, weight_bytes, layers, forwards) * (t - 1) / t
-        times["tp"] += regrouped / bandwidth(1, t) + m * layers * (forwards + 1) * 2 * (t - 1) * dev.latency
+        regrouped = m * (packed_regroup_bytes(spec, layout.ep, t, weight_bytes, layers, forwards)
+                         + packed_attention_bytes(spec, t, weight_bytes, layers, forwards)) * (t - 1) / t
+        hops = m * layers * (forwards + 1) * regrouped_tensors * (t - 1)
+        times["tp"] += regrouped / bandwidth(1, t) + hops * dev.latency
     # context parallel: ring passes K,V around (backward passes K,V and dK,dV: 3x forward), hidden
     # behind the attention compute; Ulysses: 4 all-to-alls forward, 4 backward, exposed.
     if c > 1:
