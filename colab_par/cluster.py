@@ -1013,14 +1013,15 @@ def _engine_config(nanny: bool, pool: warm_pool.WarmPool | None = None) -> Confi
     so binding each engine to its GPU still happens first. Engines on this host need no nanny
     process (its one job, remote signalling, is a plain `os.kill` here), and starting one sits inside
     every engine's registration. With a warm `pool`, controller and engines are forked from it,
-    their imports already done (`colab_par.warm_pool`).
+    their imports already done (`colab_par.warm_pool`). The controller registers an engine when
+    its heart first answers, not a heartbeat later (`compat.prompt_heart_monitor`).
     """
     config = Config()
     config.EngineLauncher.engine_cmd = [
         *(pool.command("engine") if pool else warm_pool.cold_command("engine")),
         f"--IPEngine.enable_nanny={nanny}"]
-    if pool:
-        config.ControllerLauncher.controller_cmd = pool.command("controller")
+    config.ControllerLauncher.controller_cmd = (pool.command("controller") if pool
+                                                else warm_pool.cold_command("controller"))
     config.LocalEngineSetLauncher.delay = 0.0  # ranks come from sorted engine ids, not launch order
     return config
 

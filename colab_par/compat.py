@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterator
 
 __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_path", "flatten_mesh",
            "STAGE_COMPUTE_HOOKS", "check_stage_compute_hooks", "hf_tp_plan",
-           "ipp_engine_kernel_class", "ENGINE_MAIN_CODE", "ENGINE_MAIN_FILE", "task_futures",
+           "ipp_engine_kernel_class", "ENGINE_MAIN_CODE", "ENGINE_MAIN_FILE",
+           "CONTROLLER_MAIN_CODE", "prompt_heart_monitor", "run_controller", "task_futures",
            "engine_kernel", "engine_shell", "after_output", "engine_idents", "mux_stream", "client_context",
            "client_io_loop", "client_reply_handler", "unanswered",
            "checkpoint_wrapper", "sdpa_aten_ops",
@@ -137,6 +138,42 @@ ENGINE_MAIN_CODE = "from ipyparallel.engine.app import main; main()"
 
 ENGINE_MAIN_FILE = "ipyparallel/engine/app.py"
 """The source file of that entry point: the bottom frame of an engine's main thread in a stack dump."""
+
+CONTROLLER_MAIN_CODE = "from colab_par.compat import run_controller; run_controller()"
+"""Python that starts the kit's controller: `ipcontroller` with `prompt_heart_monitor`."""
+
+
+def prompt_heart_monitor() -> type:
+    """ipyparallel's heart monitor, registering a new engine when its heart first answers a ping.
+
+    Its own (`ipyparallel.controller.heartmonitor.HeartMonitor.beat`, undocumented) notices a new
+    heart only at the beat after the ping it answered, so every engine waits one more heartbeat
+    period to be registered (0.1 s of each start at the kit's period). Known hearts are judged as
+    before, at each beat."""
+    from ipyparallel.controller import heartmonitor
+
+    base = heartmonitor.HeartMonitor
+    if not all(hasattr(base, name) for name in ("handle_pong", "handle_new_hearts", "hearts", "responses")):
+        raise _missing("ipyparallel", "HeartMonitor.handle_pong / handle_new_hearts")
+
+    class PromptHeartMonitor(base):
+        def handle_pong(self, msg: list) -> None:
+            super().handle_pong(msg)
+            heart = msg[0]
+            if heart in self.responses and heart not in self.hearts:
+                self.handle_new_hearts({heart})
+
+    return PromptHeartMonitor
+
+
+def run_controller() -> None:
+    """Run `ipcontroller` (`ipyparallel.controller.app.main`) with `prompt_heart_monitor`; its
+    heart monitor process is forked from this one (`multiprocessing.Process`) and keeps the class."""
+    from ipyparallel.controller import heartmonitor
+    from ipyparallel.controller.app import main
+
+    heartmonitor.HeartMonitor = prompt_heart_monitor()
+    main()
 
 
 def task_futures(result: Any) -> list[Any]:

@@ -38,7 +38,7 @@ import tempfile
 import time
 from typing import Any
 
-from colab_par.compat import ENGINE_MAIN_CODE
+from colab_par.compat import CONTROLLER_MAIN_CODE, ENGINE_MAIN_CODE
 
 __all__ = ["WarmPool", "shared_pool", "pool_pids", "prestart", "stop_shared_pool", "enabled", "FORKED_ENV"]
 
@@ -53,8 +53,7 @@ _TARGETS = {  # what each zygote imports, and what its forked children run
                "import torch.distributed, ipyparallel.engine.app, colab_par.engine_setup, cloudpickle, "
                "ipykernel.debugger, IPython.extensions.storemagic, sqlite3",
                ENGINE_MAIN_CODE),
-    "controller": ("import ipyparallel.controller.app",
-                   "from ipyparallel.controller.app import main; main()"),
+    "controller": ("import ipyparallel.controller.app", CONTROLLER_MAIN_CODE),
 }
 _VOLATILE_PREFIXES = ("IPP_", "PYTEST_")  # set per cluster / per test, read by nothing at import
 _VOLATILE = {FORKED_ENV, "PWD", "OLDPWD", "COLUMNS", "LINES"}  # cwd and terminal size

@@ -182,6 +182,59 @@ def test_engine_main_code_starts_the_engine_app():
     assert re.search(r"--IPEngine\.", done.stdout)
 
 
+def _heart_registrations(monitor_class: type, pongs: list[list[bytes]]) -> tuple[list[str], set[bytes]]:
+    """The hearts a real heart monitor of `monitor_class` (its own zmq sockets, no beat running)
+    announces to the hub within 0.5 s of receiving `pongs`, and the hearts it then knows."""
+    import asyncio
+
+    import zmq
+    from jupyter_client.session import Session
+    from zmq.eventloop.zmqstream import ZMQStream
+
+    async def run() -> tuple[list[str], set[bytes]]:
+        context = zmq.Context()
+        hub = context.socket(zmq.PULL)  # what the hub reads the monitor's announcements from
+        hub.bind("inproc://monitor")
+        sockets = {kind: context.socket(kind) for kind in (zmq.PUB, zmq.ROUTER, zmq.PUSH)}
+        sockets[zmq.PUSH].connect("inproc://monitor")
+        session = Session(key=b"test")
+        monitor = monitor_class(ping_stream=ZMQStream(sockets[zmq.PUB]), pong_stream=ZMQStream(sockets[zmq.ROUTER]),
+                                monitor_stream=ZMQStream(sockets[zmq.PUSH]), session=session)
+        monitor.lifetime = 1.5  # the ping being answered
+        for pong in pongs:
+            monitor.handle_pong(pong)
+        announced = []
+        deadline = asyncio.get_running_loop().time() + 0.5
+        while asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+            while hub.poll(0):
+                _, message = session.feed_identities(hub.recv_multipart())
+                announced += session.deserialize(message)["content"]["hearts"]
+        known = set(monitor.hearts)
+        for stream_socket in (hub, *sockets.values()):
+            stream_socket.close(linger=0)
+        context.term()
+        return announced, known
+
+    return asyncio.run(run())
+
+
+def test_prompt_heart_monitor_registers_a_heart_at_its_first_answer():
+    from ipyparallel.controller.heartmonitor import HeartMonitor
+
+    pongs = [[b"engine-a", b"1.5"], [b"engine-b", b"0.5"]]  # b answers a ping it never got
+    assert _heart_registrations(compat.prompt_heart_monitor(), pongs) == (["engine-a"], {b"engine-a"})
+    # ipyparallel's own waits for the next beat: nothing announced before it
+    assert _heart_registrations(HeartMonitor, pongs) == ([], set())
+
+
+def test_controller_main_code_starts_the_controller_app():
+    done = subprocess.run([sys.executable, "-c", compat.CONTROLLER_MAIN_CODE, "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"--HeartMonitor\.period", done.stdout)
+
+
 # ---- activation checkpointing ----------------------------------------------------------------------
 class _CountingTanh(torch.nn.Module):
     def __init__(self):
