@@ -7,10 +7,11 @@ parameter within Adam's tolerance (`parity.assert_parity`). Every run starts fro
 cache and must report compile seconds on every rank, and every optimizer step must have run
 torch's fused kernel, so a layout whose blocks or optimizer silently ran eager fails.
 Compiling costs seconds per layout on two cores (inductor's on-disk cache makes repeats cheap),
-so the cross-section is small: plain DDP, FSDP (ZeRO-3) with recompute, Megatron tp+sp, Ulysses
-context parallel, pipeline. In one process: the fused optimizer compile picks trains like the
-user's own (Adam, AdamW, SGD, Adagrad), is not picked where the user or torch rules it out, and
-checkpoints as the user's; a block past dynamo's recompile limit raises instead of running eager.
+so the cross-section is small: plain DDP, FSDP (ZeRO-3) with recompute, Megatron tp (plain norms
+beside DTensor projections: two fused optimizer calls) and tp+sp, Ulysses context parallel,
+pipeline. In one process: the fused optimizer compile picks trains like the user's own (Adam,
+AdamW, SGD, Adagrad), is not picked where the user or torch rules it out, and checkpoints as the
+user's; a block past dynamo's recompile limit raises instead of running eager.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from parity import GPT_SIZES, SEED, assert_parity, build_model, engine_run, refe
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 
 STEPS = 10
-LAYOUTS = ["dp2", "dp2 zero3 ac-selective", "tp2 sp", "cp2 ulysses", "pp2"]
+LAYOUTS = ["dp2", "dp2 zero3 ac-selective", "tp2", "tp2 sp", "cp2 ulysses", "pp2"]
 
 
 def _compiled_run(layout: str, kind: str = "gpt") -> dict:
@@ -146,24 +147,45 @@ def test_fused_optimizer_checkpoints_read_as_the_users_and_loading_keeps_the_ker
     assert [g["fused"] for g in fused.param_groups] == [True]
 
 
-def _fused_flags(layout: str) -> bool:
-    """Engine side: whether compile's optimizer over `layout`'s parameters is fused, after a step."""
+def _fused_calls(layout: str) -> dict:
+    """Engine side: compile's optimizer over `layout`'s parameters, two steps: the fused calls and
+    per-parameter AdamW updates (lerp_, addcdiv_) each step dispatched (a DTensor's call counts
+    once), and its groups as its state dict gives them."""
     from colab_par import parallelize
+    from colab_par.compat import torch_dispatch_mode
     from colab_par.parallel.compile import fused_optimizer_fn
 
+    class Updates(torch_dispatch_mode()):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
     pm = parallelize(build_model("gpt", SEED), layout)
-    optimizer = fused_optimizer_fn(lambda params: torch.optim.AdamW(params, lr=1e-3), True)(
-        [p for p in pm.model.parameters() if p.requires_grad])
-    pm.forward_backward(*training_batches("gpt", 1)[0])
-    optimizer.step()
-    return all(group["fused"] for group in optimizer.param_groups)
+    params = [p for p in pm.model.parameters() if p.requires_grad]
+    optimizer = fused_optimizer_fn(lambda params: torch.optim.AdamW(params, lr=1e-3), True)(params)
+    steps = []
+    for batch in training_batches("gpt", 2):
+        pm.forward_backward(*batch)
+        with Updates() as updates:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        steps.append([op for op in updates.seen if op.startswith("_fused") or op in ("lerp_", "addcdiv_")])
+    groups = optimizer.state_dict()["param_groups"]
+    return {"steps": steps, "groups": [(len(g["params"]), g["fused"]) for g in groups], "params": len(params)}
 
 
-def test_parameters_of_mixed_kinds_keep_the_per_parameter_optimizer(cluster2) -> None:
+def test_parameters_of_mixed_kinds_step_one_fused_call_per_kind(cluster2) -> None:
     """tp without sp leaves the norms plain beside DTensor projections; one fused call cannot take
-    both, so that optimizer stays torch's default (and steps), while tp+sp's all-DTensor one fuses."""
-    assert cluster2.run(_fused_flags, "tp2") == [False, False]
-    assert cluster2.run(_fused_flags, "tp2 sp") == [True, True]
+    both, so the optimizer makes one per kind (and no per-parameter update), while tp+sp's
+    all-DTensor one makes one; either way its groups are the user's (one, all parameters)."""
+    for layout, calls in (("tp2", 2), ("tp2 sp", 1)):
+        for rank in cluster2.run(_fused_calls, layout):
+            assert rank["steps"] == [["_fused_adamw_"] * calls] * 2, (layout, rank["steps"])
+            assert rank["groups"] == [(rank["params"], None)], (layout, rank["groups"])
 
 
 def test_a_block_past_the_recompile_limit_raises_instead_of_running_eager() -> None:

@@ -21,6 +21,7 @@ import functools
 import inspect
 import os
 import shutil
+import types
 from typing import Any, Callable
 
 import torch
@@ -49,10 +50,10 @@ def fused_optimizer_fn(optimizer_fn: Callable, enabled: bool) -> Callable:
     """`optimizer_fn`, whose optimizer runs torch's fused kernel when `enabled` (the layout compiles).
 
     Only a torch.optim class that has one (Adam, AdamW, SGD, Adagrad), built with neither `fused`
-    nor `foreach` given, not differentiable, its parameters on devices the fused kernels support
-    and all plain tensors or all DTensors of one mesh (one fused call takes them all together):
-    the same update, one kernel over all parameters instead of a handful of ops per parameter. An
-    optimizer the user configured explicitly, or any other, is returned as built."""
+    nor `foreach` given, not differentiable, and its parameters on devices the fused kernels
+    support: the same update, one kernel per kind of parameter (plain tensors, DTensors of one
+    mesh) instead of a handful of ops per parameter. An optimizer the user configured explicitly,
+    or any other, is returned as built."""
     if not enabled:
         return optimizer_fn
 
@@ -75,14 +76,36 @@ def _fused_twin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
             or "fused" not in accepted
             or defaults.get("fused") is not None or defaults.get("foreach") is not None
             or defaults.get("differentiable") or _has_stepped(optimizer) or not params
-            or any(p.device.type not in devices or not p.is_floating_point() for p in params)
-            or len({getattr(p, "device_mesh", None) for p in params}) > 1):
+            or any(p.device.type not in devices or not p.is_floating_point() for p in params)):
         return optimizer
     settings = {key: value for key, value in defaults.items() if key in accepted}
     twin = kind([{**group, "fused": True} for group in optimizer.param_groups], **{**settings, "fused": True})
     twin.register_state_dict_post_hook(_as_configured)
     twin.register_load_state_dict_post_hook(_keep_fused)
+    if len(_by_kind(params)) > 1:
+        twin.step = types.MethodType(_step_each_kind_apart, twin)
     return twin
+
+
+def _by_kind(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`params` split into what one fused call can take together: plain tensors, and the DTensors
+    of each mesh; in their order."""
+    kinds: dict[Any, list[torch.Tensor]] = {}
+    for param in params:
+        kinds.setdefault(getattr(param, "device_mesh", None), []).append(param)
+    return list(kinds.values())
+
+
+def _step_each_kind_apart(optimizer: torch.optim.Optimizer, closure: Callable | None = None) -> Any:
+    """The optimizer's own step (its hooks included) over its groups split by kind of parameter,
+    each part one fused call; the groups themselves (what state dicts, schedulers and the user
+    see) are put back as they were."""
+    whole = optimizer.param_groups
+    optimizer.param_groups = [{**group, "params": part} for group in whole for part in _by_kind(group["params"])]
+    try:
+        return type(optimizer).step(optimizer, closure)
+    finally:
+        optimizer.param_groups = whole
 
 
 def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
