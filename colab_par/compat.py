@@ -167,8 +167,9 @@ def prompt_heart_monitor() -> type:
 
 
 def run_controller() -> None:
-    """Run `ipcontroller` (`ipyparallel.controller.app.main`) with `prompt_heart_monitor`; its
-    heart monitor process is forked from this one (`multiprocessing.Process`) and keeps the class."""
+    """Run `ipcontroller` (`ipyparallel.controller.app.main`) with `prompt_heart_monitor`. Its
+    heart monitor runs in a `multiprocessing.Process` forked from this one (Linux's start method up
+    to Python 3.13), which keeps the class; a process that imported afresh would beat as before."""
     from ipyparallel.controller import heartmonitor
     from ipyparallel.controller.app import main
 

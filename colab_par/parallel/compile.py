@@ -98,8 +98,8 @@ def _by_kind(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 def _step_each_kind_apart(optimizer: torch.optim.Optimizer, closure: Callable | None = None) -> Any:
     """The optimizer's own step (its hooks included) over its groups split by kind of parameter,
-    each part one fused call; the groups themselves (what state dicts, schedulers and the user
-    see) are put back as they were."""
+    each part one fused call. The groups are put back after it, so state dicts, schedulers and
+    the user see their own; only hooks running inside the step see the split."""
     whole = optimizer.param_groups
     optimizer.param_groups = [{**group, "params": part} for group in whole for part in _by_kind(group["params"])]
     try:
