@@ -12,7 +12,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable, Iterable, Iterator, Mapping, Union
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Iterator, Union
 
 from colab_par.tier_options import MemoryTiers, tier_token
 

@@ -15,10 +15,12 @@ hands its stdio, working directory, arguments and environment to the zygote, get
 pid, forwards the signals it receives to that child and exits with the child's status. When the
 zygote is not running, or was started with a different environment (a variable torch may read at
 import), the proxy `exec`s the ordinary cold command instead, so a start never depends on the pool.
-A zygote sleeps in `select` between requests: it costs no CPU while idle, about 240 MB (engines) and
-55 MB (controllers) of memory, shared copy-on-write with what it forks (`gc.freeze` keeps the
-collector from touching those pages, and forked processes from spending half a second tearing torch
-down at exit).
+Once idle for a second, the engine zygote also imports what a first `parallelize` or
+`from_pretrained` would (`_IDLE_IMPORTS`), so engines of every later start have it too. A zygote
+sleeps in `select` between requests: it costs no CPU while idle, about 460 MB (engines, with the idle
+imports; 240 MB without) and 55 MB (controllers) of memory, shared copy-on-write with what it forks
+(`gc.freeze` keeps the collector from touching those pages, and forked processes from spending half a
+second tearing torch down at exit).
 
 Opt out with ``COLAB_PAR_WARM_POOL=0`` in the environment.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib
 import json
 import os
 import selectors
@@ -55,6 +58,15 @@ _TARGETS = {  # what each zygote imports, and what its forked children run
                ENGINE_MAIN_CODE),
     "controller": ("import ipyparallel.controller.app", CONTROLLER_MAIN_CODE),
 }
+# What an engine imports at its first `parallelize` or `from_pretrained` (torch's compiler and
+# pipelining, which `colab_par.parallel` needs; transformers' model base and losses; peft): about
+# 2 s, 4 s and 4 s of one core here, paid by every engine of a fresh cluster. The engine zygote
+# imports them once it has been idle a while (each module on its own, so a request waits for one at
+# most): the engines of every later start (restart, recovery, the next cluster) come with them.
+_IDLE_IMPORTS = {"engine": ("colab_par.parallel", "transformers.modeling_utils",
+                            "transformers.loss.loss_utils", "peft"),
+                 "controller": ()}
+_IDLE_S = 1.0  # quiet this long before an idle import: a start's own burst of requests goes first
 _VOLATILE_PREFIXES = ("IPP_", "PYTEST_")  # set per cluster / per test, read by nothing at import
 _VOLATILE = {FORKED_ENV, "PWD", "OLDPWD", "COLUMNS", "LINES"}  # cwd and terminal size
 _CONNECT_WAIT_S = 30.0  # how long a proxy waits for a zygote that is still importing
@@ -116,6 +128,15 @@ class WarmPool:
             time.sleep(0.01)
         return False
 
+    def wait_warm(self, timeout: float = 120.0) -> bool:
+        """True once every zygote has also made its idle imports (`_IDLE_IMPORTS`)."""
+        deadline = time.monotonic() + timeout
+        while self.running and time.monotonic() < deadline:
+            if all(os.path.exists(self.socket_path(target) + ".warm") for target in _TARGETS):
+                return True
+            time.sleep(0.05)
+        return False
+
     def command(self, target: str) -> list[str]:
         """What a launcher runs to get `target` ("engine" or "controller") forked from its zygote."""
         return [sys.executable, "-m", "colab_par.warm_pool", "launch", self.socket_path(target),
@@ -135,8 +156,9 @@ class WarmPool:
             process.stdin.close()
         self._processes = {}
         for target in _TARGETS:
-            if os.path.exists(self.socket_path(target)):
-                os.remove(self.socket_path(target))
+            for path in (self.socket_path(target), self.socket_path(target) + ".warm"):
+                if os.path.exists(path):
+                    os.remove(path)
 
 
 _SHARED: WarmPool | None = None
@@ -198,12 +220,23 @@ def _serve(path: str, target: str) -> dict[str, Any] | None:
     listener.listen(64)
     os.rename(path + ".tmp", path)  # the path appears only once requests can be served
     children: dict[int, socket.socket] = {}  # pid -> its proxy's connection
+    idle_imports = list(_IDLE_IMPORTS[target])
+    if not idle_imports:
+        _mark_warm(path)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, "accept")
     selector.register(wake_read, selectors.EVENT_READ, "signal")
     selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "owner")
     while not stopping:
-        for key, _ in selector.select():
+        ready = selector.select(_IDLE_S if idle_imports else None)
+        if not ready and idle_imports:
+            # children that exit meanwhile are reaped at once: a cluster's stop waits on that
+            signal.signal(signal.SIGCHLD, lambda *_: _reap(children, selector))
+            _import_quietly(idle_imports.pop(0))
+            signal.signal(signal.SIGCHLD, lambda *_: None)
+            if not idle_imports:
+                _mark_warm(path)
+        for key, _ in ready:
             if key.data == "accept":
                 connection, _ = listener.accept()
                 request = _receive_request(connection)
@@ -249,8 +282,28 @@ def _serve(path: str, target: str) -> dict[str, Any] | None:
                 children.pop(pid, None)
                 _forward(pid, signal.SIGKILL)
     listener.close()
-    os.remove(path)
+    for done in (path, path + ".warm"):
+        if os.path.exists(done):
+            os.remove(done)
     return None
+
+
+def _mark_warm(path: str) -> None:
+    """An empty file beside the socket: this zygote has made all its idle imports."""
+    open(path + ".warm", "w").close()  # noqa: SIM115
+
+
+def _import_quietly(module: str) -> None:
+    """Import `module` for the zygote's future children; one that fails to import is left to the
+    engine that needs it, which then raises the error where its user sees it."""
+    gc.disable()
+    try:
+        importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - an optional package missing or broken is not the pool's concern
+        pass
+    finally:
+        gc.freeze()
+        gc.enable()
 
 
 def _reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) -> None:
@@ -409,8 +462,10 @@ def _main(argv: list[str]) -> int:
     if role == "launch":
         return _launch(path, int(rest[0]), rest[1], rest[2:])
     request = _serve(path, rest[0])
-    if request is not None:
-        _run_forked(request)
+    if request is None:  # the zygote ends without tearing down what it imported (nanobind-based
+        sys.stderr.flush()  # modules such as triton's report "leaks" at interpreter exit)
+        os._exit(0)
+    _run_forked(request)
     return 0
 
 

@@ -10,7 +10,7 @@ import json
 import sys
 
 import pytest
-from notebook_run import KERNEL
+from notebook_run import KERNEL, run, with_losses_printed
 from IPython.core.displaypub import CapturingDisplayPublisher
 from IPython.core.interactiveshell import InteractiveShell
 
@@ -63,6 +63,19 @@ def kernel_path(tmp_path_factory, monkeypatch_module):
         "display_name": "colab_par tests", "language": "python"}))
     monkeypatch_module.setenv("JUPYTER_PATH", str(root))
     return root
+
+
+@pytest.fixture(scope="session")
+def executed_notebooks(tmp_path_factory):
+    """name -> that notebook run once a session (needs `kernel_path`), with a last cell printing
+    every step's loss: the notebook tests and the export tests read the same run."""
+    runs = {}
+
+    def executed(name: str):
+        if name not in runs:
+            runs[name] = run(with_losses_printed(name), tmp_path_factory.mktemp(name))
+        return runs[name]
+    return executed
 
 
 @pytest.fixture

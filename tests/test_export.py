@@ -9,13 +9,14 @@ import sys
 
 import nbformat
 import pytest
-from notebook_run import LOSSES_CELL, printed_losses, run, with_losses_printed
+from notebook_run import LOSSES_CELL, printed_losses, with_losses_printed
 
 from colab_par.cli import main
 from colab_par.export import ExportError, export_notebook
 
 @pytest.mark.parametrize("name", ["01_quickstart", "03_checkpoint_relayout"])
-def test_the_exported_script_trains_as_the_notebook_did(name, kernel_path, tmp_path) -> None:
+def test_the_exported_script_trains_as_the_notebook_did(name, kernel_path, executed_notebooks,
+                                                        tmp_path) -> None:
     notebook = with_losses_printed(name)
     path = tmp_path / f"{name}.ipynb"
     nbformat.write(notebook, str(path))
@@ -28,7 +29,7 @@ def test_the_exported_script_trains_as_the_notebook_did(name, kernel_path, tmp_p
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     exported = printed_losses(ran.stdout)
 
-    executed = run(notebook, tmp_path)
+    executed = executed_notebooks(name)
     printed = next(cell for cell in executed.cells if cell.source == LOSSES_CELL)
     outputs = "".join(o.get("text", "") for o in printed.outputs if o.output_type == "stream")
     in_notebook = printed_losses(outputs)

@@ -51,8 +51,8 @@ def assert_dashboard(cell: nbformat.NotebookNode) -> None:
     assert_shows_data(base64.b64decode(frames[-1].data["image/png"]))
 
 
-def test_01_quickstart(kernel_path, tmp_path):
-    notebook = execute("01_quickstart", tmp_path)
+def test_01_quickstart(kernel_path, executed_notebooks):
+    notebook = executed_notebooks("01_quickstart")
     assert text_of(cell_of(notebook, "%colossal status")).count(" yes ") == 2
     sums = re.findall(r"rank (\d) of 2 on cpu: sum of \(rank \+ 1\) = (\d+)",
                       text_of(cell_of(notebook, "dist.all_reduce(value)")))
@@ -91,8 +91,8 @@ def test_02_layouts(kernel_path, tmp_path):
 
 
 @pytest.mark.slow
-def test_03_checkpoint_relayout(kernel_path, tmp_path):
-    notebook = execute("03_checkpoint_relayout", tmp_path)
+def test_03_checkpoint_relayout(kernel_path, executed_notebooks):
+    notebook = executed_notebooks("03_checkpoint_relayout")
     saved = text_of(cell_of(notebook, "saved = colab_par.save"))
     resumed = text_of(cell_of(notebook, "colab_par.load(pm, CKPT"))
     reference = re.search(r"uninterrupted losses, steps 9-12: (\[.+\])", saved).group(1)

@@ -45,6 +45,24 @@ def test_the_pool_outlives_a_cluster_and_keeps_none_of_its_processes():
     assert descendant_pids() - before == set()
 
 
+def imported(modules: list[str]) -> list[str]:
+    import sys
+
+    return [module for module in modules if module in sys.modules]
+
+
+def test_engines_forked_once_the_pool_was_idle_come_with_the_heavy_imports_made():
+    """What a first `parallelize` / `from_pretrained` would import (seconds of one core each)."""
+    heavy = ["colab_par.parallel", "torch._dynamo", "transformers.modeling_utils", "peft"]
+    pool = warm_pool.shared_pool()
+    assert pool.wait_warm()
+    cluster = Cluster(n=1, backend="gloo", timeout=120.0, dashboard=False).start()
+    try:
+        assert cluster.run(imported, heavy) == [heavy]
+    finally:
+        cluster.stop()
+
+
 def changed_variable() -> str | None:
     import os
 

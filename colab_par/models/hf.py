@@ -41,7 +41,8 @@ def hf_token_loss(model: nn.Module) -> Callable[..., torch.Tensor] | None:
 def shifts_labels(model: nn.Module) -> bool:
     """Whether the model's own loss scores position t against label t+1 (a causal LM's loss; an
     encoder-decoder feeds its decoder shifted inputs instead and scores every label)."""
-    return (hf_token_loss(model) is compat.hf_token_losses()["causal"]
+    loss = hf_token_loss(model)  # None without importing transformers for a model not of it
+    return (loss is not None and loss is compat.hf_token_losses()["causal"]
             and not getattr(model.config, "is_encoder_decoder", False))
 
 
