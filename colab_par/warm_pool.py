@@ -234,6 +234,8 @@ def _serve(path: str, target: str) -> dict[str, Any] | None:
             signal.signal(signal.SIGCHLD, lambda *_: _reap(children, selector))
             _import_quietly(idle_imports.pop(0))
             signal.signal(signal.SIGCHLD, lambda *_: None)
+            if _touched_cuda():  # its forks could not use a GPU: later starts go the ordinary way
+                stopping.append(True)
             if not idle_imports:
                 _mark_warm(path)
         for key, _ in ready:
@@ -291,6 +293,11 @@ def _serve(path: str, target: str) -> dict[str, Any] | None:
 def _mark_warm(path: str) -> None:
     """An empty file beside the socket: this zygote has made all its idle imports."""
     open(path + ".warm", "w").close()  # noqa: SIM115
+
+
+def _touched_cuda() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
 
 
 def _import_quietly(module: str) -> None:
