@@ -15,8 +15,8 @@ hands its stdio, working directory, arguments and environment to the zygote, get
 pid, forwards the signals it receives to that child and exits with the child's status. When the
 zygote is not running, or was started with a different environment (a variable torch may read at
 import), the proxy `exec`s the ordinary cold command instead, so a start never depends on the pool.
-Once idle for a second, the engine zygote also imports what a first `parallelize` or
-`from_pretrained` would (`_IDLE_IMPORTS`), so engines of every later start have it too. A zygote
+Once it has served a first start and then been idle, the engine zygote also imports what a first
+`parallelize` or `from_pretrained` would (`_IDLE_IMPORTS`), so engines of every later start have it. A zygote
 sleeps in `select` between requests: it costs no CPU while idle, about 460 MB (engines, with the idle
 imports; 240 MB without) and 55 MB (controllers) of memory, shared copy-on-write with what it forks
 (`gc.freeze` keeps the collector from touching those pages, and forked processes from spending half a
@@ -61,12 +61,13 @@ _TARGETS = {  # what each zygote imports, and what its forked children run
 # What an engine imports at its first `parallelize` or `from_pretrained` (torch's compiler and
 # pipelining, which `colab_par.parallel` needs; transformers' model base and losses; peft): about
 # 2 s, 4 s and 4 s of one core here, paid by every engine of a fresh cluster. The engine zygote
-# imports them once it has been idle a while (each module on its own, so a request waits for one at
-# most): the engines of every later start (restart, recovery, the next cluster) come with them.
+# imports them once it has forked a first start's engines and been idle a while (so that start
+# never waits on them; each module on its own, so a later request waits for one at most): the
+# engines of every later start (restart, recovery, the next cluster) come with them.
 _IDLE_IMPORTS = {"engine": ("colab_par.parallel", "transformers.modeling_utils",
                             "transformers.loss.loss_utils", "peft"),
                  "controller": ()}
-_IDLE_S = 1.0  # quiet this long before an idle import: a start's own burst of requests goes first
+_IDLE_S = 2.0  # quiet this long before an idle import: a start's own burst of requests goes first
 _VOLATILE_PREFIXES = ("IPP_", "PYTEST_")  # set per cluster / per test, read by nothing at import
 _VOLATILE = {FORKED_ENV, "PWD", "OLDPWD", "COLUMNS", "LINES"}  # cwd and terminal size
 _CONNECT_WAIT_S = 30.0  # how long a proxy waits for a zygote that is still importing
@@ -131,9 +132,11 @@ class WarmPool:
     def wait_warm(self, timeout: float = 120.0) -> bool:
         """True once every zygote has also made its idle imports (`_IDLE_IMPORTS`)."""
         deadline = time.monotonic() + timeout
-        while self.running and time.monotonic() < deadline:
+        while self.running:
             if all(os.path.exists(self.socket_path(target) + ".warm") for target in _TARGETS):
                 return True
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.05)
         return False
 
@@ -221,6 +224,7 @@ def _serve(path: str, target: str) -> dict[str, Any] | None:
     os.rename(path + ".tmp", path)  # the path appears only once requests can be served
     children: dict[int, socket.socket] = {}  # pid -> its proxy's connection
     idle_imports = list(_IDLE_IMPORTS[target])
+    served = False  # idle imports wait for a first start: it is never slowed by them
     if not idle_imports:
         _mark_warm(path)
     selector = selectors.DefaultSelector()
@@ -228,8 +232,8 @@ def _serve(path: str, target: str) -> dict[str, Any] | None:
     selector.register(wake_read, selectors.EVENT_READ, "signal")
     selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "owner")
     while not stopping:
-        ready = selector.select(_IDLE_S if idle_imports else None)
-        if not ready and idle_imports:
+        ready = selector.select(_IDLE_S if idle_imports and served else None)
+        if not ready and idle_imports and served:
             # children that exit meanwhile are reaped at once: a cluster's stop waits on that
             signal.signal(signal.SIGCHLD, lambda *_: _reap(children, selector))
             _import_quietly(idle_imports.pop(0))
@@ -268,6 +272,7 @@ def _serve(path: str, target: str) -> dict[str, Any] | None:
                         os.close(fd)
                     return request
                 _close_fds(request["fds"])
+                served = True
                 children[pid] = connection
                 selector.register(connection, selectors.EVENT_READ, pid)
                 connection.sendall(_HEADER.pack(pid))

@@ -55,6 +55,8 @@ def test_engines_forked_once_the_pool_was_idle_come_with_the_heavy_imports_made(
     """What a first `parallelize` / `from_pretrained` would import (seconds of one core each)."""
     heavy = ["colab_par.parallel", "torch._dynamo", "transformers.modeling_utils", "peft"]
     pool = warm_pool.shared_pool()
+    if not pool.wait_warm(timeout=0.0):  # a fresh pool: it imports only after serving a start
+        Cluster(n=1, backend="gloo", timeout=120.0, dashboard=False).start().stop()
     assert pool.wait_warm()
     cluster = Cluster(n=1, backend="gloo", timeout=120.0, dashboard=False).start()
     try:
