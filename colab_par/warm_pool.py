@@ -16,8 +16,8 @@ pid, forwards the signals it receives to that child and exits with the child's s
 zygote is not running, or was started with a different environment (a variable torch may read at
 import), the proxy `exec`s the ordinary cold command instead, so a start never depends on the pool.
 Once it has served a first start and then been idle, the engine zygote also imports what a first
-`parallelize` or `from_pretrained` would (`_IDLE_IMPORTS`), so engines of every later start have it. A zygote
-sleeps in `select` between requests: it costs no CPU while idle, about 460 MB (engines, with the idle
+`parallelize` or `from_pretrained` would (`_IDLE_IMPORTS`), so engines of every later start have it.
+A zygote sleeps in `select` between requests: it costs no CPU while idle, about 460 MB (engines, with the idle
 imports; 240 MB without) and 55 MB (controllers) of memory, shared copy-on-write with what it forks
 (`gc.freeze` keeps the collector from touching those pages, and forked processes from spending half a
 second tearing torch down at exit).
