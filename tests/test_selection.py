@@ -153,8 +153,11 @@ def measured_select(cluster, trials, **options):
         result = select(trials, cluster=cluster, **options)
     finally:
         measured = cluster.run(_stop_memory_probe)
-    assert all(m["samples"] > 0 for m in measured), measured
-    return result, [m["peak"] for m in measured]
+    # the probe samples where gradients are on: every engine that ran such a task took samples (the
+    # scheduler may leave an engine nothing but builds and no-grad forwards: "random" on a busy machine)
+    trained = {span.engine for span in result.timeline if span.kind in ("forward_backward", "backward")}
+    assert trained and all(measured[rank]["samples"] > 0 for rank in trained), (trained, measured)
+    return result, [measured[rank]["peak"] for rank in sorted(trained)]
 
 
 # Besides the shards the budget covers (parameters, gradients, optimizer state, saved activations),
