@@ -27,6 +27,7 @@ Opt out with ``COLAB_PAR_WARM_POOL=0`` in the environment.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import importlib
 import json
@@ -111,6 +112,7 @@ class WarmPool:
         are done."""
         if not self._processes:
             self.env = dict(os.environ)
+            os.makedirs(self._folder, mode=0o700, exist_ok=True)  # the last stop removed it
         for target in _TARGETS:
             process = self._processes.get(target)
             if process is None or process.poll() is not None:
@@ -159,9 +161,7 @@ class WarmPool:
             process.stdin.close()
         self._processes = {}
         for target in _TARGETS:
-            for path in (self.socket_path(target), self.socket_path(target) + ".warm"):
-                if os.path.exists(path):
-                    os.remove(path)
+            _remove_files(self.socket_path(target))
 
 
 _SHARED: WarmPool | None = None
@@ -289,10 +289,17 @@ def _serve(path: str, target: str) -> dict[str, Any] | None:
                 children.pop(pid, None)
                 _forward(pid, signal.SIGKILL)
     listener.close()
+    _remove_files(path)
+    return None
+
+
+def _remove_files(path: str) -> None:
+    """A zygote's socket and marker, and their folder once the other zygote's are gone too."""
     for done in (path, path + ".warm"):
         if os.path.exists(done):
             os.remove(done)
-    return None
+    with contextlib.suppress(OSError):  # not empty: the other zygote still serves from it
+        os.rmdir(os.path.dirname(path))
 
 
 def _mark_warm(path: str) -> None:

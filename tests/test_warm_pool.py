@@ -3,6 +3,11 @@ already imported torch and ipyparallel, the zygotes outlive every cluster, nothi
 started outlives its stop, and a pool that no longer matches the environment is renewed first."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 from colab_par import Cluster, warm_pool
 from colab_par.cluster import descendant_pids
 
@@ -91,3 +96,24 @@ def test_a_changed_environment_renews_the_pool_before_a_start(monkeypatch):
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("COLAB_PAR_WARM_POOL", "0")
     assert warm_pool.shared_pool() is None
+
+
+def _gone_soon(path: str, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not os.path.exists(path)
+
+
+def test_a_pool_leaves_no_folder_behind_stopped_or_orphaned():
+    pool = warm_pool.WarmPool().start()
+    assert pool.wait_ready()
+    folder = os.path.dirname(pool.socket_path("engine"))
+    pool.stop()
+    assert not os.path.exists(folder)
+    # its owner killed (no atexit): the zygotes read end-of-file on stdin, exit and clean up
+    owner = subprocess.run(
+        [sys.executable, "-c", "import os; from colab_par import warm_pool; p = warm_pool.WarmPool().start(); "
+         "assert p.wait_ready(); print(os.path.dirname(p.socket_path('engine')), flush=True); os._exit(0)"],
+        capture_output=True, text=True, timeout=120, check=True)
+    assert _gone_soon(owner.stdout.strip())
