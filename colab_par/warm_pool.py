@@ -418,8 +418,8 @@ def _launch(path: str, zygote: int, target: str, args: list[str]) -> int:
             for signum in _FORWARDED:
                 signal.signal(signum, lambda signum, _, pid=pid: _forward(pid, signum))
             status = _read_exactly(connection, _HEADER.size)
-            if len(status) < _HEADER.size:
-                return 1
+            if len(status) < _HEADER.size:  # the zygote went first (its pool was renewed or
+                return _stand_until_gone(pid)  # stopped): stand for the child until it ends
             code = os.waitstatus_to_exitcode(_HEADER.unpack(status)[0])
             if code < 0:  # the child died of a signal: so does its stand-in
                 signal.signal(-code, signal.SIG_DFL)
@@ -429,6 +429,14 @@ def _launch(path: str, zygote: int, target: str, args: list[str]) -> int:
     command = cold_command(target)
     os.execv(command[0], command + args)
     return 1  # not reached
+
+
+def _stand_until_gone(pid: int) -> int:
+    """Wait for a child whose exit status nobody can tell this proxy any more (it is no longer the
+    zygote's child to reap): its launcher sees it end when it ends, never before."""
+    while _alive(pid):
+        time.sleep(0.05)
+    return 1  # how it ended is unknown: not reported as a clean exit
 
 
 def _connect(path: str, zygote: int) -> socket.socket | None:

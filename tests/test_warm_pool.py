@@ -84,6 +84,7 @@ def test_a_changed_environment_renews_the_pool_before_a_start(monkeypatch):
     cluster = Cluster(n=1, backend="gloo", timeout=120.0, dashboard=False).start()
     try:
         fresh = _zygote("engine")
+        folder = os.path.dirname(warm_pool.shared_pool().socket_path("engine"))
         assert fresh != stale
         assert cluster.run(forked_from) == [str(fresh)]  # from a zygote that saw the variable
         assert cluster.run(changed_variable) == ["1"]
@@ -91,6 +92,26 @@ def test_a_changed_environment_renews_the_pool_before_a_start(monkeypatch):
         cluster.stop()
     monkeypatch.delenv("COLAB_PAR_TEST_CHANGED")
     warm_pool.stop_shared_pool()  # its environment has the variable; the next test's would not
+    assert not os.path.exists(folder)  # a stopped pool leaves no folder behind
+
+
+def test_a_cluster_outlives_the_pool_it_was_forked_from():
+    """The pool stopped (or renewed) under a running cluster: each proxy stands for its engine to
+    the end, so the launcher never takes a live engine for gone and the stop is prompt."""
+    cluster = Cluster(n=2, backend="gloo", timeout=120.0, dashboard=False).start()
+    try:
+        zygotes = warm_pool.pool_pids()
+        forked = set().union(*map(descendant_pids, zygotes))  # the engines and the controller
+        proxies = descendant_pids() - zygotes - forked
+        warm_pool.stop_shared_pool()
+        time.sleep(0.5)  # time for a proxy that read end-of-file to exit, as they did before
+        assert proxies <= descendant_pids(), "a proxy exited while its engine lived on"
+        assert cluster.run(forked_from) != [None, None]
+    finally:
+        started = time.monotonic()
+        cluster.stop()
+    assert time.monotonic() - started < 5.0
+    assert not cluster.pids & descendant_pids()
 
 
 def test_switched_off_by_the_environment(monkeypatch):
@@ -105,13 +126,9 @@ def _gone_soon(path: str, seconds: float = 10.0) -> bool:
     return not os.path.exists(path)
 
 
-def test_a_pool_leaves_no_folder_behind_stopped_or_orphaned():
-    pool = warm_pool.WarmPool().start()
-    assert pool.wait_ready()
-    folder = os.path.dirname(pool.socket_path("engine"))
-    pool.stop()
-    assert not os.path.exists(folder)
-    # its owner killed (no atexit): the zygotes read end-of-file on stdin, exit and clean up
+def test_a_pool_whose_owner_died_leaves_no_folder_behind():
+    """Its owner killed (no atexit, as a crashed kernel): the zygotes read end-of-file on stdin,
+    exit and take their folder with them."""
     owner = subprocess.run(
         [sys.executable, "-c", "import os; from colab_par import warm_pool; p = warm_pool.WarmPool().start(); "
          "assert p.wait_ready(); print(os.path.dirname(p.socket_path('engine')), flush=True); os._exit(0)"],
