@@ -45,3 +45,9 @@ def printed_losses(text: str) -> list[float]:
     found = re.findall(r"^LOSSES (.+)$", text, re.M)
     assert len(found) == 1, text[-3000:]
     return json.loads(found[0])
+
+
+def losses_in(executed: nbformat.NotebookNode) -> list[float]:
+    """The losses a notebook run of `with_losses_printed` printed."""
+    printed = next(cell for cell in executed.cells if cell.source == LOSSES_CELL)
+    return printed_losses("".join(o.get("text", "") for o in printed.outputs if o.output_type == "stream"))

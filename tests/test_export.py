@@ -9,7 +9,7 @@ import sys
 
 import nbformat
 import pytest
-from notebook_run import LOSSES_CELL, printed_losses, with_losses_printed
+from notebook_run import losses_in, printed_losses, with_losses_printed
 
 from colab_par.cli import main
 from colab_par.export import ExportError, export_notebook
@@ -29,10 +29,7 @@ def test_the_exported_script_trains_as_the_notebook_did(name, kernel_path, execu
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     exported = printed_losses(ran.stdout)
 
-    executed = executed_notebooks(name)
-    printed = next(cell for cell in executed.cells if cell.source == LOSSES_CELL)
-    outputs = "".join(o.get("text", "") for o in printed.outputs if o.output_type == "stream")
-    in_notebook = printed_losses(outputs)
+    in_notebook = losses_in(executed_notebooks(name))
     assert len(exported) == len(in_notebook) >= 12
     assert exported == pytest.approx(in_notebook, rel=1e-6)
 
