@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -204,9 +205,7 @@ class Cluster:
                 print(f"colab_par: ipyparallel stop failed ({exc}); killing leftover processes",
                       file=sys.stderr)
         _reap(started, grace_s=10.0)
-        for path, info in zip(self._stack_files, self._hosts):
-            if self._is_local(info) and os.path.exists(path):
-                os.remove(path)
+        self._remove_stack_files(range(len(self._hosts)))
         if self._ipp is not None and self.persist:
             persist.remove_record(self._record_path())
         self._ipp, self._client, self._engine_ids, self._hosts, self._pids = None, None, [], [], set()
@@ -214,6 +213,13 @@ class Cluster:
         self._stack_files = []
         self.devices = []
         _LIVE.discard(self)
+
+    def _remove_stack_files(self, ranks: Iterable[int]) -> None:
+        """The stack files of engines that have ended (on this host; a remote host's /tmp is its own)."""
+        for rank in ranks:
+            if rank < len(self._stack_files) and self._is_local(self._hosts[rank]):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self._stack_files[rank])
 
     def _shutdown_engines(self, engine_pids: set[int]) -> None:
         """Ask engines to exit through ipyparallel first: much faster than the launcher's SIGTERM.
@@ -427,6 +433,7 @@ class Cluster:
                     "interrupt, so every engine was restarted: all engine variables are gone")
         fresh = self._start_engines(len(dead))
         self._direct.forget([self._engine_ids[rank] for rank in dead])
+        self._remove_stack_files(dead)  # what they said of their end was read: DeadEngineError
         prepared = self._prepare(fresh)
         for rank, engine_id in zip(dead, fresh):
             self._engine_ids[rank], self._hosts[rank] = engine_id, prepared[engine_id]["host"]

@@ -28,7 +28,7 @@ __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_pat
            "module_reset",
            "triton_interpreted", "tree_flatten", "tree_unflatten", "tree_map", "tree_leaves",
            "hf_token_losses", "answer_control_requests", "send_control_requests", "group_sequence",
-           "process_groups", "compile_seconds", "grouped_mm", "fused_optimizer_devices", "recompile_limit",
+           "process_groups", "compile_seconds", "grouped_mm", "grouped_mm_is_one_op", "fused_optimizer_devices", "recompile_limit",
            "failing_at_recompile_limit", "recompile_limit_error", "swapped_parameters", "hf_output_recorder",
            "storage_holder"]
 
@@ -87,6 +87,17 @@ def unflatten_mesh(mesh: Any, dim: str, sizes: tuple[int, ...], names: tuple[str
 _GROUPED_DTYPES = ("float32", "bfloat16", "float16")
 
 
+def grouped_mm_is_one_op(tokens: Any, weights: Any) -> bool:
+    """Whether `grouped_mm` of these operands is one `torch._grouped_mm` (under torch.compile: one
+    traced op) rather than its loop of matmuls over Python ints read from the row counts."""
+    import torch
+
+    aligned = all(size * tokens.element_size() % 16 == 0 for size in (tokens.shape[1], weights.shape[2]))
+    traceable = not torch.compiler.is_compiling() or tokens.dtype == torch.bfloat16
+    return (hasattr(torch, "_grouped_mm") and aligned and traceable and tokens.dtype == weights.dtype
+            and str(tokens.dtype).removeprefix("torch.") in _GROUPED_DTYPES)
+
+
 def grouped_mm(tokens: Any, weights: Any, ends: Any) -> Any:
     """Rows of `tokens` grouped by expert (group g ends at row ends[g]) times that expert's matrix
     of `weights` (experts, in, out): one `torch._grouped_mm` (private, no public equivalent yet)
@@ -95,13 +106,8 @@ def grouped_mm(tokens: Any, weights: Any, ends: Any) -> Any:
     torch.compile anything but bf16, which is all its fake-tensor kernel takes)."""
     import torch
 
-    grouped = getattr(torch, "_grouped_mm", None)
-    aligned = all(size * tokens.element_size() % 16 == 0
-                  for size in (tokens.shape[1], weights.shape[2]))
-    traceable = not torch.compiler.is_compiling() or tokens.dtype == torch.bfloat16
-    if grouped is not None and aligned and traceable and str(tokens.dtype).removeprefix("torch.") in _GROUPED_DTYPES \
-            and tokens.dtype == weights.dtype:
-        out = grouped(tokens.contiguous(), weights.contiguous(), offs=ends)
+    if grouped_mm_is_one_op(tokens, weights):
+        out = torch._grouped_mm(tokens.contiguous(), weights.contiguous(), offs=ends)
         if out.requires_grad:  # its CPU backward needs a dense gradient (not an expanded one)
             out.register_hook(lambda grad: grad.contiguous())
         return out

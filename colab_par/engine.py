@@ -5,6 +5,7 @@ free of client state. Each is called through ipyparallel by `colab_par.cluster.C
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -14,7 +15,7 @@ from typing import Any, Sequence
 from colab_par import compat, direct
 from colab_par.backend import device_for
 
-__all__ = ["host_info", "visible_gpus", "bind_device", "socket_interfaces", "enable_stack_dumps",
+__all__ = ["host_info", "visible_gpus", "bind_device", "socket_interfaces", "enable_stack_dumps", "stack_file",
            "open_rendezvous", "init_process_group", "leave_process_group", "break_connections",
            "names_built_on_the_group", "user_names", "rank_status", "device_report", "update_namespace"]
 
@@ -129,18 +130,32 @@ def enable_stack_dumps() -> str:
     """Dump every thread's Python stack to a file on SIGUSR1, so the client can see where a rank
     waits even while its main thread is blocked inside a C++ collective (faulthandler writes from
     the signal handler itself), and on a crash (a segfault in native code), so the client can say
-    where the rank died. The file is opened for appending, so the client may truncate it."""
+    where the rank died. The file is opened for appending, so the client may truncate it. An engine
+    that exits cleanly removes it (a crash leaves it for the client, which removes it once read)."""
+    import atexit
     import faulthandler
     import signal
-    import tempfile
 
     global _STACKS
     if _STACKS is None:
-        path = os.path.join(tempfile.gettempdir(), f"colab_par-stacks-{os.getpid()}.txt")
+        path = stack_file(os.getpid())
         _STACKS = open(path, "a")  # noqa: SIM115 - stays open for the engine's lifetime
         faulthandler.register(signal.SIGUSR1, file=_STACKS, all_threads=True)
         faulthandler.enable(file=_STACKS, all_threads=True)
+        atexit.register(_remove_file, path)
     return _STACKS.name
+
+
+def stack_file(pid: int) -> str:
+    """Where the engine of process `pid` on this host writes its stacks (`enable_stack_dumps`)."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"colab_par-stacks-{pid}.txt")
+
+
+def _remove_file(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
 
 
 def open_rendezvous(addr: str) -> int:

@@ -196,6 +196,7 @@ class Slurm(_Launcher):
     def stop(self, ipp_cluster: Any, grace_s: float = 30.0) -> None:
         """scancel the engines' job, and wait until the queue no longer lists it."""
         jobs = [engine_set.job_id for engine_set in ipp_cluster.engines.values() if engine_set.job_id]
+        scripts = [engine_set.batch_file_name for engine_set in ipp_cluster.engines.values()]
         ipp_cluster.stop_cluster_sync()
         deadline = time.monotonic() + grace_s
         while any(_job_state(job) for job in jobs):
@@ -203,6 +204,8 @@ class Slurm(_Launcher):
                 raise LauncherError(f"Slurm still lists job(s) {', '.join(jobs)} {grace_s:.0f}s "
                                     "after scancel; see `squeue` and the slurmd log")
             time.sleep(0.2)
+        for script in scripts:  # in the folder `configure` made for it
+            shutil.rmtree(os.path.dirname(script), ignore_errors=True)
 
 
 Launcher = Union[Local, MPI, SSH, Slurm]

@@ -66,6 +66,31 @@ def test_compiled_moe_trains_like_eager_single_process(cluster2, layout: str, ki
     assert_parity(results, reference_run(kind, STEPS))
 
 
+def test_float32_experts_are_one_graph_break_whatever_the_routing() -> None:
+    """The experts' loop of matmuls reads each expert's row count as a Python int: traced, that
+    was a graph break per grouped matmul and per count (bincount, tolist) between small graphs of
+    slices. It runs outside the graph as one call, so every break is that call and a step whose
+    routing differs makes no new graph (dynamo's eager backend: the same graphs, no inductor)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = build_model("gpt-moe", SEED)
+    for block in model.layers.values():
+        block.compile(backend="eager")
+    graphs, routings = [], []
+    for tokens, targets in training_batches("gpt-moe", 4):
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        loss.backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+        routings.append([block.feed_forward.last_counts.tolist() for block in model.layers.values()])
+    assert len({str(r) for r in routings}) == len(routings), routings  # the routing moved every step
+    assert graphs == [graphs[0]] * len(graphs), graphs
+    assert counters["graph_break"] and all("compiler.disable" in reason for reason in counters["graph_break"]), \
+        list(counters["graph_break"])
+
+
 def _regression(seed: int = 0) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     """A two-layer net and a learnable target (a fixed random linear map of the inputs)."""
     gen = torch.Generator().manual_seed(seed)

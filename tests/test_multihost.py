@@ -15,6 +15,7 @@ from parity import assert_parity, engine_run, reference_run
 from two_hosts import CONTROLLER, HOSTS, CannotMakeHosts, TwoHosts
 
 from colab_par import SSH, Cluster
+from colab_par.engine import stack_file
 from colab_par.output import CollectiveDeadlockError, DeadEngineError
 
 A, B = HOSTS.values()
@@ -81,6 +82,7 @@ def test_two_engines_per_host_rank_bind_and_meet_at_rank_0s_address(hosts) -> No
         assert [row["local_rank"] for row in placed] == ["0", "1", "0", "1"]
         assert {row["local_world"] for row in placed} == {"2"}
         assert cluster.devices == ["cpu"] * 4
+        assert all(os.path.exists(stack_file(row["pid"])) for row in cluster.status())
         assert {row["threads"] for row in placed} == {max(1, os.cpu_count() // 2)}  # cores shared per host
         # The world meets at rank 0's address on the hosts' network, never at loopback, and gloo
         # talks over each host's own interface on that network.
@@ -111,6 +113,10 @@ def test_two_engines_per_host_rank_bind_and_meet_at_rank_0s_address(hosts) -> No
             cluster.execute("import time, torch.distributed as dist\nif rank == 3:\n    time.sleep(60)\n"
                             "dist.barrier()")
         assert time.monotonic() - started < 15.0
+        survivors = [row["pid"] for row in cluster.status()[:3]]
+    # The engines that ended cleanly removed their stack files themselves: the client does so only
+    # on its own host, and these hosts' temp folders are, in this test, one folder.
+    assert not [pid for pid in survivors if os.path.exists(stack_file(pid))]
 
 
 def relayout_across_hosts(shared: str) -> dict:

@@ -14,6 +14,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from colab_par import Cluster, magics
 from colab_par.cluster import DeadEngineError, descendant_pids
+from colab_par.engine import stack_file
 from parity import assert_parity, engine_run, reference_run
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -54,6 +55,7 @@ def test_a_killed_engine_is_replaced_and_the_other_ranks_keep_their_variables(sh
         magics.use_cluster(cluster)
         shell.run_cell_magic("colossal", "", SETUP)
         pids = [row["pid"] for row in cluster.status()]
+        assert all(os.path.exists(stack_file(pid)) for pid in pids)
         os.kill(pids[2], signal.SIGKILL)
         with pytest.raises(DeadEngineError, match=r"rank\(s\) 2 died"):
             shell.run_cell_magic("colossal", "", "print(kept)")
@@ -70,6 +72,7 @@ def test_a_killed_engine_is_replaced_and_the_other_ranks_keep_their_variables(sh
         assert took < 30.0, took
         now = [row["pid"] for row in cluster.status()]
         assert [now[r] for r in (0, 1, 3)] == [pids[r] for r in (0, 1, 3)] and now[2] != pids[2]
+        assert not os.path.exists(stack_file(pids[2])) and os.path.exists(stack_file(now[2]))
         assert cluster.generation == generation and cluster.devices == ["cpu"] * 4
         assert cluster.run(identity) == [
             {"kept": kept, "rank": r, "local_rank": r, "env": str(r), "world": 4, "sum": 4.0}
@@ -82,3 +85,4 @@ def test_a_killed_engine_is_replaced_and_the_other_ranks_keep_their_variables(sh
     while time.monotonic() < deadline and descendant_pids() - before_start:
         time.sleep(0.1)
     assert not descendant_pids() - before_start  # the replacement engine is stopped with the rest
+    assert not [pid for pid in {*pids, *now} if os.path.exists(stack_file(pid))]

@@ -4,11 +4,13 @@ leaves no job in the queue and no process behind; a missing Slurm, a pending job
 partition or account are explained. The exported sbatch job runs there too."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -51,6 +53,7 @@ def processes_of_job(job: str) -> list[psutil.Process]:
 
 
 def test_engines_as_a_slurm_job_train_a_layout_and_stop_leaves_nothing(slurm, shell, capsys) -> None:
+    scripts_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "colab_par-slurm-*")))
     shell.run_line_magic("colossal", f"start --launcher slurm -n 2 --partition {PARTITION} "
                                      f"--account {ACCOUNT} --time 10:00 --timeout 60")
     try:
@@ -67,6 +70,8 @@ def test_engines_as_a_slurm_job_train_a_layout_and_stop_leaves_nothing(slurm, sh
     assert slurm.jobs() == []
     assert processes_of_job(job) == []
     assert "engines stopped" in capsys.readouterr().out
+    # nor the folder of the job's script
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "colab_par-slurm-*"))) <= scripts_before
 
 
 def test_no_reachable_slurm_is_named_before_anything_starts(slurm, tmp_path, monkeypatch) -> None:

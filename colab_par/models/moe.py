@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from colab_par.compat import grouped_mm
+from colab_par.compat import grouped_mm, grouped_mm_is_one_op
 
-__all__ = ["MoE", "Experts", "local_dispatch", "inverse_permutation", "in_autocast_dtype"]
+__all__ = ["MoE", "Experts", "local_dispatch", "expert_counts", "inverse_permutation", "in_autocast_dtype"]
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -60,9 +60,23 @@ class Experts(nn.Module):
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ends = counts.cumsum(0).to(torch.int32)
         tokens, w1, w3, w2 = (in_autocast_dtype(t) for t in (tokens, _local(self.w1), _local(self.w3), _local(self.w2)))
-        gate = grouped_mm(tokens, w1, ends)
-        up = grouped_mm(tokens, w3, ends)
-        return grouped_mm(F.silu(gate) * up, w2, ends)
+        if torch.compiler.is_compiling() and not grouped_mm_is_one_op(tokens, w1):
+            return _swiglu_outside_graph(tokens, w1, w3, w2, ends)
+        return _swiglu(tokens, w1, w3, w2, ends)
+
+
+def _swiglu(tokens: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+            ends: torch.Tensor) -> torch.Tensor:
+    return grouped_mm(F.silu(grouped_mm(tokens, w1, ends)) * grouped_mm(tokens, w3, ends), w2, ends)
+
+
+# Where torch.compile cannot trace the grouped matmul, its loop of matmuls reads each expert's row
+# count as a Python int: traced, that is a graph break per grouped matmul, with small graphs of
+# slices between them, each compiled on its own. Run eagerly, the experts cost one break and no
+# compile (`benchmarks/compile.py --model moe`); their matmuls are GEMMs a compiled graph would call
+# as they are.
+_swiglu_outside_graph = torch.compiler.disable(
+    _swiglu, reason="per-expert row counts are data: the loop of matmuls runs eagerly")
 
 
 Dispatch = Callable[[torch.Tensor, torch.Tensor, Experts], torch.Tensor]
@@ -71,6 +85,13 @@ Dispatch = Callable[[torch.Tensor, torch.Tensor, Experts], torch.Tensor]
 def local_dispatch(tokens: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
     """Every expert on this rank: compute them in place."""
     return experts(tokens, counts)
+
+
+def expert_counts(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """How many of the (token, choice) pairs went to each expert: `bincount` with a shape fixed by
+    `n_experts` rather than by the data, so torch.compile traces it without a graph break."""
+    flat = chosen.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
@@ -101,7 +122,7 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         chosen = chosen.reshape(-1)  # (token, choice) pairs, token-major
         order = chosen.argsort(stable=True)  # grouped by expert, tokens in order within each
-        counts = torch.bincount(chosen, minlength=self.n_experts)
+        counts = expert_counts(chosen, self.n_experts)
         self.last_counts = counts.detach()
         rows, mix = flat, weights
         if self.tensor_split is not None:

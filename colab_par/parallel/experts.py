@@ -81,6 +81,10 @@ class AllToAllDispatch:
     def __init__(self, group: dist.ProcessGroup):
         self.group, self.size = group, dist.get_world_size(group)
 
+    # Row counts that cross ranks decide every shape here: traced, each read of them is a graph
+    # break, with small graphs between them each compiled on its own. Under compile the exchange
+    # and the experts behind it run eagerly, as one call.
+    @torch.compiler.disable(reason="the all-to-all's row counts are data")
     def __call__(self, tokens: torch.Tensor, counts: torch.Tensor,
                  experts: Experts | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         from_each = torch.empty_like(counts)  # (source rank, local expert) row counts

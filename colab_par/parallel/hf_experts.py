@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from colab_par.compat import hf_output_recorder, swapped_parameters
-from colab_par.models.moe import in_autocast_dtype, inverse_permutation
+from colab_par.models.moe import expert_counts, in_autocast_dtype, inverse_permutation
 
 __all__ = ["hf_expert_layers", "packed_expert_names", "HFExpertLayer", "GlobalBalanceLoss", "GatherRows", "balance_loss_for"]
 
@@ -102,7 +102,7 @@ class HFExpertLayer:
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         hidden, index, weights = self._arguments.bind(*args, **kwargs).arguments.values()
-        self.last_counts = torch.bincount(index.reshape(-1), minlength=self.n_experts).detach()
+        self.last_counts = expert_counts(index, self.n_experts).detach()
         split = self.tensor_split
         if split is not None:
             hidden, weights = split.inputs(hidden), split.inputs(weights)
