@@ -21,7 +21,9 @@ import any_models
 # Engines cannot import this test module by name: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-STEPS = 20
+# Ten steps: a wrong update shows in the very next loss (1e-5 relative), and on the learnable
+# batches the loss falls visibly within ten (the tiny GPT's from 4.18 to 3.93).
+STEPS = 10
 BATCH = 4
 SEED = 1234
 LR = 1e-3

@@ -1,6 +1,6 @@
 """Parity proof: every layout trains like single-process training (fp32, gloo, real engines).
 
-20 AdamW steps of the same tiny GPT on the same global batches: losses and gradient norms within
+10 AdamW steps of the same tiny GPT on the same global batches: losses and gradient norms within
 1e-5 relative of the single-process reference, every final parameter within the tolerance Adam's
 arithmetic gives it (see `parity.assert_parity` and tests/test_parity_bound.py).
 """
@@ -80,8 +80,8 @@ def test_odd_vocabulary_on_four_engines_trains_like_single_process(cluster4, lay
                                                ("gpt2-lm", "tp2", "dp2 zero3")])
 def test_odd_vocabulary_checkpoint_moves_between_tp_and_dp(cluster2, tmp_path, kind: str, first: str,
                                                            second: str) -> None:
-    """Saved with the model's real shapes (101 rows, loadable whole by dp2) and back: ten steps under
-    one layout, ten under the other, equal to twenty steps in one process. GPT-2 (67 tokens, its
+    """Saved with the model's real shapes (101 rows, loadable whole by dp2) and back: five steps under
+    one layout, five under the other, equal to ten steps in one process. GPT-2 (67 tokens, its
     fused q|k|v regrouped only in forward) moves from tp2 to ZeRO-3."""
     results = cluster2.run(engine_run_moved, first, second, str(tmp_path), kind)
     assert_parity(results, reference_run(kind))

@@ -32,7 +32,7 @@ def test_a_real_training_error_is_rejected(mistake: str) -> None:
 
 
 def test_tolerance_is_tight_where_gradients_are_real() -> None:
-    """Almost every element's tolerance, over all 20 steps, is a small fraction of ONE learning-rate
+    """Almost every element's tolerance, over all the steps, is a small fraction of ONE learning-rate
     step: the bound opens up only where an element's gradient sat at the rounding-noise level."""
     every = torch.cat([t.flatten() for t in reference_run("gpt")["tolerance"].values()])
     assert (every < 0.1 * LR).double().mean() > 0.98
