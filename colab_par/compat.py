@@ -28,7 +28,8 @@ __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_pat
            "module_reset",
            "triton_interpreted", "tree_flatten", "tree_unflatten", "tree_map", "tree_leaves",
            "hf_token_losses", "answer_control_requests", "send_control_requests", "group_sequence",
-           "process_groups", "compile_seconds", "grouped_mm", "grouped_mm_is_one_op", "fused_optimizer_devices", "recompile_limit",
+           "process_groups", "compile_seconds", "grouped_mm", "grouped_mm_is_one_op", "fused_optimizer_devices",
+           "recompile_limit",
            "failing_at_recompile_limit", "recompile_limit_error", "swapped_parameters", "hf_output_recorder",
            "storage_holder"]
 
