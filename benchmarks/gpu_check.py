@@ -16,7 +16,15 @@ Without a CUDA GPU it prints one line saying so and exits 0. With one (one GPU i
    in float32 and bf16, against the same run with everything on the GPU (learnable data): the
    losses' largest relative difference (the host step's fused AdamW against torch's CUDA AdamW),
    the allocator peak (the moments must not reach the GPU), step time, bytes the tiers moved and
-   the planner's host <-> device bytes and peak.
+   the planner's host <-> device bytes and peak;
+6. memory tier checks (`tier_check_section`): dp1 (dp2 zero3 on two GPUs) with the state on the host,
+   on disk, under a budget, compiled, gradients held on the host under accumulation (zero3): no
+   moment on the GPU (AdamW's state nor the DTensors its state dict hands DCP; the allocator holds
+   the moments' bytes less),
+   a checkpoint round trip equal, the bytes moved per step as computed;
+7. an NCCL timeout (`nccl_timeout_section`): a collective queued past its group's timeout on an
+   engine leaves the engine alive and makes the group's next call raise; barrier() knows its GPU.
+Exit status 1 if a check of 6 or 7 fails.
 It writes its tables into benchmarks/RESULTS.md under a heading with the date and the card's name
 (a later run on the same card replaces that section).
 """
@@ -55,9 +63,16 @@ def main() -> int:
     sections.append(kernel_section(args.quick))
     sections.append(training_section(QUICK if args.quick else GPT_1_3B, args.steps, card))
     sections.append(tiers_section(card))
+    tier_table, tier_failures = tier_check_section()
+    sections.append(tier_table)
+    nccl_table, nccl_failures = nccl_timeout_section()
+    sections.append(nccl_table)
+    failures = tier_failures + nccl_failures
     write_section(args.results, card, "\n\n".join(sections))
     print(f"wrote the section '{HEADING}{card}' into {args.results}")
-    return 0
+    for failure in failures:
+        print(f"gpu_check: FAILED: {failure}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 # ---- kernels: benchmarks/kernels.py on this card -------------------------------------------------
@@ -243,7 +258,274 @@ def tiers_section(card: str, steps: int = 8, runs: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+# ---- memory tiers: where the state lives on CUDA, checkpoints, accumulation, bytes moved -------------
+CHECK_GPT = dict(vocab_size=4096, seq_len=128, n_layer=2, n_head=4, d_model=256)
+LOSS_RTOL = 1e-4  # float32 AdamW on the host (fused CPU kernel) against torch's CUDA AdamW, 4 steps
+
+
+def tier_check_arms(base: str, cuda: bool) -> dict[str, tuple[str, str, bool]]:
+    """name -> (layout, the untiered arm it must train like, whether each step accumulates two
+    half-weight backward passes). The compiled arm runs only on CUDA (inductor's C++ build on CPU
+    engines costs minutes); its reference is itself (it is checked for where its state lives). The
+    budget arm's budget is the plain run's peak less half its moments: auto placement must keep
+    the allocator's peak under it (host-pinned stores are no part of that peak)."""
+    arms = {"plain": (base, "plain", False), "optimizer@host": (f"{base} optimizer@host", "plain", False),
+            "optimizer@disk": (f"{base} optimizer@disk", "plain", False)}
+    if "zero" in base:  # gradients leave the device only where FSDP shards them
+        arms["plain accumulated"] = (base, "plain accumulated", True)
+        arms["grads@host accumulated"] = (f"{base} optimizer@host grads@host", "plain accumulated", True)
+    if cuda:
+        arms["compile optimizer@host"] = (f"{base} compile optimizer@host", "compile optimizer@host", False)
+        arms["budget"] = (f"{base} mem{{budget}}MiB", "plain", False)  # the plain peak less half the moments
+    return arms
+
+
+def check_base(ranks: int) -> str:
+    """dp2 zero3 (FSDP: DTensor shards, gradients that can leave the GPU) where two GPUs are
+    lent; on one, dp1 (the kit refuses zero over one rank): plain tensors, no gradient tiers."""
+    return "dp2 zero3" if ranks >= 2 else "dp1"
+
+
+def tier_checks(model: dict, steps: int, folder: str, arms: dict | None = None) -> dict:
+    """Engine side (every rank): per arm the losses, the state's devices (AdamW's own state and the
+    DTensors its state dict hands DCP), the allocator's bytes after training and its peak, the
+    tier report, whether every chunk took the host step, and a checkpoint round trip (saved, loaded
+    into a fresh model of the same layout: the same optimizer state, the same loss two steps on,
+    the first step that the loaded moments shape)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from colab_par import load, parallelize, save
+    from colab_par.memory_tiers.chunks import local
+    from colab_par.models import GPT, GPTConfig
+    from colab_par.parallel import memory_report
+
+    cuda = torch.cuda.is_available()
+    arms = arms or tier_check_arms(check_base(dist.get_world_size()), cuda)
+    batches = learnable_batches(model["vocab_size"], model["seq_len"], steps + 2, "cuda" if cuda else "cpu")
+
+    def build(layout: str) -> object:
+        torch.manual_seed(0)
+        return parallelize(lambda: GPT(GPTConfig(**model)), layout,
+                           optimizer_fn=lambda p: torch.optim.AdamW(p, lr=1e-3))
+
+    def state_of(pm: object) -> dict:
+        return {(index, kind): local(value).detach().cpu() for index, values in pm.optimizer.state_dict()["state"].items()
+                for kind, value in values.items() if torch.is_tensor(value)}
+
+    out = {}
+    for name, (layout, _, accumulate) in arms.items():
+        if "{budget}" in layout:
+            budget = (out["plain"]["peak"] - 4 * out["plain"]["elements"]) // 2 ** 20
+            layout = layout.format(budget=budget)
+        pm = build(layout)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        losses = []
+        for batch in batches[:steps]:
+            if accumulate:
+                losses.append(pm.forward_backward(*batch, loss_scale=0.5))
+                pm.forward_backward(*batch, loss_scale=0.5)
+                pm.optimizer_step()
+            else:
+                losses.append(pm.train_step(*batch))
+        if cuda:
+            torch.cuda.synchronize()
+        optimizer, params = pm.optimizer, [p for p in pm.model.parameters() if p.requires_grad]
+        moments = [value for p in params for kind, value in optimizer.state.get(p, {}).items() if kind != "step"]
+        handed = [local(value) for values in optimizer.state_dict()["state"].values()
+                  for kind, value in values.items() if kind != "step"]
+        stores = [store for chunk in getattr(optimizer, "_stores", []) for store in chunk.values()]
+        report = memory_report(pm)
+        run = {"layout": layout, "losses": losses, "elements": sum(local(p).numel() for p in params),
+               "moments_on_gpu": sum(t.device.type == "cuda" for t in moments + handed),
+               "allocated": torch.cuda.memory_allocated() if cuda else None,
+               "peak": torch.cuda.max_memory_allocated() if cuda else None,
+               "moved": report.get("tier_moved", 0), "host": report.get("tier_host", 0),
+               "disk": report.get("tier_disk", 0),
+               "host_step": bool(stores) and all(optimizer._host_step(optimizer.param_groups[chunk.group],
+                                                                      optimizer._stores[chunk.index])
+                                                 for chunk in optimizer._chunks)}
+        saved_to = os.path.join(folder, name.replace(" ", "_").replace("@", "_"))
+        save(pm, saved_to)
+        again = build(layout)
+        load(again, saved_to)
+        mine, theirs = state_of(pm), state_of(again)
+        run["round_trip_state"] = mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+        run["round_trip_loss"] = tuple([each.train_step(*batch) for batch in batches[steps:]][-1]
+                                       for each in (pm, again))
+        for each in (pm, again):
+            getattr(each.optimizer, "release", lambda: None)()
+        del pm, again, optimizer, moments, handed, stores
+        if cuda:
+            torch.cuda.empty_cache()
+        out[name] = run
+    return out
+
+
+def expected_moved(name: str, elements: int, cuda: bool) -> int | None:
+    """Bytes a step moves between tiers for float32 zero3 (4 bytes per local element): moments on
+    disk are read and written (16); on CUDA the host step brings gradients and parameters down
+    and sends parameters up (12), and held gradients came down in backward and, accumulated,
+    came down once more (8 in all, parameters 8)."""
+    crossing = {"optimizer@host": 12, "optimizer@disk": 12, "grads@host accumulated": 16}
+    disk = {"optimizer@disk": 16}
+    if name not in crossing:
+        return None
+    return elements * (disk.get(name, 0) + (crossing[name] if cuda else 0))
+
+
+def _same_round_trip(run: dict) -> bool:
+    """The loaded state equals the saved one, and the loss two steps on agrees (to 1e-6: the two
+    models' reductions may order differently; a lost moment changes it by far more at lr 1e-3)."""
+    continued, loaded = run["round_trip_loss"]
+    return run["round_trip_state"] and abs(continued - loaded) <= 1e-6 * abs(continued)
+
+
+def tier_check_failures(runs: dict, arms: dict, cuda: bool) -> list[str]:
+    """What `tier_checks`' results say is wrong (empty when every check holds)."""
+    failures = []
+    for name, run in runs.items():
+        layout, reference = run["layout"], arms[name][1]
+        plain = runs[reference]["losses"]
+        diff = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], plain))
+        if diff > LOSS_RTOL:
+            failures.append(f"{layout}: losses differ from {runs[reference]['layout']} by {diff:.1e} (> {LOSS_RTOL})")
+        if not _same_round_trip(run):
+            failures.append(f"{layout}: the checkpoint round trip changed the optimizer state or the loss "
+                            f"{run['round_trip_loss']}")
+        if name == "budget":
+            budget = int(layout.rsplit("mem", 1)[1].removesuffix("MiB")) * 2 ** 20
+            if run["peak"] > budget or not run["host"]:
+                failures.append(f"{layout}: the allocator peaked at {run['peak'] / 2 ** 20:.0f} MiB with "
+                                f"{run['host'] / 2 ** 20:.1f} MiB of state on the host")
+            continue
+        if "@" not in layout:
+            continue
+        if cuda and run["moments_on_gpu"]:
+            failures.append(f"{layout}: {run['moments_on_gpu']} moment tensors (state or state dict) on the GPU")
+        if cuda and "accumulated" not in name:
+            moments = 8 * run["elements"]
+            freed = runs["plain"]["allocated"] - run["allocated"]
+            if freed < 0.95 * moments:
+                failures.append(f"{layout}: the allocator holds {freed / 2 ** 20:.1f} MiB less than without tiers, "
+                                f"the moments are {moments / 2 ** 20:.1f} MiB")
+        if cuda and not run["host_step"]:
+            failures.append(f"{layout}: a chunk off the device was staged to the GPU instead of the host step")
+        want = expected_moved(name, run["elements"], cuda)
+        if want is not None and run["moved"] != want:
+            failures.append(f"{layout}: the last step moved {run['moved']} bytes, expected {want}")
+    return failures
+
+
+def tier_check_section(steps: int = 4, runs: dict | None = None, arms: dict | None = None,
+                       cuda: bool = True) -> tuple[str, list[str]]:
+    """(markdown, failures): memory tiers on this machine's GPUs (`check_base`): state on the host
+    and on disk, under a budget, compiled, and (dp2 zero3) gradients held on the host under
+    accumulation. `runs`/`arms`: `tier_checks`' result when already taken (tests)."""
+    if runs is None:
+        import torch
+
+        from colab_par import Cluster
+
+        cluster = Cluster(n=min(2, torch.cuda.device_count()), backend="nccl", dashboard=False)
+        cluster.start()
+        try:
+            with tempfile.TemporaryDirectory() as folder:
+                runs = cluster.run(tier_checks, CHECK_GPT, steps, folder)[0]
+        finally:
+            cluster.stop()
+    arms = arms or tier_check_arms(runs["plain"]["layout"], cuda)
+    failures = tier_check_failures(runs, arms, cuda)
+    lines = [f"Memory tier checks: GPT {CHECK_GPT}, {steps} steps; AdamW state must stay off the GPU (state "
+             "and state dict), a save/load round trip must give the same state and loss two steps on, bytes moved "
+             "per step as computed.", "",
+             "| arm | layout | max rel loss diff | moments on GPU | allocator MiB after / peak | moved MiB/step "
+             "| host / disk MiB | round trip |", "|---|---|---|---|---|---|---|---|"]
+    for name, run in runs.items():
+        plain = runs[arms[name][1]]["losses"]
+        diff = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], plain))
+        memory = "-" if run["allocated"] is None else f"{run['allocated'] / 2 ** 20:.0f} / {run['peak'] / 2 ** 20:.0f}"
+        same = _same_round_trip(run)
+        lines.append(f"| {name} | `{run['layout']}` | {diff:.1e} | {run['moments_on_gpu']} | {memory} | "
+                     f"{run['moved'] / 2 ** 20:.2f} | {run['host'] / 2 ** 20:.1f} / {run['disk'] / 2 ** 20:.1f} | "
+                     f"{'equal' if same else 'DIFFERS'} |")
+    lines += ["", "Failures: " + ("none" if not failures else "; ".join(failures))]
+    return "\n".join(lines), failures
+
+
 # ---- RESULTS.md --------------------------------------------------------------------------------------
+# ---- an NCCL timeout: the engine lives on --------------------------------------------------------
+def nccl_timeout_check(timeout_s: float = 2.0) -> dict:
+    """Engine side (one nccl engine): whether the world was bound to its GPU (`init_process_group`'s
+    device_id: `barrier()` then does not warn about guessing one); then a collective that cannot
+    finish within its group's timeout (queued behind seconds of matmuls), the watchdog's handling
+    (`engine.NCCL_ENVIRONMENT`: abort the communicators, keep the process), and whether the next
+    collective on that group raises."""
+    import os
+    import time
+    import warnings
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.barrier()
+    guessed = [str(w.message)[:120] for w in caught if "device" in str(w.message).lower()]
+    group = dist.new_group([0], timeout=timedelta(seconds=timeout_s))
+    value = torch.ones(1, device="cuda")
+    dist.all_reduce(value, group=group)
+    torch.cuda.synchronize()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    per_matmul = (time.perf_counter() - start) / 10
+    for _ in range(int(4 * timeout_s / per_matmul)):  # ~4 timeouts of work ahead of the collective
+        a @ a
+    dist.all_reduce(value, group=group)
+    time.sleep(6 * timeout_s)  # the watchdog sees the timeout and aborts the group's communicator
+    torch.cuda.synchronize()
+    try:
+        dist.all_reduce(value, group=group)
+        torch.cuda.synchronize()
+        raised = None
+    except Exception as error:  # noqa: BLE001 - what the user's next call on the group sees
+        raised = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+    return {"pid": os.getpid(), "guessed_device": guessed, "raised": raised,
+            "handling": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")}
+
+
+def nccl_timeout_section() -> tuple[str, list[str]]:
+    """The table of `nccl_timeout_check` and what failed: the engine must answer afterwards (same
+    process), the timed-out group's next collective must raise, barrier() must know its GPU."""
+    import os
+
+    from colab_par import Cluster
+
+    cluster = Cluster(n=1, backend="nccl", dashboard=False)
+    cluster.start()
+    try:
+        (run,) = cluster.run(nccl_timeout_check)
+        alive = cluster.run(os.getpid)[0] == run["pid"]
+    finally:
+        cluster.stop()
+    checks = {"the engine process survives the timeout": alive,
+              "the timed-out group's next collective raises": run["raised"] is not None,
+              "barrier() uses the bound GPU (device_id)": not run["guessed_device"]}
+    rows = [f"| {name} | {'ok' if ok else 'FAILED'} |" for name, ok in checks.items()]
+    table = ("An NCCL collective past its group's timeout on an engine (TORCH_NCCL_ASYNC_ERROR_HANDLING="
+             f"{run['handling']}); the next call raised: {run['raised']}\n\n| check | result |\n|---|---|\n"
+             + "\n".join(rows))
+    return table, [name for name, ok in checks.items() if not ok]
+
+
 def write_section(path: Path, card: str, body: str) -> None:
     """Put `body` under the heading of `card` in `path`: replacing that card's earlier section, else
     as the first section (after the file's title)."""

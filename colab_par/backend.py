@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Sequence
 
-__all__ = ["BACKENDS", "choose_backend", "device_for", "expected_devices", "local_ranks", "device_problems"]
+__all__ = ["BACKENDS", "choose_backend", "device_for", "expected_devices", "local_ranks", "device_indices",
+           "device_problems"]
 
 BACKENDS = ("nccl", "gloo")
 
@@ -29,10 +30,12 @@ def choose_backend(requested: str | None, hosts: Sequence[dict[str, Any]]) -> tu
     refused, naming the hosts, before any process group forms.
     """
     engines = Counter(info["host"] for info in hosts)
-    gpus: dict[str, int] = {}
-    for info in hosts:  # engines of one host normally agree; the fewest visible GPUs is what binds
-        gpus[info["host"]] = min(gpus.get(info["host"], info["gpus"]), info["gpus"])
-    short = {host: (gpus[host], count) for host, count in engines.items() if gpus[host] < count}
+    gpus: dict[str, set[str]] = {}
+    for info in hosts:
+        gpus.setdefault(info["host"], set()).update(_gpu_ids(info))
+    indices = device_indices(hosts)
+    short = {info["host"]: (len(gpus[info["host"]]), engines[info["host"]])
+             for info, index in zip(hosts, indices) if index >= len(_gpu_ids(info))}
     if requested == "gloo" or not short:
         return requested or "nccl", None
     shortage = "; ".join(f"{host} has {have} GPU{'s' * (have != 1)} for {count} "
@@ -41,20 +44,36 @@ def choose_backend(requested: str | None, hosts: Sequence[dict[str, Any]]) -> tu
         raise ValueError(f"backend='nccl' needs one CUDA GPU per engine, as the engines report: "
                          f"{shortage}. Use backend='gloo' (CPU), fewer engines per host, or engines "
                          "on GPU hosts (e.g. Slurm(gpus_per_node=...))")
-    if any(gpus[host] for host in short):
+    if any(have for have, _ in short.values()):
         return "gloo", (f"using gloo on the CPU: {shortage}; start at most one engine per GPU for "
                         "nccl")
     return "gloo", None
 
 
-def device_for(backend: str, local_rank: int) -> str:
-    """The device a rank computes on: its own GPU by local rank under nccl, the CPU under gloo."""
-    return f"cuda:{local_rank}" if backend == "nccl" else "cpu"
+def device_indices(hosts: Sequence[dict[str, Any]]) -> list[int]:
+    """Which of the GPUs it sees each rank binds under nccl: its order among the engines of its host
+    that see the same GPUs (`engine.visible_gpu_ids`). Engines sharing a host's GPUs take them by
+    local order; an engine its launcher gave a GPU of its own (srun --gpus-per-task, a
+    CUDA_VISIBLE_DEVICES per engine) sees only that one and binds its cuda:0."""
+    keys = [(info["host"], tuple(_gpu_ids(info))) for info in hosts]
+    return [keys[:rank].count(key) for rank, key in enumerate(keys)]
+
+
+def _gpu_ids(info: dict[str, Any]) -> list[str]:
+    """The GPUs an engine reported; by count alone (all its host's engines share them) for a
+    report without names."""
+    return info.get("gpu_ids") or [f"{info['host']}:{i}" for i in range(info["gpus"])]
+
+
+def device_for(backend: str, index: int) -> str:
+    """The device a rank computes on: the GPU `index` of those it sees under nccl
+    (`device_indices`), the CPU under gloo."""
+    return f"cuda:{index}" if backend == "nccl" else "cpu"
 
 
 def expected_devices(backend: str, hosts: Sequence[dict[str, Any]]) -> list[str]:
     """`device_for` of every rank of engines reporting `hosts` (rank order)."""
-    return [device_for(backend, local) for local in local_ranks(hosts)]
+    return [device_for(backend, index) for index in device_indices(hosts)]
 
 
 def device_problems(backend: str, hosts: Sequence[dict[str, Any]], devices: Sequence[str],

@@ -33,11 +33,12 @@ def prepare(toward: str, client_host: str) -> dict[str, Any]:
 
 
 def bind(local_rank: int, local_world: int, backend: str, seed: int | None,
-         rendezvous_on: str | None = None) -> tuple[str, int | None]:
-    """Bind the device (before anything touches CUDA, `engine.bind_device`), seed the generators
-    unless `seed` is None, and on rank 0 (`rendezvous_on` its address) open the world's
-    rendezvous socket; returns (device, that socket's port or None)."""
-    device = engine.bind_device(local_rank, local_world, backend)
+         rendezvous_on: str | None = None, device_index: int | None = None) -> tuple[str, int | None]:
+    """Bind the device (before anything touches CUDA, `engine.bind_device`; `device_index` of the
+    GPUs the engine sees, `backend.device_indices`), seed the generators unless `seed` is None,
+    and on rank 0 (`rendezvous_on` its address) open the world's rendezvous socket; returns
+    (device, that socket's port or None)."""
+    device = engine.bind_device(local_rank, local_world, backend, device_index)
     if seed is not None:
         engine.seed_generators(seed)
     return device, engine.open_rendezvous(rendezvous_on) if rendezvous_on else None

@@ -140,13 +140,14 @@ class Slurm(_Launcher):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{key}={value!r} must be a positive integer, e.g. {key}=2")
 
-    def sbatch_options(self, *, tasks: int | None = None) -> list[str]:
-        """The job's #SBATCH options (shared with `colab-par export --slurm`)."""
-        options = [f"--ntasks={tasks}"] * (tasks is not None)
-        options += [f"--nodes={self.nodes}"] * (self.nodes is not None)
-        if self.gpus_per_node:
-            options += [f"--gpus-per-node={self.gpus_per_node}"]
-            options += [f"--ntasks-per-node={self.gpus_per_node}"] * (tasks is not None)
+    def sbatch_options(self, *, tasks_per_node: int | None = None) -> list[str]:
+        """The job's #SBATCH options (shared with `colab-par export --slurm`, one torchrun task per
+        node). Engine jobs run one task per GPU on each node: without ``--ntasks-per-node``
+        Slurm may pack a job's tasks onto fewer nodes than its GPUs need (8 on one 4-GPU node)."""
+        options = [f"--nodes={self.nodes}"] * (self.nodes is not None)
+        options += [f"--gpus-per-node={self.gpus_per_node}"] * bool(self.gpus_per_node)
+        per_node = tasks_per_node or self.gpus_per_node
+        options += [f"--ntasks-per-node={per_node}"] * bool(per_node)
         options += [f"--partition={self.partition}"] * bool(self.partition)
         options += [f"--account={self.account}"] * bool(self.account)
         options += [f"--time={self.time}"] * bool(self.time)

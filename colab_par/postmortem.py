@@ -7,7 +7,8 @@ that rank alone, so no other rank is involved and this one is free between comma
 comes back as text. Nothing can step or continue: the frames have finished running.
 
 The frames keep their locals alive (activations, batches): they are released at the next cell
-that succeeds on this rank (`install` hooks IPython's ``post_run_cell``), or by `clear`.
+that succeeds on this rank (`install` hooks IPython's ``post_run_cell``), or by `clear`; after an
+out-of-memory error at once (the stack stays, the variables go), or the retry would fail again.
 """
 from __future__ import annotations
 
@@ -43,6 +44,29 @@ def install() -> None:
 def _release_after_success(result: Any) -> None:
     if result.success:
         clear()
+    elif _out_of_memory(result.error_in_exec):
+        _drop_locals()
+
+
+def _out_of_memory(error: BaseException | None) -> bool:
+    """A device allocation failed: torch's OutOfMemoryError (or an accelerator error saying so)."""
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower() \
+        and type(error).__name__ in ("AcceleratorError", "RuntimeError")
+
+
+def _drop_locals() -> None:
+    """After an out-of-memory error, release the failed frames' variables (their activations and
+    batches hold the very memory a retry needs) and keep the stack, so `where` still shows it."""
+    tb = getattr(sys, "last_traceback", None)
+    while tb is not None:
+        with contextlib.suppress(RuntimeError):  # a frame still running (the framework's) stays
+            tb.tb_frame.clear()
+            # the traceback's printer read `f_locals`: a dict copied from the frame, which clear()
+            # leaves full until the next read syncs it with the (now empty) frame
+            tb.tb_frame.f_locals  # noqa: B018
+        tb = tb.tb_next
 
 
 def _user_traceback() -> TracebackType | None:

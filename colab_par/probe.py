@@ -19,7 +19,8 @@ from typing import Any
 from colab_par import compat, engine
 from colab_par.deadlock import ROOTED, SYMMETRIC
 
-__all__ = ["WHERE_REQUEST", "ABORT_REQUEST", "ANSWERED", "install", "where", "abort", "collective_wait"]
+__all__ = ["WHERE_REQUEST", "ABORT_REQUEST", "ANSWERED", "install", "where", "abort", "collective_wait",
+           "pending_collective"]
 
 WHERE_REQUEST = "colab_par_where_request"
 ABORT_REQUEST = "colab_par_abort_request"
@@ -51,15 +52,18 @@ def collective_wait(frame: FrameType | None) -> dict[str, Any] | None:
     """The collective `frame` (a thread's innermost frame) is blocked in: op, group name, members,
     the group's sequence number on this rank, and the root or peer (global rank); None when the
     thread is not inside one of torch.distributed's collective calls (running Python, or waiting
-    in something else, e.g. a `work.wait()` of its own)."""
-    if frame is None or not frame.f_code.co_filename.replace("\\", "/").endswith(_C10D_FILE):
+    in something else, e.g. a `work.wait()` of its own). Under NCCL: the oldest collective this
+    rank enqueued that has not finished (`pending_collective`), wherever the thread waits."""
+    import torch.distributed as dist
+
+    if frame is None or not dist.is_initialized():
+        return None
+    if "nccl" in dist.get_backend():
+        return pending_collective(compat.flight_record())
+    if not frame.f_code.co_filename.replace("\\", "/").endswith(_C10D_FILE):
         return None
     op = frame.f_code.co_name
     if op not in SYMMETRIC and op not in ROOTED:
-        return None
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
         return None
     variables = frame.f_locals
     group = variables.get("group")
@@ -70,6 +74,30 @@ def collective_wait(frame: FrameType | None) -> dict[str, Any] | None:
         return None
     return {"op": op, "group": group.group_name, "ranks": dist.get_process_group_ranks(group),
             "seq": seq, "root": _root(variables, group, ROOTED.get(op))}
+
+
+def pending_collective(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The oldest unfinished collective in a flight-recorder dump (`compat.flight_record`), as
+    `collective_wait` reports one: op (the backend's name without its prefix; "send"/"recv" with
+    the peer as root), group, members, the entry's record id as sequence number; None when every
+    recorded collective finished (or the group is gone). Only NCCL retires an entry when its work
+    finishes on the device, whether or not anyone waits for it; gloo's stay until waited for."""
+    import torch.distributed as dist
+
+    entries = sorted((e for e in record.get("entries", []) if not e.get("retired")
+                      and e.get("state") != "completed"), key=lambda e: e["record_id"])
+    groups = {group.group_name: group for group in compat.process_groups()}
+    for entry in entries:
+        group = groups.get(entry["process_group"][0])
+        if group is None:
+            continue
+        op, _, peers = entry["profiling_name"].partition(":")[2].partition(" ")
+        root = None
+        if op in ("send", "recv"):  # "send 0->1", "recv 1<-0": the group's ranks, the peer second
+            root = dist.get_global_rank(group, int(peers.replace("<-", "->").split("->")[1]))
+        return {"op": op, "group": group.group_name, "ranks": dist.get_process_group_ranks(group),
+                "seq": entry["record_id"], "root": root}
+    return None
 
 
 def _root(variables: dict[str, Any], group: Any, argument: str | None) -> int | None:

@@ -64,3 +64,43 @@ def test_the_tiers_check_runs_its_engine_code_and_reports_each_layout(cluster2) 
     cells = [[cell.strip() for cell in row.strip(" |").split("|")] for row in rows]
     assert all(float(row[-1]) > 0 for row in cells), rows  # the planner's peak for a catalogued card
     assert cells[0][-2] == "-" and float(cells[1][-2]) > 0, rows  # host <-> device bytes with tiers only
+
+
+def test_the_tier_checks_run_on_engines_and_pass(cluster2, tmp_path: Path) -> None:
+    """The tier checks' engine code on CPU engines (dp2 zero3, the state on disk): it trains like
+    the plain run, the checkpoint round trip is equal, the bytes moved are as computed, and the
+    section reports no failure."""
+    gpu_check = _gpu_check()
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(gpu_check)
+    tiny = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
+    arms = {name: arm for name, arm in gpu_check.tier_check_arms("dp2 zero3", cuda=False).items()
+            if name in ("plain", "optimizer@disk")}
+    runs = cluster2.run(gpu_check.tier_checks, tiny, 3, str(tmp_path), arms)[0]
+    disk = runs["optimizer@disk"]
+    assert disk["moved"] == 16 * disk["elements"] > 0 and disk["round_trip_state"], disk
+    table, failures = gpu_check.tier_check_section(3, runs=runs, arms=arms, cuda=False)
+    assert failures == [] and table.endswith("Failures: none")
+    assert sorted(row.split("|")[1].strip() for row in table.splitlines() if row.startswith("| ")) == sorted(
+        ["arm", *arms])
+
+
+def test_the_tier_checks_name_each_failure() -> None:
+    """What the GPU run would show if the state reached the GPU, a round trip lost it, a chunk was
+    staged or bytes went uncounted: each is a failure that names the layout."""
+    gpu_check = _gpu_check()
+    arms = gpu_check.tier_check_arms("dp2 zero3", cuda=True)
+    n = 1000
+    good = dict(losses=[2.0, 1.5], elements=n, moments_on_gpu=0, allocated=10 * n, peak=20 * n, host=8 * n,
+                disk=0, host_step=True, round_trip_state=True, round_trip_loss=(1.0, 1.0))
+    runs = {name: dict(good, layout=layout.format(budget=1), moved=gpu_check.expected_moved(name, n, True) or 0,
+                       allocated=18 * n if "@" not in layout else 10 * n)
+            for name, (layout, _, _) in arms.items()}
+    assert gpu_check.tier_check_failures(runs, arms, cuda=True) == []
+    runs["optimizer@host"].update(moments_on_gpu=2, allocated=18 * n, host_step=False, moved=0)
+    runs["optimizer@disk"].update(round_trip_state=False, losses=[2.0, 1.6])
+    runs["budget"].update(peak=2 ** 20 + 1)  # over its budget of 1 MiB
+    failures = gpu_check.tier_check_failures(runs, arms, cuda=True)
+    assert [f.split(":")[0] for f in failures] == ["dp2 zero3 optimizer@host"] * 4 + [
+        "dp2 zero3 optimizer@disk"] * 2 + ["dp2 zero3 mem1MiB"], failures

@@ -89,3 +89,18 @@ def test_chunk_must_be_flat_float32() -> None:
     with pytest.raises(ValueError, match="flat float32"):
         adamw_chunk_step(torch.zeros(4, dtype=torch.float64), torch.zeros(4), torch.zeros(4), torch.zeros(4),
                          torch.zeros(()), AdamWHyper())
+
+
+def test_staging_buffers_alternate_so_one_chunk_comes_down_while_the_other_updates() -> None:
+    """Consecutive chunks get different staging buffers (chunk i+1's copy must not land in the
+    buffer chunk i is being updated in); every other chunk reuses one. On a CPU rank copies are
+    plain and count no bytes between device and host."""
+    from colab_par.memory_tiers.transfers import Transfers
+
+    transfers = Transfers(torch.device("cpu"))
+    first, second = (transfers.staging(turn, "grads", torch.float32, 8) for turn in (0, 1))
+    assert first.data_ptr() != second.data_ptr()
+    assert transfers.staging(2, "grads", torch.float32, 8).data_ptr() == first.data_ptr()
+    assert transfers.staging(0, "params", torch.float32, 8).data_ptr() != first.data_ptr()
+    source = torch.arange(8.0)
+    assert transfers.copy([(first, source)]) is None and torch.equal(first, source) and transfers.moved == 0

@@ -672,3 +672,166 @@ def test_bf16_parameters_update_through_a_float32_master_in_the_chunk(tmp_path, 
     assert set(state[0]) == {"step", "exp_avg", "exp_avg_sq"} and state[0]["step"].item() == 3
     tiered.release()
     assert list(tmp_path.iterdir()) == []
+
+
+def _tiered_linear(tmp_path, tier: str, dtype: torch.dtype = torch.float32, **options) -> tuple:
+    """An in-process TieredAdamW over a small Linear (several chunks), state in `tier`."""
+    from colab_par.memory_tiers.optimizer import TieredAdamW
+    from colab_par.tier_options import MemoryTiers
+
+    torch.manual_seed(SEED)
+    model = torch.nn.Linear(48, 40).to(dtype)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2, **options.pop("adamw", {}))
+    tiered = TieredAdamW(adamw, MemoryTiers(optimizer=tier, disk=str(tmp_path)), [model],
+                         device=torch.device("cpu"), rank=0, baseline=0, grads_movable=False, chunk_bytes=4096,
+                         **options)
+    return model, tiered
+
+
+def _store_view(tiered, p, kind: str) -> torch.Tensor:
+    chunk, slot = tiered._slot_of[id(p)]
+    return slot.of(tiered._stores[chunk.index][kind].tensor)
+
+
+@pytest.mark.parametrize("tier", ["device", "disk"])
+def test_state_is_the_stores_and_state_dict_and_load_go_through_them(tmp_path, tier: str) -> None:
+    """AdamW's state is plain views of the stores (no copy, no DTensor), so what the step writes
+    is what state_dict reads, and load_state_dict writes the stores."""
+    model, tiered = _tiered_linear(tmp_path, tier)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    tiered.step()
+    for p in model.parameters():
+        for kind in ("exp_avg", "exp_avg_sq"):
+            value, store = tiered.state[p][kind], _store_view(tiered, p, kind)
+            assert type(value) is torch.Tensor and value.data_ptr() == store.data_ptr(), kind
+    weight = model.weight
+    _store_view(tiered, weight, "exp_avg").fill_(0.25)  # the store changes: the state dict sees it
+    state = tiered.state_dict()
+    assert torch.equal(state["state"][0]["exp_avg"], torch.full_like(weight, 0.25))
+    state["state"][0]["exp_avg"] = torch.full_like(weight, 3.0)  # a fresh tensor, loaded into the store
+    tiered.load_state_dict(state)
+    assert torch.equal(_store_view(tiered, weight, "exp_avg"), torch.full_like(weight, 3.0))
+    assert tiered.state[weight]["exp_avg"].data_ptr() == _store_view(tiered, weight, "exp_avg").data_ptr()
+    tiered.release()
+
+
+@pytest.mark.parametrize("tier", ["device", "disk"])
+def test_loading_keeps_float32_moments_of_bf16_parameters_exact(tmp_path, tier: str) -> None:
+    """bf16 working parameters keep float32 moments: a load must not round them to the parameter's
+    dtype (Optimizer.load_state_dict's cast): 1 + 2^-12 is not a bf16 number and comes back exactly."""
+    model, tiered = _tiered_linear(tmp_path, tier, torch.bfloat16)
+    tiered.place_state()
+    exact = 1 + 2.0 ** -12
+    state = tiered.state_dict()
+    for index, p in enumerate(model.parameters()):
+        state["state"][index] = {"step": torch.tensor(5.0), "exp_avg": torch.full(p.shape, exact),
+                                 "exp_avg_sq": torch.full(p.shape, 2 * exact)}
+    tiered.load_state_dict(state)
+    for index, p in enumerate(model.parameters()):
+        assert _store_view(tiered, p, "exp_avg").dtype == torch.float32
+        assert torch.equal(_store_view(tiered, p, "exp_avg"), torch.full(p.shape, exact))
+        assert torch.equal(tiered.state_dict()["state"][index]["exp_avg_sq"], torch.full(p.shape, 2 * exact))
+        assert tiered.state[p]["step"].item() == 5.0
+    tiered.release()
+
+
+@pytest.mark.parametrize("by_compile", [True, False])
+def test_fused_chosen_by_compile_keeps_the_host_step_for_state_off_the_device(tmp_path, by_compile: bool) -> None:
+    """`compile` builds AdamW with fused=True where the user chose no kernel; the tiers still step
+    state on disk where it is (the host step), not staged; a user's own fused=True is kept."""
+    model, tiered = _tiered_linear(tmp_path, "disk", adamw={"fused": True}, fused_by_compile=by_compile)
+    tiered.place_state()
+    group, stores = tiered.param_groups[0], tiered._stores[0]
+    assert group["fused"] is True and tiered._host_step(group, stores) is by_compile
+    tiered.release()
+
+
+def test_working_memory_counts_only_what_the_devices_measure_holds() -> None:
+    """On CUDA the allocator's peak never includes host memory (pinned stores): subtracting them
+    from it would leave the working memory near 0 and place state back onto the GPU."""
+    from colab_par.memory_tiers.measure import counted_bytes
+
+    host = [torch.zeros(256), torch.zeros(64, dtype=torch.bfloat16)]
+    assert counted_bytes(torch.device("cpu"), host) == 256 * 4 + 64 * 2
+    assert counted_bytes(torch.device("cuda", 0), host) == 0
+    assert counted_bytes(torch.device("cuda", 0), [torch.zeros(8, device="meta")]) == 0
+
+
+def _dtensor_state(layout: str) -> dict:
+    """Engine side: after a step under FSDP, where AdamW's state and its state dict live."""
+    import colab_par.memory_tiers.chunks as chunks
+    from torch.distributed.tensor import DTensor
+
+    from colab_par.compat import storage_holder
+
+    chunks.CHUNK_BYTES = SMALL_CHUNK
+    pm = _parallelized(engine_model("gpt", "module"), layout)
+    pm.train_step(*training_batches("gpt", 1)[0])
+    tiered, out = pm.optimizer, {"plain": True, "over_stores": True, "sees_store": True, "loads_store": True}
+    params = tiered._params()
+    for p in params:
+        for kind in ("exp_avg", "exp_avg_sq"):
+            value, store = tiered.state[p][kind], _store_view(tiered, p, kind)
+            out["plain"] &= type(value) is torch.Tensor and value.data_ptr() == store.data_ptr()
+    state = tiered.state_dict()
+    for index, p in enumerate(params):
+        for kind in ("exp_avg", "exp_avg_sq"):
+            value, store = state["state"][index][kind], _store_view(tiered, p, kind)
+            held = storage_holder(value)
+            out["over_stores"] &= (isinstance(value, DTensor) and value.placements == p.placements
+                                   and value.shape == p.shape and held.data_ptr() == store.data_ptr()
+                                   and held.device == store.device)
+        _store_view(tiered, p, "exp_avg").fill_(0.5)  # the store changes: the state dict sees it
+        out["sees_store"] &= bool((tiered.state_dict()["state"][index]["exp_avg"].to_local() == 0.5).all())
+        saved = state["state"][index]["exp_avg"]
+        state["state"][index]["exp_avg"] = DTensor.from_local(torch.full_like(saved.to_local(), 2.0),
+                                                              p.device_mesh, p.placements)
+    tiered.load_state_dict(state)
+    for p in params:
+        out["loads_store"] &= bool((_store_view(tiered, p, "exp_avg") == 2.0).all())
+    return out
+
+
+def test_fsdp_state_is_plain_store_views_and_its_state_dict_dtensors_wrap_them(cluster2) -> None:
+    """zero3 (DTensor parameters): AdamW's state holds plain views of the stores; state_dict's
+    moments are DTensors like their parameter over those very views (a wrapper that copied a
+    host or disk store onto a CUDA mesh's device would have another storage there); load writes
+    the stores."""
+    for result in cluster2.run(_dtensor_state, "dp2 zero3 optimizer@disk"):
+        assert result == {"plain": True, "over_stores": True, "sees_store": True, "loads_store": True}
+
+
+def test_fsdp_offload_pins_host_memory_only_on_a_cuda_mesh() -> None:
+    """FSDP's CPU offload (the layout's 'offload', beside the tiers) pins its host shards on a
+    CUDA mesh only: pinning on a gloo world would open a CUDA context on every GPU machine."""
+    from colab_par.layout import Layout
+    from colab_par.parallel.data_parallel import fsdp_options
+
+    layout = Layout.parse("dp2 zero3 offload")
+    assert fsdp_options(layout, "cuda")["offload_policy"].pin_memory is True
+    assert fsdp_options(layout, "cpu")["offload_policy"].pin_memory is False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cuda_host_steps_staging_updates_like_adamw(tmp_path, dtype: torch.dtype) -> None:
+    """The CUDA host step's path (gradients and float32 parameters through alternating staging
+    buffers, parameters or masters sent back), taken on CPU where its copies are plain: exactly
+    torch's fused AdamW on the same numbers. The side stream itself is the GPU check's."""
+    reference = torch.nn.Linear(48, 40)
+    model, tiered = _tiered_linear(tmp_path, "disk", dtype)
+    with torch.no_grad():
+        for p, q in zip(reference.parameters(), model.parameters()):
+            p.copy_(q.float())
+    expected = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    tiered._cuda = True  # the path a CUDA rank takes; Transfers on a CPU device copies plainly
+    for _ in range(3):
+        for p, q in zip(reference.parameters(), model.parameters()):
+            q.grad = torch.randn_like(p).to(dtype)
+            p.grad = q.grad.float()
+        expected.step()
+        tiered.step()
+    assert len(tiered._chunks) > 1 and {key[0] for key in tiered._transfers._staging} == {0, 1}
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(q.detach(), p.detach().to(dtype))
+    tiered.release()

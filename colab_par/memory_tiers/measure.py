@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["resident_bytes", "reset_peak", "peak_bytes"]
+__all__ = ["resident_bytes", "reset_peak", "peak_bytes", "counted_bytes"]
 
 
 def _status_bytes(field: str) -> int:
@@ -42,3 +42,10 @@ def peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return _status_bytes("VmHWM")
+
+
+def counted_bytes(device: torch.device, tensors: list[torch.Tensor]) -> int:
+    """The bytes of `tensors` that `peak_bytes(device)` counts: on CUDA those in the GPU's memory
+    (the allocator never counts host memory, pinned or not), on a CPU rank those in host memory."""
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    return sum(t.numel() * t.element_size() for t in tensors if t.device.type == kind)

@@ -6,7 +6,14 @@ from the user's Adam/AdamW settings. Its state lives in chunks (`chunks.py`) who
 (`stores.py`) the placement (`placement.py`) puts in a tier after measuring the first training
 step. The step streams: chunk i+1 is prefetched while chunk i updates with torch's own AdamW
 function (the user's foreach/fused choice, so a model whose state stays resident steps exactly
-as under AdamW), then chunk i is written back and evicted.
+as under AdamW), then chunk i is written back and evicted. On CUDA, chunks whose moments are in
+host memory or on disk step on the host; their gradients come down and parameters go up on a
+side stream through pinned buffers (`transfers.py`), the next chunk's while this one updates.
+
+Its `state` holds plain views of the stores, where they live (host or disk memory stays there);
+`state_dict` wraps a DTensor parameter's moments as DTensors over those same views (never copied
+to the mesh's device), so DCP saves what the stores hold and loads into them, and
+`load_state_dict` copies each value into its store in the store's dtype.
 
 Memory this rank may use = the budget + the process's baseline: what it held before the model
 was built (interpreter, torch, libraries), the stated fixed overhead outside the budget.
@@ -32,12 +39,13 @@ from colab_par.host_heap import loosen_heap, tighten_heap, trim_host_heap
 from colab_par.memory_tiers import chunks as chunking
 from colab_par.memory_tiers.chunks import Chunk, Slot, build_chunks, local
 from colab_par.memory_tiers.host_adam import AdamWHyper, host_adamw_step
-from colab_par.compat import storage_holder
+from colab_par.compat import dtensor_over, storage_holder
 from colab_par.memory_tiers.param_pages import PagedParameters
-from colab_par.memory_tiers.measure import peak_bytes, reset_peak, resident_bytes
+from colab_par.memory_tiers.measure import counted_bytes, peak_bytes, reset_peak, resident_bytes
 from colab_par.memory_tiers.ownership import Ownership
 from colab_par.memory_tiers.placement import FAST, Measured, TierBudgetError, budget_text, place
 from colab_par.memory_tiers.stores import DiskStore, MemoryStore, RunFolder, check_disk_room
+from colab_par.memory_tiers.transfers import Transfers
 from colab_par.tier_options import MemoryTiers, format_bytes
 
 __all__ = ["TieredAdamW", "check_optimizer"]
@@ -62,11 +70,13 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 class TieredAdamW(torch.optim.Optimizer):
     """AdamW over this rank's local tensors (DDP parameters, FSDP / tensor-parallel local shards,
     pipeline stage parameters) with state in chunks across tiers; see the module docstring.
-    `zero1_group`: the data-parallel group a zero1 layout partitions the state over (else None)."""
+    `zero1_group`: the data-parallel group a zero1 layout partitions the state over (else None);
+    `fused_by_compile`: the groups' ``fused=True`` is the `compile` option's, not the user's."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, tiers: MemoryTiers, modules: list[nn.Module], *,
                  device: torch.device, rank: int, baseline: int, grads_movable: bool,
-                 chunk_bytes: int | None = None, zero1_group: dist.ProcessGroup | None = None):
+                 chunk_bytes: int | None = None, zero1_group: dist.ProcessGroup | None = None,
+                 fused_by_compile: bool = False):
         check_optimizer(optimizer)
         groups = [{**group, "params": list(group["params"])} for group in optimizer.param_groups]
         super().__init__(groups, dict(optimizer.defaults))
@@ -74,7 +84,9 @@ class TieredAdamW(torch.optim.Optimizer):
         self.chunk_bytes = chunk_bytes or chunking.CHUNK_BYTES
         self._ownership = None if zero1_group is None else Ownership(self._params(), zero1_group, self.chunk_bytes)
         self._grads_movable = grads_movable
+        self._fused_by_compile = fused_by_compile
         self._cuda = device.type == "cuda"
+        self._transfers = Transfers(device)
         self._folder: RunFolder | None = None
         self._chunks: list[Chunk] | None = None
         self._stores: list[dict[str, Any]] = []
@@ -105,6 +117,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self._check_streaming_fits()
         self._hooks = self._record_first_use(modules) + self._grad_hooks()
         self._pages = PagedParameters(self, modules, self._params()) if self._params_on_disk else None
+        self.register_state_dict_post_hook(_moments_as_dtensors)
         if self._params_on_disk:  # the parameters leave memory now, before the first step needs them all
             self._ensure_chunks()  # so in the parameters' order, not the first forward's
             self._place(measured=False)
@@ -296,16 +309,16 @@ class TieredAdamW(torch.optim.Optimizer):
     def _measured_working(self) -> int:
         """The peak since the last reset beyond what was resident when the tiers were applied and
         the state resident now: activations, gathered parameters, temporaries, allocator slack."""
-        resident = sum(local(p.grad).numel() * local(p.grad).element_size()
-                       for p in self._params() if p.grad is not None)
-        resident += sum(store.nbytes for stores in self._stores for store in stores.values()
-                        if not store.tier_on_disk)
+        resident = counted_bytes(self.device, [local(p.grad) for p in self._params() if p.grad is not None]
+                                 + [store.tensor for stores in self._stores for store in stores.values()
+                                    if not store.tier_on_disk])
         return max(0, peak_bytes(self.device) - self._at_apply - resident)
 
     def _return_gradients(self, chunk: Chunk, store: Any) -> None:
+        self._transfers.wait_host()  # gradients still coming down
         for slot in chunk.slots:
             if id(slot.param) in self._written:
-                slot.param.grad = _like(slot.param, slot.of(store.tensor).clone())
+                slot.param.grad = _like(slot.param, slot.of(store.tensor).to(chunk.device, copy=True))
                 self._written.discard(id(slot.param))
         self._arrivals.pop(chunk.index, None)
         store.close()
@@ -321,18 +334,23 @@ class TieredAdamW(torch.optim.Optimizer):
         return store
 
     def _bind(self, chunk: Chunk) -> None:
-        """torch's AdamW state of each parameter: views of the chunk's stores (DTensors like their
-        parameter), so state_dict / load_state_dict / DCP see AdamW's own format."""
-        stores = self._stores[chunk.index]
+        """torch's AdamW state of each parameter: plain views of the chunk's stores, where the
+        stores live (a DTensor's local shape; `state_dict` wraps them, `load_state_dict` fills them)."""
+        stores, device = self._stores[chunk.index], self._step_device(chunk)
         for slot in chunk.slots:
             p = slot.param
-            step = self._steps.setdefault(id(p), torch.zeros((), dtype=torch.float32, device=self._step_device(p)))
-            self.state[p] = {"step": step, **{kind: _like(p, slot.of(stores[kind].tensor))
-                                             for kind in ("exp_avg", "exp_avg_sq")}}
+            step = self._steps.get(id(p))
+            if step is None or step.device != device:
+                step = torch.zeros((), dtype=torch.float32, device=device) if step is None else step.to(device)
+                self._steps[id(p)] = step
+            self.state[p] = {"step": step, **{kind: slot.of(stores[kind].tensor) for kind in _MOMENTS}}
 
-    def _step_device(self, p: nn.Parameter) -> torch.device:
-        fused = self.param_groups[self._slot_of[id(p)][0].group].get("fused")
-        return local(p).device if fused else torch.device("cpu")
+    def _step_device(self, chunk: Chunk) -> torch.device:
+        """Where AdamW's step counts of `chunk` live: on its device for torch's fused kernel there,
+        on the host for the host step and the foreach path (as torch's AdamW keeps them)."""
+        group = self.param_groups[chunk.group]
+        on_device = group.get("fused") and not self._host_step(group, self._stores[chunk.index])
+        return chunk.device if on_device else torch.device("cpu")
 
     # ---- gradients ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -348,15 +366,21 @@ class TieredAdamW(torch.optim.Optimizer):
             return  # gradients stay ordinary tensors (for now: auto placement waits for the warm-up)
         chunk, slot = self._slot_of[id(p)]
         store = self._stores[chunk.index]["grads"]
-        view = slot.of(store.tensor)
-        if id(p) in self._written:  # gradient accumulation: a second backward adds in place
-            view.add_(local(p.grad))
-        else:
-            view.copy_(local(p.grad))
+        view, grad = slot.of(store.tensor), local(p.grad)
+        if id(p) in self._written:  # gradient accumulation: a second backward adds in place, where the store is
+            self._transfers.wait_host()  # the first backward's copy has landed
+            if grad.device != view.device:
+                grad = grad.to(view.device)
+                self._moving += grad.numel() * grad.element_size()
+            view.add_(grad)
+        else:  # on CUDA a copy on the side stream: backward goes on meanwhile (transfers.py)
+            self._transfers.copy([(view, grad)])
             self._written.add(id(p))
         p.grad = None
         self._arrivals[chunk.index] += 1
         if self._arrivals[chunk.index] % len(chunk.slots) == 0:  # every slot's gradient of this backward is in
+            if store.tier_on_disk:
+                self._transfers.wait_host()  # written to the file only once it has landed
             self._moving += store.evict(dirty=True)
 
     def _pin_gradients(self) -> None:
@@ -369,6 +393,7 @@ class TieredAdamW(torch.optim.Optimizer):
         """id(param) -> the sum of squares of this rank's piece of its gradient, where a grads store
         holds it: read a chunk at a time and dropped again, so a norm never has them all resident."""
         out: dict[int, float] = {}
+        self._transfers.wait_host()
         for chunk in self._chunks or []:
             slots = [slot for slot in chunk.slots if id(slot.param) in self._written]
             if not slots:
@@ -406,6 +431,7 @@ class TieredAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._ensure_chunks()
+        self._transfers.wait_host()  # the gradients backward wrote out have landed
         forward_seen, self._forward_seen = self._forward_seen, False
         self._training_steps += forward_seen
         if forward_seen and self._training_steps == 1:
@@ -415,11 +441,17 @@ class TieredAdamW(torch.optim.Optimizer):
         elif forward_seen and self._training_steps == self._measure_at and self.tiers.budget is not None:
             self._settle()  # from a later step, whose peak no first-call growth inflates
         self._stream(0, prefetch=True)
+        coming = self._download(self._chunks[0]) if self._chunks else None
         for chunk in self._chunks:
+            staged = coming
             if chunk.index + 1 < len(self._chunks):
                 self._stream(chunk.index + 1, prefetch=True)
-            self._update(chunk)
+                coming = self._download(self._chunks[chunk.index + 1])
+            self._update(chunk, staged)
             self._stream(chunk.index, prefetch=False)
+        self._transfers.join()  # the parameters sent up are there before the next forward
+        self._moving += self._transfers.moved
+        self._transfers.moved = 0
         if self._ownership is not None:
             self._ownership.share()  # zero1: every rank gets the parameters their owners updated
         if self._pages is not None:
@@ -433,15 +465,38 @@ class TieredAdamW(torch.optim.Optimizer):
         for kind, store in self._stores[index].items():
             self._moving += store.prefetch() if prefetch else store.evict(dirty=kind != "grads")
 
-    def _update(self, chunk: Chunk) -> None:
+    def _download(self, chunk: Chunk) -> dict[str, Any] | None:
+        """On CUDA, for a chunk the host steps: start bringing its gradients on the device and its
+        float32 parameters without a master down into pinned staging (the next chunk's come down
+        while the host updates this one). {"event", "params": {id: host}, "grads": {id: host}}."""
+        if not self._cuda or not self._host_step(self.param_groups[chunk.group], self._stores[chunk.index]):
+            return None
+        pairs, params, grads = [], {}, {}
+        for slot in chunk.slots:
+            grad = None if id(slot.param) in self._written else slot.param.grad
+            if grad is None and id(slot.param) not in self._written:
+                continue
+            if grad is not None:
+                grad = local(grad)
+                grads[id(slot.param)] = slot.of(self._transfers.staging(chunk.index, "grads", grad.dtype, chunk.numel))
+                pairs.append((grads[id(slot.param)], grad))
+            if not chunk.master:
+                param = local(slot.param)
+                params[id(slot.param)] = slot.of(self._transfers.staging(chunk.index, "params", param.dtype,
+                                                                         chunk.numel))
+                pairs.append((params[id(slot.param)], param))
+        return {"event": self._transfers.copy(pairs), "params": params, "grads": grads}
+
+    def _update(self, chunk: Chunk, staged: dict[str, Any] | None = None) -> None:
         group = self.param_groups[chunk.group]
         stores = self._stores[chunk.index]
-        params, grads, avgs, squares, steps, back = [], [], [], [], [], []
+        params, grads, avgs, squares, steps, back, ids = [], [], [], [], [], [], []
         for slot in chunk.slots:
             grad = self._grad_of(chunk, slot)
             if grad is None:
                 continue
             target = slot.of(stores["master"].tensor) if chunk.master else local(slot.param)
+            ids.append(id(slot.param))
             params.append(target)
             grads.append(grad)
             avgs.append(slot.of(stores["exp_avg"].tensor))
@@ -454,18 +509,20 @@ class TieredAdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         if self._host_step(group, stores):
             # ZeRO-Offload's split on CUDA: gradients come down (in their own dtype, widened on the
-            # host), float32 parameters without a master come down too, and go back up updated;
-            # the moments never cross. On a CPU rank every tensor is already here.
-            on_host = [(_to_host(p), p) for p in params]
-            host_adamw_step([p for p, _ in on_host], [_to_host(g).to(p.dtype) for g, p in zip(grads, params)],
-                            avgs, squares, steps,
+            # host), float32 parameters without a master come down too, and go back up updated,
+            # through pinned staging on the side stream (`_download`, transfers.py); the moments
+            # never cross. On a CPU rank every tensor is already here.
+            if staged is not None:
+                self._transfers.wait_host(staged["event"])
+                params_here = [staged["params"].get(key, p) for key, p in zip(ids, params)]
+                grads = [staged["grads"].get(key, g) for key, g in zip(ids, grads)]
+            else:
+                params_here = params
+            host_adamw_step(params_here, [g.to(p.dtype) for g, p in zip(grads, params_here)], avgs, squares, steps,
                             AdamWHyper(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                                        weight_decay=group["weight_decay"], maximize=group.get("maximize", False)))
-            for updated, home in on_host:
-                if updated is not home:
-                    home.copy_(updated)
-            for working, master in back:
-                working.copy_(master.to(working.device))
+            self._transfers.copy([(home, here) for home, here in zip(params, params_here) if here is not home]
+                                 + back)
             return
         staged = [_on(t, chunk.device) for t in params + avgs + squares] if self._cuda else None
         work = [s for s, _ in staged] if staged else params + avgs + squares
@@ -486,8 +543,8 @@ class TieredAdamW(torch.optim.Optimizer):
         implementation: on a CPU rank when any of its state is off the fast tier (host memory is
         the device there); on CUDA when its moments are off the device, so they are updated where
         they are, never staged to the GPU. A chunk kept resident steps with the user's own choice,
-        exactly as plain AdamW."""
-        if group.get("foreach") is not None or group.get("fused"):
+        exactly as plain AdamW. `fused` that `compile` chose (`fused_by_compile`) is no user's choice."""
+        if group.get("foreach") is not None or (group.get("fused") and not self._fused_by_compile):
             return False
         if self._cuda:
             return stores["exp_avg"].tier != FAST
@@ -507,20 +564,25 @@ class TieredAdamW(torch.optim.Optimizer):
         return [store for stores in self._stores for store in stores.values() if store.tier_on_disk]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch AdamW's format; the values land in the chunks wherever they are placed."""
+        """torch AdamW's format; each value is copied into its chunk's store wherever that is
+        placed, in the store's dtype, one tensor at a time. torch's param_groups handling is
+        `Optimizer.load_state_dict`'s; its state handling is not: it casts every value to its
+        parameter's dtype and device, so float32 moments of bf16 parameters would be rounded to
+        bf16 and every moment would reach the GPU at once."""
         self.place_state()
-        super().load_state_dict(state_dict)
-        loaded, self.state = self.state, defaultdict(dict)
+        saved = state_dict["state"]
+        super().load_state_dict({**state_dict, "state": {}})  # the groups' settings, torch's checks
+        indices = [index for group in state_dict["param_groups"] for index in group["params"]]
+        index_of = {id(p): index for index, p in zip(indices, self._params())}
         for chunk in self._chunks:
             self._bind(chunk)
             for slot in chunk.slots:
-                values = loaded.get(slot.param, {})
-                mine = self.state[slot.param]
-                for kind in ("exp_avg", "exp_avg_sq"):
-                    if kind in values and values[kind] is not mine[kind]:
-                        local(mine[kind]).copy_(local(values[kind]))
+                values, mine = saved.get(index_of[id(slot.param)], {}), self.state[slot.param]
+                for kind in _MOMENTS:
+                    if kind in values:
+                        mine[kind].copy_(local(values[kind]))
                 if "step" in values:
-                    mine["step"].copy_(values["step"])
+                    mine["step"].copy_(torch.as_tensor(values["step"]))
             if chunk.master:  # the model's own (loaded) parameters are the master values
                 for slot in chunk.slots:
                     slot.of(self._stores[chunk.index]["master"].tensor).copy_(local(slot.param).detach())
@@ -559,18 +621,28 @@ class TieredAdamW(torch.optim.Optimizer):
             self._folder.remove()
 
 
-def _like(param: nn.Parameter, view: torch.Tensor) -> torch.Tensor:
-    """`view` (this rank's piece) as its parameter is: a DTensor of the same mesh and placements."""
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _moments_as_dtensors(optimizer: TieredAdamW, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """state_dict's post-hook: each moment of a DTensor parameter as a DTensor like it over the
+    store's own view, where the store lives (no copy to the mesh's device), so DCP saves what the
+    stores hold and its load writes into them; other values are the stores' views as they are."""
+    state = state_dict["state"]
+    for index, p in enumerate(optimizer._params()):
+        if isinstance(p, DTensor) and index in state:
+            state[index] = {kind: dtensor_over(value, p) if kind in _MOMENTS else value
+                            for kind, value in state[index].items()}
+    return state_dict
+
+
+def _like(param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+    """A gradient (this rank's piece, on the parameter's device) as its parameter is: a DTensor
+    of the same mesh and placements."""
     if not isinstance(param, DTensor):
-        return view
-    return DTensor.from_local(view, param.device_mesh, param.placements, run_check=False,
+        return grad
+    return DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
                               shape=param.shape, stride=param.stride())
-
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` in host memory: itself there, else a blocking copy (a non-blocking one could be
-    read before it lands)."""
-    return tensor if tensor.device.type == "cpu" else tensor.to("cpu")
 
 
 def _on(tensor: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,18 +31,20 @@ __all__ = ["apply_fsdp", "apply_ddp", "GradientAverager", "build_optimizer",
            "needs_gradient_averager", "fsdp_options"]
 
 
-def fsdp_options(layout: Layout) -> dict:
-    """fully_shard's settings for a layout (all but the mesh): resharding, precision, offload."""
+def fsdp_options(layout: Layout, device_type: str) -> dict:
+    """fully_shard's settings for a layout on a mesh of `device_type` (all but the mesh):
+    resharding, precision, offload. Offloaded shards are pinned only on a CUDA mesh: pinning asks
+    the CUDA driver, which would open a context on every GPU-equipped rank of a gloo world."""
     mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
              if layout.precision == "bf16" else MixedPrecisionPolicy())
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if layout.offload else OffloadPolicy()
+    offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if layout.offload else OffloadPolicy()
     return dict(reshard_after_forward=layout.zero == 3, mp_policy=mixed, offload_policy=offload)
 
 
 def apply_fsdp(module: nn.Module, layout: Layout, dp_mesh: DeviceMesh, blocks: list[Block]) -> nn.Module:
     """fully_shard each of `blocks` (see `blocks.py`), then the root (whatever is left: embeddings,
     norms, heads; the whole model when it has no repeated blocks)."""
-    options = dict(mesh=dp_mesh, **fsdp_options(layout))
+    options = dict(mesh=dp_mesh, **fsdp_options(layout, dp_mesh.device_type))
     for _, _, block in blocks:
         fully_shard(block, **options)
     fully_shard(module, **options)

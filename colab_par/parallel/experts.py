@@ -295,7 +295,7 @@ def apply_expert_parallel(parts: list[nn.Module], layout: Layout, device: torch.
             continue  # tp alone: the experts' gradients are averaged over dp like every other
         layer.dispatch = dispatch
         if layout.zero >= 2:
-            fully_shard(experts, mesh=expert_mesh["edp"], **fsdp_options(layout))
+            fully_shard(experts, mesh=expert_mesh["edp"], **fsdp_options(layout, expert_mesh.device_type))
         params += experts.parameters()  # FSDP's own, where it replaced them
     if expert_mesh is None:
         return ExpertStep(None, balance, stages)

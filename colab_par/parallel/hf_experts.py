@@ -205,9 +205,11 @@ class GlobalBalanceLoss:
         self.logits: list[torch.Tensor] = []
         self.mask: torch.Tensor | None = None
         model.register_forward_pre_hook(self._start, with_kwargs=True)
+        self.layers = 0  # routers on this model (part): the logits each forward records
         for module in model.modules():
             if isinstance(module, router_type):
                 module.register_forward_hook(self._record)
+                self.layers += 1
 
     def _start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.logits, self.mask = [], kwargs.get("attention_mask")

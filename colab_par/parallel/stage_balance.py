@@ -6,14 +6,19 @@ take the product of the token shares and the mean probabilities over ALL layers'
 stage cannot compute its part alone. It can compute its exact gradient share, though: the loss
 L(x_1, ..., x_p) of the stages' logits has the total derivative Σ_s ∂L/∂x_s, and stage s needs
 only ∂L/∂x_s, the family's function evaluated on every stage's logits with the others held fixed.
-So after each microbatch's forward a stage sends its (global-batch, `GlobalBalanceLoss.gather`)
-router logits to the other stages (point to point, non-blocking, on a group of their own), and
-in that microbatch's backward, when every stage's forward of it has run, it receives theirs and
-differentiates the family's loss with respect to its own (`_StageLoss`). The value is the same
-on every stage and counted once, on the first. Every stage sends in microbatch order, so
-messages are received in that order (kept until their backward: any schedule's backward order
-finds its logits, on NCCL too, which ignores tags); what a forward without backward was sent is
-drained when the step finishes.
+So after each microbatch's forward a stage exchanges its (global-batch,
+`GlobalBalanceLoss.gather`) router logits with the other stages: its sends and its receives
+posted together, non-blocking, as one `batch_isend_irecv` on a group of their own, and in that
+microbatch's backward, when every stage's forward of it has run, it waits for theirs and
+differentiates the family's loss with respect to its own (`_StageLoss`). Pairing matters on
+NCCL: a send beyond its buffers waits for the peer's receive, and a pair's operations run in
+order, so sends posted in forward ahead of receives posted in backward could wait on each other
+(gloo buffers sends, so the CPU would never show it). The receive sizes are known in forward
+without asking: the rows are the microbatch's (the same on every stage) and each stage's router
+count is exchanged once, when the stages are set up. The value is the same on every stage and
+counted once, on the first. Every stage exchanges in microbatch order, so messages match in that
+order (NCCL ignores tags); what a forward without backward received is dropped when the step
+finishes.
 """
 from __future__ import annotations
 
@@ -55,10 +60,13 @@ class StageBalance:
         self.balance, self.group, self.device = balance, group, device
         self.stage, size = dist.get_rank(group), dist.get_world_size(group)
         self.peers = {s: dist.get_global_rank(group, s) for s in range(size) if s != self.stage}
+        layers = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
+        dist.all_gather(layers, torch.tensor([balance.layers], device=device), group=group)
+        self.layers = [int(count) for count in layers]  # each stage's routers, in stage order
         self.begin()
 
     def begin(self) -> None:
-        self.sends: list[Any] = []
+        self.works: list[list[Any]] = []  # per microbatch, its exchange's sends and receives
         self.buffers: list[torch.Tensor] = []  # what the sends read, alive until they complete
         self.own: list[list[torch.Tensor]] = []  # per microbatch, this stage's logits (detached)
         self.received: list[dict[int, list[torch.Tensor]]] = []  # per microbatch, in order
@@ -75,7 +83,7 @@ class StageBalance:
         index = len(self.own)
         self.own.append([t.detach() for t in logits])
         self.weights.append(weight)
-        self._send(self.own[-1])
+        self._exchange(self.own[-1])
         return _StageLoss.apply(self, index, *logits) if logits else None
 
     def loss(self, index: int, own: list[torch.Tensor]) -> torch.Tensor:
@@ -90,37 +98,36 @@ class StageBalance:
         return loss
 
     def finish(self) -> float:
-        """Drain what the stages sent for a forward whose backward did not run (none on this stage),
-        wait for this stage's sends; the step's weighted loss on the first stage, 0 elsewhere."""
+        """Value the microbatches whose backward did not run (none on this stage), wait for the
+        exchanges not yet waited for; the step's weighted loss on the first stage, 0 elsewhere."""
         for index, own in enumerate(self.own):
             if index not in self.values:
                 with torch.no_grad():
                     self.loss(index, own)
-        for work in self.sends:
-            work.wait()
+        for works in self.works:
+            for work in works:
+                work.wait()
         total = sum(self.values[i] * w for i, w in enumerate(self.weights)) if self.stage == 0 else 0.0
         self.begin()
         return total
 
-    def _send(self, logits: list[torch.Tensor]) -> None:
-        rows = logits[0].shape[0] if logits else 0
-        header = torch.tensor([len(logits), rows], dtype=torch.int64, device=self.device)
-        payload = torch.cat(logits).float() if logits else torch.empty(0, device=self.device)
-        self.buffers += [header, payload]
-        for peer in self.peers.values():
-            self.sends.append(dist.isend(header, peer, group=self.group))
-            self.sends.append(dist.isend(payload, peer, group=self.group))
+    def _exchange(self, logits: list[torch.Tensor]) -> None:
+        """Post this microbatch's exchange: this stage's logits to every other stage, theirs
+        (sized by their router counts and this microbatch's rows) from each, as one batch."""
+        rows = logits[0].shape[0]
+        payload = torch.cat(logits).float()
+        got = {stage: torch.empty(self.layers[stage] * rows, self.balance.n_experts, device=self.device)
+               for stage in self.peers}
+        ops = [op for stage, peer in self.peers.items()
+               for op in (dist.P2POp(dist.isend, payload, peer, self.group),
+                          dist.P2POp(dist.irecv, got[stage], peer, self.group))]
+        self.buffers.append(payload)
+        self.works.append(dist.batch_isend_irecv(ops))
+        self.received.append({stage: list(buffer.split(rows)) for stage, buffer in got.items()})
 
     def _receive(self, index: int) -> dict[int, list[torch.Tensor]]:
-        """The other stages' logits of microbatch `index` (and of those before it, kept)."""
-        while len(self.received) <= index:
-            got = {}
-            for stage, peer in self.peers.items():
-                header = torch.empty(2, dtype=torch.int64, device=self.device)
-                dist.recv(header, peer, group=self.group)
-                layers, rows = header.tolist()
-                payload = torch.empty(layers * rows, self.balance.n_experts, device=self.device)
-                dist.recv(payload, peer, group=self.group)
-                got[stage] = list(payload.split(rows)) if layers else []
-            self.received.append(got)
+        """The other stages' logits of microbatch `index`, once its exchange completed."""
+        for work in self.works[index]:
+            work.wait()
+        self.works[index] = []  # waited for (a gloo work waited for twice never returns)
         return self.received[index]

@@ -50,8 +50,11 @@ def apply_memory_tiers(parts: list[nn.Module], optimizer: torch.optim.Optimizer,
     if not layout.tiers.enabled:
         return optimizer
     zero1_group = optimizer.process_group if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+    # `compile` builds AdamW with fused=True wherever the user left the kernel open
+    # (`compile.fused_optimizer_fn`): not a choice that keeps state off the device from the host step
     return TieredAdamW(_over_every_parameter(optimizer), layout.tiers, parts, device=device, rank=dist.get_rank(),
-                       baseline=baseline, grads_movable=layout.zero >= 2, zero1_group=zero1_group)
+                       baseline=baseline, grads_movable=layout.zero >= 2, zero1_group=zero1_group,
+                       fused_by_compile=layout.compile)
 
 
 def _over_every_parameter(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
