@@ -28,7 +28,7 @@ import nbformat
 from IPython.core.inputtransformer2 import TransformerManager
 
 from colab_par.launchers import Slurm
-from colab_par.magics import cell_parser, line_parser
+from colab_par.magics import parse_cell_line, parse_line
 from colab_par.ship import names_assigned, names_used
 
 __all__ = ["Unsupported", "ExportError", "Export", "export_notebook", "sbatch_script"]
@@ -82,7 +82,7 @@ def export_notebook(path: str | Path, *, drop_unsupported: bool = False) -> Expo
 def sbatch_script(script: str, job: Slurm, *, procs_per_node: int, port: int = 29500) -> str:
     """An sbatch file running `script` with torchrun on every node of `job` (one srun task per
     node), the rendezvous on the job's first node."""
-    options = [f"--job-name={Path(script).stem}", "--ntasks-per-node=1", *job.sbatch_options()]
+    options = [f"--job-name={Path(script).stem}", *job.sbatch_options(tasks_per_node=1)]
     header = "\n".join(f"#SBATCH {option}" for option in options)
     return f"""#!/bin/bash
 {header}
@@ -147,7 +147,7 @@ class _ScriptWriter:
     def _engine_cell(self, number: int, source: str) -> None:
         header, _, body = source.lstrip().partition("\n")
         try:
-            args = cell_parser().parse_args(shlex.split(header[len("%%colossal"):]))
+            args = parse_cell_line(header[len("%%colossal"):])
         except Exception as exc:  # noqa: BLE001 - the magic's own usage error, named here
             self._refuse(number, 1, header, f"not a %%colossal line the magic accepts: {exc}")
             return
@@ -193,7 +193,7 @@ class _ScriptWriter:
                 self.blocks.append(_commented(text, f"not exported (cell {number}, line {line})"))
             return
         try:
-            args = line_parser().parse_args(shlex.split(argument))
+            args = parse_line(argument)
         except Exception as exc:  # noqa: BLE001
             self._refuse(number, line, text, f"not a %colossal line the magic accepts: {exc}")
             return

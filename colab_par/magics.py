@@ -23,7 +23,7 @@ from colab_par.launchers import SSH, Launcher, Slurm
 from colab_par.ship import names_assigned, values_to_ship
 
 __all__ = ["ColossalMagics", "default_cluster", "use_cluster", "shutdown_default_cluster", "parse_ranks",
-           "relayout_engine_variable"]
+           "relayout_engine_variable", "parse_line", "parse_cell_line"]
 
 _default: Cluster | None = None
 _NOT_STARTED = ("No engines are running. Start them first with `%colossal start` "
@@ -82,7 +82,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def line_parser() -> _Parser:
-    """`%colossal`'s arguments (also read by `colab-par export`)."""
+    """`%colossal`'s arguments (`parse_line` reads a line with them)."""
     parser = _Parser(prog="%colossal", add_help=False)
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     start = sub.add_parser("start", add_help=False)
@@ -127,8 +127,36 @@ def line_parser() -> _Parser:
     return parser
 
 
+def split_arguments(line: str, prog: str) -> list[str]:
+    """A magic line's words as a shell splits them: quotes group, and an unquoted `#` starts a
+    comment, so a line copied with its trailing `# ...` note runs as it reads."""
+    try:
+        return shlex.split(line, comments=True)
+    except ValueError as error:  # shlex's only refusals: an open quote, a trailing backslash
+        raise UsageError(f"{prog}: cannot split {line.strip()!r} into arguments ({str(error).lower()}); "
+                         'close every quote (a value with spaces goes in one pair: "tp2 sp") and end '
+                         "the line without a backslash") from None
+
+
+def parse_line(line: str) -> argparse.Namespace:
+    """`%colossal`'s arguments from its line (also read by `colab-par export`)."""
+    args, extra = line_parser().parse_known_args(split_arguments(line, "%colossal"))
+    if extra:
+        hint = (f'; a layout with spaces goes in quotes: %colossal relayout "{args.layout} {" ".join(extra)}"'
+                if args.command == "relayout" and not any(word.startswith("-") for word in extra) else
+                "; a note after the arguments starts with #")
+        prog = " ".join(filter(None, ("%colossal", args.command)))
+        raise UsageError(f"{prog}: unrecognized arguments: {' '.join(extra)}{hint}")
+    return args
+
+
+def parse_cell_line(line: str) -> argparse.Namespace:
+    """`%%colossal`'s arguments from its first line (also read by `colab-par export`)."""
+    return cell_parser().parse_args(split_arguments(line, "%%colossal"))
+
+
 def cell_parser() -> _Parser:
-    """`%%colossal`'s arguments (also read by `colab-par export`)."""
+    """`%%colossal`'s arguments (`parse_cell_line` reads a line with them)."""
     parser = _Parser(prog="%%colossal", add_help=False)
     parser.add_argument("--targets", default="all", help="ranks to run on: 0 | 0,1 | 0-3 | all")
     parser.add_argument("--all-output", action="store_true", help="show every rank's output")
@@ -183,7 +211,7 @@ class ColossalMagics(Magics):
     # ---- line magic -----------------------------------------------------------------------------
     def _line(self, line: str) -> None:
         global _default
-        args = line_parser().parse_args(shlex.split(line))
+        args = parse_line(line)
         if args.command is None:
             raise UsageError("usage: %colossal start [-n N] [--backend B] [--launcher L] [--persist] | "
                              "status | stop [ID] | restart [--dead] | attach [ID] | list | "
@@ -242,7 +270,7 @@ class ColossalMagics(Magics):
 
     # ---- cell magic -----------------------------------------------------------------------------
     def _cell(self, line: str, cell: str) -> None:
-        args = cell_parser().parse_args(shlex.split(line))
+        args = parse_cell_line(line)
         cluster = self._cluster()
         if cluster.generation != self._generation:  # fresh engines know none of the old names
             self._engine_names, self._generation = set(), cluster.generation
@@ -251,7 +279,9 @@ class ColossalMagics(Magics):
         namespace = values_to_ship(cell, user_ns, self._engine_names, on_skip=_warn_skipped)
         if args.layout is not None:
             namespace["layout"] = _resolve_layout(args.layout, user_ns, cluster.n)
+        # a notebook runs each cell with history: the count already names the next cell
         options = dict(targets=targets, all_output=args.all_output, namespace=namespace,
+                       cell_number=self.shell.execution_count - 1,
                        fresh_namespace=lambda: {**values_to_ship(cell, user_ns, (), on_skip=_warn_skipped),
                                                 **namespace})
         try:

@@ -13,14 +13,29 @@ ipyparallel stays the engine layer and its launcher the owner of each process: t
 is a tiny proxy (`python -m colab_par.warm_pool launch ...`, which imports next to nothing) that
 hands its stdio, working directory, arguments and environment to the zygote, gets the forked child's
 pid, forwards the signals it receives to that child and exits with the child's status. When the
-zygote is not running, or was started with a different environment (a variable torch may read at
-import), the proxy `exec`s the ordinary cold command instead, so a start never depends on the pool.
+zygote is not running, or was started with a different environment (below), the proxy `exec`s the
+ordinary cold command instead, so a start never depends on the pool.
 Once it has served a first start and then been idle, the engine zygote also imports what a first
 `parallelize` or `from_pretrained` would (`_IDLE_IMPORTS`), so engines of every later start have it.
 A zygote sleeps in `select` between requests: it costs no CPU while idle, about 460 MB (engines, with the idle
 imports; 240 MB without) and 55 MB (controllers) of memory, shared copy-on-write with what it forks
 (`gc.freeze` keeps the collector from touching those pages, and forked processes from spending half a
 second tearing torch down at exit).
+
+Environment: a forked process runs with the requester's environment in `os.environ`, so whatever
+is read while it runs (MASTER_ADDR, GLOO_*/NCCL_*, CUDA_VISIBLE_DEVICES at its first CUDA call,
+HOME, PATH) is as in a fresh start. What a fork cannot change is what its zygote fixed when it
+started and imported, so the pool is renewed (the kernel starts a fresh one, a zygote declines a
+request) only when one of these differs from what it started with (`_READ_AT_START`): PYTHON*
+(search path, hash seed, warnings: read by the interpreter at start), LANG and LC_* (its text
+encoding), LD_* (which shared libraries bind), MALLOC_* and GLIBC_TUNABLES (the allocator, set up at
+start), OMP_*, GOMP_*, KMP_*, MKL_*, OPENBLAS_* (the thread pools and their CPU binding, fixed when
+torch loads those libraries), TORCH*, PYTORCH_*, TRITON_* (torch's, dynamo's, inductor's and
+triton's switches, many read into configs at import) and HF_*, TRANSFORMERS_* (read at import by
+the idle imports). Never for TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR (`_SET_BY_TORCH`): torch
+writes them into `os.environ` itself (at `import torch._inductor`, at a first GPU compile) and reads
+them only when it compiles, in the forked process, which sees the requester's value: whoever set
+them, a fork is as good as a fresh start, and a renewal message never names them.
 
 Opt out with ``COLAB_PAR_WARM_POOL=0`` in the environment.
 """
@@ -69,8 +84,9 @@ _IDLE_IMPORTS = {"engine": ("colab_par.parallel", "transformers.modeling_utils",
                             "transformers.loss.loss_utils", "peft"),
                  "controller": ()}
 _IDLE_S = 2.0  # quiet this long before an idle import: a start's own burst of requests goes first
-_VOLATILE_PREFIXES = ("IPP_", "PYTEST_")  # set per cluster / per test, read by nothing at import
-_VOLATILE = {FORKED_ENV, "PWD", "OLDPWD", "COLUMNS", "LINES"}  # cwd and terminal size
+_READ_AT_START = ("PYTHON", "LANG", "LC_", "LD_", "MALLOC_", "GLIBC_TUNABLES", "OMP_", "GOMP_", "KMP_",
+                  "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "TRITON_", "HF_", "TRANSFORMERS_")  # docstring
+_SET_BY_TORCH = {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"}  # read only while compiling, after a fork
 _CONNECT_WAIT_S = 30.0  # how long a proxy waits for a zygote that is still importing
 _HEADER = struct.Struct("!I")
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -364,11 +380,10 @@ def _receive_request(connection: socket.socket) -> dict[str, Any] | None:
 
 
 def _env_changes(env: dict[str, str], own: dict[str, str]) -> list[str]:
-    """The variables that differ and that torch or a library it loads may have read at import (any
-    but ipyparallel's own and those that change by themselves): a fork would not match a fresh start."""
+    """The variables read at start or import (module docstring) that differ: a fork from a zygote
+    that started with `own` would not match a fresh start under `env`."""
     def kept(values: dict[str, str]) -> dict[str, str]:
-        return {k: v for k, v in values.items() if not k.startswith(_VOLATILE_PREFIXES)
-                and k not in _VOLATILE}
+        return {k: v for k, v in values.items() if k.startswith(_READ_AT_START) and k not in _SET_BY_TORCH}
 
     env, own = kept(env), kept(own)
     return sorted(k for k in env.keys() | own.keys() if env.get(k) != own.get(k))

@@ -26,6 +26,36 @@ def test_launcher_options_belong_to_their_launcher(shell):
         ["start", "--launcher", "ssh", "--hosts", "a:2,b"])).hosts == {"a": 2, "b": 1}
 
 
+def test_magic_lines_take_a_trailing_comment_and_quoted_layouts(shell):
+    assert magics.parse_line("start                 # 2 CPU engines (gloo) here, one per GPU").command == "start"
+    assert magics.parse_line('relayout "tp2"        # same weights and optimizer state').layout == "tp2"
+    args = magics.parse_line("relayout 'tp2 sp' --model m  # a note")
+    assert (args.layout, args.model) == ("tp2 sp", "m")
+    assert magics.parse_line('debug --commands "p x; # kept"  # dropped').commands == "p x; # kept"
+    assert magics.parse_cell_line("--layout picker  # what the picker chose").layout == "picker"
+    assert magics.parse_cell_line("# only a note").targets == "all"
+    magics._default = None  # the magics themselves read the line so: they get as far as the cluster
+    for line in ("stop                  # done", 'relayout "tp2"  # keep weights'):
+        with pytest.raises(UsageError, match="No engines are running"):
+            shell.run_line_magic("colossal", line)
+    with pytest.raises(UsageError, match="No engines are running"):
+        shell.run_cell_magic("colossal", "--targets 0  # rank 0 alone", "print(1)")
+
+
+def test_unreadable_magic_lines_are_refused_with_the_way_out():
+    with pytest.raises(UsageError, match='^%colossal relayout: unrecognized arguments: sp; a layout with '
+                                         'spaces goes in quotes: %colossal relayout "tp2 sp"$'):
+        magics.parse_line("relayout tp2 sp")
+    with pytest.raises(UsageError, match="^%colossal start: unrecognized arguments: two; a note after "
+                                         "the arguments starts with #$"):
+        magics.parse_line("start -n 2 two")
+    for parse, prog, line in ((magics.parse_line, "%colossal", 'relayout "tp2'),
+                              (magics.parse_cell_line, "%%colossal", "--layout 'dp2 zero3")):
+        with pytest.raises(UsageError, match=f"^{prog}: cannot split .* \\(no closing quotation\\); close "
+                                             "every quote"):
+            parse(line)
+
+
 def test_notebook_class_and_closure_are_shipped(on_cluster, capsys):
     on_cluster.run_cell("class Counter:\n    def __init__(self, start):\n        self.value = start * 3\n")
     on_cluster.run_cell("def make_adder(k):\n    def add(x):\n        return x + k\n    return add\n"
@@ -58,7 +88,7 @@ def test_all_reduce_in_a_cell(on_cluster, capsys):
 
 
 def test_targets_run_only_the_named_ranks(on_cluster, capsys):
-    on_cluster.run_cell_magic("colossal", "--targets 1", "print('only', rank)")
+    on_cluster.run_cell_magic("colossal", "--targets 1   # rank 1 alone", "print('only', rank)")
     assert capsys.readouterr().out.strip() == "only 1"
     with pytest.raises(UsageError, match="ranks are 0..1"):
         on_cluster.run_cell_magic("colossal", "--targets 5", "pass")
@@ -114,7 +144,7 @@ def test_relayout_line_magic_moves_the_engine_model_keeping_its_weights(on_clust
                               "pm = parallelize(GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, "
                               "d_model=32, kernels='torch')), 'dp2')\n"
                               "before = {k: v.clone() for k, v in pm.full_state_dict().items()}")
-    on_cluster.run_line_magic("colossal", 'relayout "tp2"')
+    on_cluster.run_line_magic("colossal", 'relayout "tp2"        # same weights, re-sharded')
     assert "colab_par: pm now runs as tp2" in capsys.readouterr().out
     on_cluster.run_cell_magic("colossal", "--all-output",
                               "after = pm.full_state_dict()\nprint('layout', pm.layout, 'tp', pm.layout.tp, 'same',"

@@ -3,6 +3,7 @@ already imported torch and ipyparallel, the zygotes outlive every cluster, nothi
 started outlives its stop, and a pool that no longer matches the environment is renewed first."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -73,16 +74,19 @@ def test_engines_forked_once_the_pool_was_idle_come_with_the_heavy_imports_made(
 def changed_variable() -> str | None:
     import os
 
-    return os.environ.get("COLAB_PAR_TEST_CHANGED")
+    return os.environ.get("TORCH_COLAB_PAR_TEST_CHANGED")
 
 
-def test_a_changed_environment_renews_the_pool_before_a_start(monkeypatch):
+def test_a_changed_environment_renews_the_pool_before_a_start(monkeypatch, capsys):
     pool = warm_pool.shared_pool()
     assert pool.wait_ready()
     stale = _zygote("engine")
-    monkeypatch.setenv("COLAB_PAR_TEST_CHANGED", "1")  # torch could have read it at import
+    monkeypatch.setenv("TORCH_COLAB_PAR_TEST_CHANGED", "1")  # torch could have read it at import
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/as-torch-sets-it")  # read while compiling only
     cluster = Cluster(n=1, backend="gloo", timeout=120.0, dashboard=False).start()
     try:
+        assert "the environment changed since the warm pool started (TORCH_COLAB_PAR_TEST_CHANGED); " \
+               "renewing it" in capsys.readouterr().err
         fresh = _zygote("engine")
         folder = os.path.dirname(warm_pool.shared_pool().socket_path("engine"))
         assert fresh != stale
@@ -90,9 +94,42 @@ def test_a_changed_environment_renews_the_pool_before_a_start(monkeypatch):
         assert cluster.run(changed_variable) == ["1"]
     finally:
         cluster.stop()
-    monkeypatch.delenv("COLAB_PAR_TEST_CHANGED")
+    monkeypatch.delenv("TORCH_COLAB_PAR_TEST_CHANGED")
     warm_pool.stop_shared_pool()  # its environment has the variable; the next test's would not
     assert not os.path.exists(folder)  # a stopped pool leaves no folder behind
+
+
+# a fresh kernel: `%load_ext colab_par` starts the pool, then the notebook imports torch's compiler
+# (which writes TORCHINDUCTOR_CACHE_DIR into os.environ) and sets a variable read only at run time
+_FRESH_KERNEL = """
+import json, os
+os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+from IPython.core.interactiveshell import InteractiveShell
+InteractiveShell.instance().run_line_magic("load_ext", "colab_par")
+from colab_par import Cluster, warm_pool
+pool = warm_pool.shared_pool()
+assert pool.wait_ready()
+zygotes = pool.pids
+import torch._inductor.config
+assert "TORCHINDUCTOR_CACHE_DIR" in os.environ
+os.environ["COLAB_PAR_TEST_RUN_TIME"] = "seen"
+with Cluster(n=1, backend="gloo", timeout=120.0, dashboard=False) as cluster:
+    engine = cluster.run(lambda: [__import__("os").environ.get(name) for name in
+                                  ("COLAB_PAR_FORKED_FROM", "TORCHINDUCTOR_CACHE_DIR", "COLAB_PAR_TEST_RUN_TIME")])
+print(json.dumps({"same_pool": warm_pool.shared_pool() is pool and pool.pids == zygotes,
+                  "engine_zygote": int(pool.command("engine")[-2]), "engine": engine[0],
+                  "cache_dir": os.environ["TORCHINDUCTOR_CACHE_DIR"]}))
+"""
+
+
+def test_what_torch_sets_in_the_environment_never_renews_the_pool():
+    done = subprocess.run([sys.executable, "-c", _FRESH_KERNEL], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "environment changed" not in done.stderr, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["same_pool"]
+    # forked from the pool's engine zygote, with the notebook's environment as it is now
+    assert seen["engine"] == [str(seen["engine_zygote"]), seen["cache_dir"], "seen"]
 
 
 def test_a_cluster_outlives_the_pool_it_was_forked_from():

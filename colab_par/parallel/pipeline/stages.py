@@ -10,10 +10,12 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
+from colab_par.compat import non_persistent_buffers
 from colab_par.layout import Layout
 
-__all__ = ["stage_ids", "stage_owner", "stage_layers", "TiedTensor", "tensors_across_stages"]
+__all__ = ["stage_ids", "stage_owner", "stage_layers", "TiedTensor", "tensors_across_stages", "stages_as_one"]
 
 
 def stage_ids(layout: Layout, pp_rank: int) -> list[int]:
@@ -80,3 +82,64 @@ def tensors_across_stages(model: nn.Module, holders: dict[str, set[int]], layout
         ties.append(TiedTensor(tuple(name for name in names if name in holders), min(held),
                                tuple(tensors[key].shape), tensors[key].dtype))
     return ties
+
+
+def stages_as_one(parts: list[nn.Module]) -> nn.Module:
+    """One module holding every stage of `parts` (one rank's) under the model's own names.
+
+    A rank with several stages (interleaved, zbv) trains them under one optimizer; torch's
+    optimizer state dicts name each parameter through one module, so this one lends them all:
+    the stages' trees are laid over each other (the same parameter and module objects, nothing
+    copied), a stage's stand-ins for other stages' modules give way to the real ones, and DDP's
+    wrapper is looked through (its module's names are the model's). One part comes back as is.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    merged = nn.Module()
+    for part in parts:
+        _lay_over(merged, part.module if isinstance(part, DistributedDataParallel) else part, "")
+    return merged
+
+
+def _holds_state(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None or next(module.buffers(), None) is not None
+
+
+def _lay_over(into: nn.Module, source: nn.Module, prefix: str) -> None:
+    """Add `source`'s tensors and children to `into`; two stages meeting at one name share a fresh
+    container below it, and one parameter name held by two stages as two tensors is refused."""
+    held_tensors = {**dict(into.named_parameters(recurse=False)), **dict(into.named_buffers(recurse=False))}
+    transient = non_persistent_buffers(source)
+    for kind, own in (("parameter", source.named_parameters(recurse=False)),
+                      ("buffer", source.named_buffers(recurse=False))):
+        for name, tensor in own:
+            held = held_tensors.get(name)
+            if held is tensor:
+                continue
+            if held is not None and kind == "buffer":
+                continue  # each stage's copy of a fixed table (rotary frequencies): no optimizer state
+            if held is not None:
+                raise ValueError(f"two pipeline stages on this rank hold {prefix}{name} as two tensors (a "
+                                 "tied tensor of a traced model), which one optimizer state dict cannot "
+                                 "name twice; untie it, or use one stage per rank (e.g. 'pp2 1f1b')")
+            if kind == "parameter":
+                into.register_parameter(name, tensor)
+            else:
+                into.register_buffer(name, tensor, persistent=name not in transient)
+    children = dict(into.named_children())
+    for name, child in source.named_children():
+        held = children.get(name)
+        if held is child or not _holds_state(child):
+            continue
+        if held is None or not _holds_state(held):
+            into.add_module(name, child)
+            continue
+        if not isinstance(held, _SharedContainer):  # a stage's own module: share a container
+            shared = _SharedContainer()
+            _lay_over(shared, held, f"{prefix}{name}.")
+            into.add_module(name, shared)
+        _lay_over(getattr(into, name), child, f"{prefix}{name}.")
+
+
+class _SharedContainer(nn.Module):
+    """A module name two stages on one rank both hold (each a part of it): their parts laid over."""
