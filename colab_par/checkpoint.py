@@ -8,9 +8,11 @@ load checks them before DCP reads anything, so a damaged file is named (with the
 version that is intact) instead of failing deep inside torch.load; a checkpoint of another model
 is refused on one line naming the first parameter whose shape differs. Tensors (model, optimizer)
 go through DCP with the original model's FQNs, so a checkpoint saved under one layout loads under
-another (DCP reshards). Everything else (optimizer hyper-parameters, step, data position, LR
-schedule, layout, RNG) is JSON: a load reads tensors and JSON only and never runs code from the
-checkpoint (`checkpoint_format.py` says how).
+another (DCP reshards); a rank's several pipeline stages (interleaved, ZB-V) name their optimizer
+state through one module (`stages_as_one`), and a tied tensor saved under one of its names loads
+where a layout wants another (`checkpoint_ties.py`). Everything else (optimizer hyper-parameters,
+step, data position, LR schedule, layout, RNG) is JSON: a load reads tensors and JSON only and
+never runs code from the checkpoint (`checkpoint_format.py` says how).
 """
 from __future__ import annotations
 
@@ -35,7 +37,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from colab_par.checkpoint_format import (FORMAT, NON_TENSORS, CheckpointError, TensorOnlyReader, from_json,
                                          split_state, to_json)
+from colab_par.checkpoint_ties import read_through_aliases, tied_sources
 from colab_par.memory_tiers.checkpoint_pages import PagedLoadPlanner, PagedSavePlanner, disk_pages, drop_pages
+from colab_par.parallel.pipeline.stages import stages_as_one
 
 __all__ = ["save", "load", "relayout", "latest_checkpoint", "saved_history", "CheckpointError"]
 
@@ -53,7 +57,6 @@ def save(pm: Any, path: str | os.PathLike, *, trainer: Any = None, keep: int = 2
     """
     if keep < 1:
         raise ValueError(f"keep={keep} must be >= 1 (the version just written is always kept)")
-    _single_part(pm)  # refuse unsupported layouts before any folder is made
     pages = disk_pages(_local_optimizer(pm))
     tensors, non_tensors = _savable_state(pm)
     root, rank = Path(path), _rank()
@@ -176,23 +179,29 @@ def load(pm: Any, path: str | os.PathLike, *, trainer: Any = None) -> dict:
     state = _state(pm)
     tensors, others = split_state(state)
     reader = TensorOnlyReader(version)
-    saved_others = _saved_non_tensors(version)
-    _refuse_misfit(tensors, others, reader.read_metadata(), saved_others, version)
-    dcp.load(tensors, storage_reader=reader, planner=PagedLoadPlanner(pages))
+    saved_others, metadata = _saved_non_tensors(version), reader.read_metadata()
+    wanted = [f"{part}.{key}" for part, values in tensors.items() for key in values] + list(others)
+    sources = tied_sources(pm.tied_names, wanted, {*metadata.state_dict_metadata, *saved_others})
+    _refuse_misfit(tensors, others, metadata, saved_others, version, sources)
+    reads, copies = read_through_aliases(tensors, sources)
+    dcp.load(reads, storage_reader=reader, planner=PagedLoadPlanner(pages))
+    for tensor, source in copies:
+        tensor.copy_(source)
     for part, values in tensors.items():
         state[part].update(values)
     for name in others:
         part, key = name.split(".", 1)
-        state[part][key] = from_json(saved_others[name], name)
+        state[part][key] = from_json(saved_others[sources.get(name, name)], name)
     for part in pm.model_parts:
         own = get_model_state_dict(part)
         set_model_state_dict(part, {key: state["model"][key] for key in own})
-    set_optimizer_state_dict(_single_part(pm), _local_optimizer(pm), state["optim"], options=_OPTIONS)
+    set_optimizer_state_dict(_stages(pm), _local_optimizer(pm), state["optim"], options=_OPTIONS)
     _expose_loaded_settings(pm.optimizer)
     if trainer is not None:
         trainer.load_state_dict(meta["trainer"])
     rng_file = version / f"rng-rank{_rank()}.json"
-    if meta["world_size"] == _world() and rng_file.is_file():
+    # Each rank's RNG stream (parallel/rng.py) belongs to its place in the saved layout's mesh.
+    if meta["world_size"] == _world() and meta["layout"] == str(pm.layout) and rng_file.is_file():
         _set_rng_state(json.loads(rng_file.read_text()))
     _barrier()
     return meta
@@ -304,9 +313,10 @@ def _earlier_intact(version: Path) -> str:
 
 # ---- fit: the checkpoint's tensors against the model's, before DCP reads them -----------------------
 def _refuse_misfit(tensors: dict[str, dict], others: dict[str, Any], metadata: Any,
-                   saved_others: dict[str, Any], version: Path) -> None:
+                   saved_others: dict[str, Any], version: Path, sources: dict[str, str]) -> None:
     """Compare names and global shapes with the checkpoint's (tensors with DCP's metadata, other
-    values with its JSON); one line on every rank.
+    values with its JSON; an entry in `sources` with the tied tensor's entry it is read from);
+    one line on every rank.
 
     Each rank checks what it holds; the model names of all ranks together (pipeline stages hold
     only theirs) decide which checkpoint entries this model lacks."""
@@ -314,12 +324,12 @@ def _refuse_misfit(tensors: dict[str, dict], others: dict[str, Any], metadata: A
     mismatched, missing = [], []
     local = [(f"{part}.{key}", value) for part, values in tensors.items() for key, value in values.items()]
     for name, value in local + list(others.items()):
-        tensor = isinstance(value, torch.Tensor)
+        tensor, found = isinstance(value, torch.Tensor), sources.get(name, name)
         shown = name[len("model."):] if name.startswith("model.") else f"optimizer {name[len('optim.'):]}"
-        if name not in (saved if tensor else saved_others):
+        if found not in (saved if tensor else saved_others):
             missing.append(shown)
-        elif tensor and list(saved[name].size) != list(value.shape):
-            mismatched.append(f"{shown} is {list(saved[name].size)} in the checkpoint but "
+        elif tensor and list(saved[found].size) != list(value.shape):
+            mismatched.append(f"{shown} is {list(saved[found].size)} in the checkpoint but "
                               f"{list(value.shape)} here")
     model_keys = list(tensors["model"]) + [name[len("model."):] for name in others
                                            if name.startswith("model.")]
@@ -437,7 +447,7 @@ def _state(pm: Any) -> dict[str, dict]:
     model: dict[str, Any] = {}
     for part in pm.model_parts:
         model.update(get_model_state_dict(part))
-    return {"model": model, "optim": get_optimizer_state_dict(_single_part(pm), _local_optimizer(pm),
+    return {"model": model, "optim": get_optimizer_state_dict(_stages(pm), _local_optimizer(pm),
                                                               options=_OPTIONS)}
 
 
@@ -456,12 +466,13 @@ def _expose_loaded_settings(optimizer: torch.optim.Optimizer) -> None:
             outer.update({key: value for key, value in inner.items() if key != "params"})
 
 
-def _single_part(pm: Any) -> torch.nn.Module:
-    parts = list(pm.model_parts)
-    if len(parts) != 1:
-        raise CheckpointError(f"this rank holds {len(parts)} pipeline stages under one optimizer; "
-                              "checkpoints support one stage per rank (virtual_stages=1) for now")
-    return parts[0]
+def _stages(pm: Any) -> torch.nn.Module:
+    """This rank's model parts as one module under the model's names, which the optimizer's state
+    dict goes through (several pipeline stages per rank share one optimizer)."""
+    try:
+        return stages_as_one(list(pm.model_parts))
+    except ValueError as error:
+        raise CheckpointError(f"cannot save or load this rank's pipeline stages: {error}") from None
 
 
 # ---- small state: RNG, files, ranks -----------------------------------------------------------------

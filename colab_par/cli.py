@@ -184,7 +184,7 @@ def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     settings = demo_settings(args.engines, args.steps)
     try:
         layout = choose_layout(settings, args.layout)
-    except LayoutError as error:
+    except (LayoutError, ValueError) as error:  # (ValueError: a GPU the planner does not know)
         parser.error(f"--layout {args.layout!r}: {error}")
     try:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -265,8 +265,8 @@ def _visible_gpus() -> int:
 
 
 def _catalogue_name() -> str:
-    """The planner's catalogue entry for this GPU, by its exact product name; "cuda" (H100
-    figures, said on the terminal) for a GPU the catalogue does not list."""
+    """The planner's catalogue entry for this GPU, by its exact product name; for a GPU the
+    catalogue does not list, its product name (the planner refuses it: --layout is then needed)."""
     import torch
 
     from colab_par.devices import device_for_product
@@ -274,9 +274,9 @@ def _catalogue_name() -> str:
     product = torch.cuda.get_device_name(0)
     entry = device_for_product(product)
     if entry is None:
-        print(f"colab-par demo: {product!r} is not in the device catalogue; the planner assumes "
-              "H100 figures for it", file=sys.stderr)
-        return "cuda"
+        print(f"colab-par demo: {product!r} is not in the device catalogue, so the planner cannot "
+              "price layouts for it; pass --layout (e.g. --layout dp2)", file=sys.stderr)
+        return product
     return entry.name
 
 

@@ -25,7 +25,7 @@ from traitlets.config import Config
 from colab_par import (compat, debugger, direct, engine, engine_setup, persist, postmortem, probe, recovery,
                        warm_pool)
 from colab_par import pull as pulled
-from colab_par.backend import BACKENDS, choose_backend, device_problems, local_ranks
+from colab_par.backend import BACKENDS, choose_backend, device_indices, device_problems, local_ranks
 from colab_par.launchers import SSH, Launcher, Slurm, launcher_from, launcher_from_state, launcher_state
 from colab_par.output import (CollectiveDeadlockError, DeadEngineError, EngineError, RecoveryError,
                               TaskOutput, busy_ranks, is_transport_error, per_rank_data, rank_errors,
@@ -283,11 +283,12 @@ class Cluster:
 
     def execute(self, code: str, *, targets: Sequence[int] | None = None, all_output: bool = False,
                 namespace: dict[str, Any] | None = None,
-                fresh_namespace: Callable[[], dict[str, Any]] | None = None) -> None:
+                fresh_namespace: Callable[[], dict[str, Any]] | None = None, cell_number: int | None = None) -> None:
         """Run a cell on the ranks (all by default): rank 0's output streams live.
 
         Other ranks' output is shown when it differs from rank 0's, or always with ``all_output``.
-        ``namespace`` is pushed to the engines first (shipped notebook definitions).
+        ``namespace`` is pushed to the engines first (shipped notebook definitions). ``cell_number``
+        names the cell on the engines as the notebook numbers it (``Cell In[N]`` in tracebacks).
 
         When an engine dies while the cell fits a ``Trainer(on_failure="restart")``, the dead
         engines are replaced (`replace_dead`; every engine restarted where engines cannot be
@@ -300,7 +301,7 @@ class Cluster:
         while True:
             self._recovery = None
             try:
-                return self._execute_once(code, targets, all_output, namespace)
+                return self._execute_once(code, targets, all_output, namespace, cell_number)
             except EngineError as error:
                 dead, policy = self._dead_ranks(), self._recovery
                 if not dead or policy is None:
@@ -331,10 +332,10 @@ class Cluster:
         return profile_cell(self, code, trace_dir=trace_dir, **execute)
 
     def _execute_once(self, code: str, targets: Sequence[int] | None, all_output: bool,
-                      namespace: dict[str, Any] | None) -> None:
+                      namespace: dict[str, Any] | None, cell_number: int | None) -> None:
         ranks = self._checked_ranks(targets)
-        if namespace:
-            shipped = self._apply(ranks, engine.update_namespace, payload(namespace))
+        if namespace or cell_number is not None:
+            shipped = self._apply(ranks, engine.before_cell, payload(namespace or {}), cell_number)
             self._wait(shipped, ranks, stream=False)
             values(shipped, self._engine_ids)
         result = self._direct.execute([self._engine_ids[r] for r in ranks], code)
@@ -676,11 +677,11 @@ class Cluster:
         """Bind each of `ranks` to its device and seed it (`engine_setup.bind`), concurrently; with
         `rendezvous`, rank 0 also opens the world's rendezvous socket, whose port is returned."""
         hosts = [info["host"] for info in self._hosts]
-        local_rank = local_ranks(self._hosts)
+        local_rank, index = local_ranks(self._hosts), device_indices(self._hosts)
         address = self._world_addresses()[0] if rendezvous else None
         calls = {r: self._direct.apply([self._engine_ids[r]], engine_setup.bind,
                                        (local_rank[r], hosts.count(hosts[r]), self.backend, self.seed,
-                                        address if r == 0 else None), {})
+                                        address if r == 0 else None, index[r]), {})
                  for r in ranks}
         port = None
         for rank, result in calls.items():

@@ -1,18 +1,23 @@
-"""Every private or undocumented torch, ipyparallel and transformers API colab_par relies on.
+"""Every private or undocumented torch, ipyparallel, ipykernel, transformers and triton API colab_par
+relies on.
 
 These APIs can change in any release without a deprecation. Keeping them here means a version
 drift fails with one `CompatError` naming the supported range, instead of an AttributeError deep
 inside a training step, and one test per entry (tests/test_compat.py) checks the installed
-versions. Everything else in the kit uses public APIs only: tests/test_compat.py scans the package
-for private torch, transformers, triton and ipyparallel names outside this file (the exceptions it
-still allows are listed there, each with its reason). Imports are lazy: transformers stays
-optional, and the notebook client never pays for engine-side modules.
+versions. An entry whose API is missing raises `CompatError`; the few that return a fallback
+instead (a slower path, never a wrong one) say so in their docstring, and their test proves the
+installed versions take the fast path. Everything else in the kit uses public APIs only:
+tests/test_compat.py scans the package for private torch, transformers, triton and ipyparallel
+names outside this file (the exceptions it still allows are listed there, each with its
+reason). Imports are lazy: transformers stays optional, and the notebook client never pays for
+engine-side modules.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
 import os
+import sys
 from functools import cache
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable, Iterator
@@ -21,7 +26,8 @@ __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_pat
            "STAGE_COMPUTE_HOOKS", "check_stage_compute_hooks", "hf_tp_plan",
            "ipp_engine_kernel_class", "ENGINE_MAIN_CODE", "ENGINE_MAIN_FILE",
            "CONTROLLER_MAIN_CODE", "prompt_heart_monitor", "run_controller", "task_futures",
-           "engine_kernel", "engine_shell", "after_output", "engine_idents", "mux_stream", "client_context",
+           "engine_kernel", "engine_shell", "after_output", "publish_status", "engine_idents", "mux_stream",
+           "client_context",
            "client_io_loop", "client_reply_handler", "unanswered",
            "checkpoint_wrapper", "sdpa_aten_ops",
            "torch_dispatch_mode", "pin_inductor_vector_width", "device_constructors", "op_schema", "storage_key",
@@ -31,9 +37,9 @@ __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_pat
            "process_groups", "compile_seconds", "grouped_mm", "grouped_mm_is_one_op", "fused_optimizer_devices",
            "recompile_limit",
            "failing_at_recompile_limit", "recompile_limit_error", "swapped_parameters", "hf_output_recorder",
-           "storage_holder"]
+           "storage_holder", "dtensor_over", "fsdp_offload_policy"]
 
-SUPPORTED = {"torch": "torch>=2.6,<3", "ipyparallel": "ipyparallel>=9",
+SUPPORTED = {"torch": "torch>=2.6,<3", "ipyparallel": "ipyparallel>=9", "ipykernel": "ipykernel>=6.9.1,<8",
              "transformers": "transformers>=5.9", "triton": "triton>=3.0"}
 """The ranges pyproject.toml declares; a missing private API names the one it belongs to."""
 
@@ -135,8 +141,17 @@ def check_stage_compute_hooks() -> None:
 # ---- transformers ----------------------------------------------------------------------------------
 def hf_tp_plan(model: Any) -> dict[str, str]:
     """A transformers model's own tensor-parallel plan, FQN pattern -> style (private `_tp_plan`,
-    which `post_init` fills from the config's `base_model_tp_plan`); {} when it has none."""
+    which `post_init` fills from the config's `base_model_tp_plan`); {} when it has none or is not
+    a transformers model."""
+    if not hasattr(model, "_tp_plan") and _is_transformers_model(model):
+        raise _missing("transformers", "PreTrainedModel._tp_plan")
     return dict(getattr(model, "_tp_plan", None) or {})
+
+
+def _is_transformers_model(model: Any) -> bool:
+    """Whether `model` is a transformers PreTrainedModel (without importing transformers)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
 # ---- ipyparallel -----------------------------------------------------------------------------------
@@ -201,11 +216,14 @@ def task_futures(result: Any) -> list[Any]:
 
 def failed_at(future: Any, error: Any) -> Any:
     """When an engine's part of a task failed: the lean call's `error.completed`, else the
-    reply metadata's (`MessageFuture.output.metadata`, undocumented); None when unknown."""
+    reply metadata's (`MessageFuture.output.metadata`, undocumented); None when the reply did not
+    say (then that failure sorts after those that did)."""
     completed = getattr(error, "completed", None)
     if completed is None:
-        output = getattr(future, "output", None)
-        completed = getattr(output, "metadata", {}).get("completed")
+        metadata = getattr(getattr(future, "output", None), "metadata", None)
+        if not isinstance(metadata, dict):
+            raise _missing("ipyparallel", "MessageFuture.output.metadata")
+        completed = metadata.get("completed")
     return completed
 
 
@@ -227,7 +245,8 @@ def engine_kernel() -> Any:
 
 def engine_shell(kernel: Any) -> tuple[Any, Callable[[Any, list], Any]] | None:
     """An engine's shell lock and dispatch for requests from another socket (`colab_par.direct`),
-    or None where this ipykernel lacks what they need.
+    or None where this ipykernel lacks what they need (before 7.0, or a kernel with subshells): a
+    documented fallback, the client then keeps ipyparallel's route (slower, not wrong).
 
     Holding the lock (`Kernel._main_asyncio_lock`, undocumented) runs one request at a time with
     those from the controller. ``dispatch(stream, frames)`` then runs a request exactly as the
@@ -254,7 +273,8 @@ def after_output(streams: list[Any], then: Callable[[], None]) -> None:
     pending output of ipykernel's `streams` is published, without waiting for it here: both are
     queued on the streams' output thread (`OutStream._flush`, `pub_thread.schedule`,
     undocumented), where a flush queues its message again, so `then` runs there after the flush.
-    `OutStream.flush` would wait for that thread instead: a thread round trip per stream."""
+    `OutStream.flush` would wait for that thread instead: a thread round trip per stream. Where
+    those internals are missing it does exactly that (a documented fallback: slower, same order)."""
     schedule = getattr(getattr(streams[0], "pub_thread", None), "schedule", None)
     if schedule is None or not all(hasattr(stream, "_flush") for stream in streams):
         for stream in streams:
@@ -268,6 +288,16 @@ def after_output(streams: list[Any], then: Callable[[], None]) -> None:
         then()
 
     schedule(flush_then)
+
+
+def publish_status(kernel: Any, status: str, parent: dict) -> None:
+    """Publish the engine's execution state ("busy"/"idle") on iopub for the shell request `parent`
+    (`Kernel._publish_status`, private in ipykernel): "idle" tells the client that request's
+    output is complete."""
+    publish = getattr(kernel, "_publish_status", None)
+    if publish is None:
+        raise _missing("ipykernel", "Kernel._publish_status")
+    publish(status, "shell", parent=parent)
 
 
 def engine_idents(client: Any, engine_ids: list[int]) -> tuple[list[bytes], list[int]]:
@@ -380,6 +410,20 @@ def storage_holder(tensor: Any) -> Any:
     return held
 
 
+def dtensor_over(local: Any, like: Any) -> Any:
+    """A DTensor of `like`'s mesh, placements, shape and stride over `local` itself, wherever it
+    lives (`DTensor.from_local` copies a host tensor onto a CUDA mesh's device): the private
+    constructor `DTensor(local, DTensorSpec, requires_grad=)`."""
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    except ImportError:
+        raise _missing("torch", "torch.distributed.tensor._dtensor_spec.DTensorSpec") from None
+    spec = DTensorSpec(like.device_mesh, tuple(like.placements),
+                       tensor_meta=TensorMeta(like.shape, like.stride(), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
 def local_shard_offsets(shape: Any, mesh: Any, placements: Any) -> tuple[int, ...]:
     """Where this rank's block of a Shard/Replicate DTensor starts in the full tensor, per dim."""
     try:
@@ -390,7 +434,7 @@ def local_shard_offsets(shape: Any, mesh: Any, placements: Any) -> tuple[int, ..
 
 
 _SDPA_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_flash_attention_for_cpu")
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
 
 
 def sdpa_aten_ops() -> list[Any]:
@@ -595,6 +639,8 @@ def tree_leaves(tree: Any) -> list[Any]:
 def hf_output_recorder(model: Any, output: str) -> Any:
     """What a transformers model records for `output` (e.g. "router_logits": the router modules
     and which of their outputs), from its `_can_record_outputs`; None when it records none."""
+    if not hasattr(model, "_can_record_outputs") and _is_transformers_model(model):
+        raise _missing("transformers", "PreTrainedModel._can_record_outputs")
     return (getattr(model, "_can_record_outputs", None) or {}).get(output)
 
 
@@ -627,7 +673,7 @@ def answer_control_requests(answers: dict[str, Callable[[dict], dict]]) -> None:
     kernel = Kernel.instance()
     handlers = getattr(kernel, "control_handlers", None)
     if handlers is None or getattr(kernel, "control_thread", None) is None:
-        raise _missing("ipyparallel", "an engine kernel with a control thread (Kernel.control_handlers)")
+        raise _missing("ipykernel", "an engine kernel with a control thread (Kernel.control_handlers)")
 
     def handler(answer: Callable[[dict], dict], reply_type: str) -> Callable[..., None]:
         def handle(stream: Any, idents: Any, parent: dict) -> None:
@@ -665,6 +711,38 @@ def group_sequence(group: Any) -> int | None:
         return None
 
 
+def gpu_uuids() -> list[str] | None:
+    """The UUIDs of the GPUs NVML lists, in its order, without initialising CUDA
+    (`torch.cuda._raw_device_uuid_nvml`, private); None where NVML does not answer."""
+    import warnings
+
+    import torch
+
+    raw = getattr(torch.cuda, "_raw_device_uuid_nvml", None)
+    if raw is None:
+        raise _missing("torch", "torch.cuda._raw_device_uuid_nvml")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Can't initialize NVML": None says it
+            return raw()
+    except OSError:  # no libnvidia-ml
+        return None
+
+
+def flight_record() -> dict[str, Any]:
+    """torch's flight recorder of this process's collectives (`_dump_fr_trace`, private): the
+    unretired entries ("entries": profiling_name, process_group, record_id, ...) and each group's
+    ranks ("pg_config"); recorded only when TORCH_FR_BUFFER_SIZE was set before the groups formed."""
+    import pickle
+
+    from torch._C import _distributed_c10d
+
+    dump = getattr(_distributed_c10d, "_dump_fr_trace", None)
+    if dump is None:
+        raise _missing("torch", "torch._C._distributed_c10d._dump_fr_trace")
+    return pickle.loads(dump(includeCollectives=True, includeStackTraces=False, onlyActive=True))
+
+
 def process_groups() -> list[Any]:
     """Every live process group of this process (`distributed_c10d._world.pg_names`, private)."""
     from torch.distributed import distributed_c10d
@@ -673,3 +751,34 @@ def process_groups() -> list[Any]:
     if names is None:
         raise _missing("torch", "distributed_c10d._world.pg_names")
     return list(names)
+
+
+# ---- FSDP2 ---------------------------------------------------------------------------------------
+def fsdp_offload_policy(module: Any) -> Any:
+    """The `OffloadPolicy` `fully_shard` applied to `module`'s own parameters, or None where it
+    manages none (`FSDPModule._get_fsdp_state()._fsdp_param_group.offload_policy`, private: FSDP2
+    has no public getter). Memory reports read offload from FSDP itself, not from the layout."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        raise _missing("torch", "FSDPModule._get_fsdp_state")
+    group = getattr(get_state(), "_fsdp_param_group", _ABSENT)
+    if group is _ABSENT:
+        raise _missing("torch", "FSDPState._fsdp_param_group")
+    if group is None:
+        return None
+    if not hasattr(group, "offload_policy"):
+        raise _missing("torch", "FSDPParamGroup.offload_policy")
+    return group.offload_policy
+
+
+_ABSENT = object()
+
+
+def non_persistent_buffers(module: Any) -> set[str]:
+    """Names of `module`'s own buffers registered with ``persistent=False``
+    (`nn.Module._non_persistent_buffers_set`, private: no public query says which buffers stay out of
+    the state dict)."""
+    names = getattr(module, "_non_persistent_buffers_set", None)
+    if names is None:
+        raise _missing("torch", "nn.Module._non_persistent_buffers_set")
+    return set(names)

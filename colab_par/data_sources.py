@@ -26,13 +26,18 @@ pass again and skips those rows (reading them once more), since a plain iterable
 Streams are not shuffled here: one with `set_epoch` (Hugging Face's IterableDataset) is told each
 pass's number, so its own seeded shuffle changes per pass.
 
-Rows are read in the training process (a DataLoader's workers are not used).
+A DataLoader of a map-style dataset with workers or pinning is read the way it says: its
+`num_workers`, `pin_memory`, `prefetch_factor`, `persistent_workers`, `worker_init_fn`, `timeout`
+and `multiprocessing_context` drive torch's own DataLoader over the rows above (`data_workers.py`;
+the position stays the kit's, exact under resume and relayout), and its `generator` seeds the
+shuffle (its `initial_seed()`, in place of the Trainer's `seed`) and the workers. What cannot be
+honoured is refused before any work: a stream read by workers or pinned (rank 0 reads it for every
+rank), `in_order=False`, samplers that order rows themselves.
 """
 from __future__ import annotations
 
 import hashlib
 import inspect
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,6 +48,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from colab_par.compat import tree_flatten
+from colab_par.data_workers import LoaderOptions, WorkerReader
 from colab_par.parallel.batch import Batch, check_batch
 
 __all__ = ["DataSource", "MapSource", "IterableSource", "DataPlace", "data_source", "stack_rows",
@@ -100,6 +106,9 @@ class DataSource(ABC):
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state_dict()`."""
 
+    def close(self) -> None:
+        """End of a fit: stop reading ahead (workers that are not persistent exit)."""
+
     def check(self, pm: Any) -> None:
         """Refuse, before any work, a batch that dp cannot split or the model cannot take."""
         if pm.cp_size > 1:
@@ -126,10 +135,13 @@ class MapSource(DataSource):
     `datasets.Dataset` (read through its batched `__getitems__`)."""
 
     def __init__(self, dataset: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-                 collate_fn: Collate | None = None, drop_last: bool = False):
+                 collate_fn: Collate | None = None, drop_last: bool = False,
+                 reading: LoaderOptions | None = None):
         _check_batch_size(batch_size)
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
         self.collate, self.drop_last = collate_fn or stack_rows, drop_last
+        self.reading = reading if reading is not None and reading.reads_apart else None
+        self._reader: WorkerReader | None = None
         self.length = len(dataset)
         if self.length == 0:
             raise ValueError(f"the dataset ({type(dataset).__name__}) has no rows; give one with at "
@@ -158,14 +170,22 @@ class MapSource(DataSource):
     def _order(self, epoch: int) -> torch.Tensor:
         if epoch not in self._orders:
             if self.shuffle:
-                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                generator = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2 ** 64)
                 self._orders[epoch] = torch.randperm(self.length, generator=generator)
             else:
                 self._orders[epoch] = torch.arange(self.length)
         return self._orders[epoch]
 
     def local_batch(self, index: int, place: DataPlace) -> Batch:
-        return self.collate(self._read(self.row_numbers(index, place)))
+        if self.reading is None:
+            return self.collate(self._read(self.row_numbers(index, place)))
+        if self._reader is None:
+            self._reader = WorkerReader(self.dataset, self.row_numbers, self.collate, self.reading)
+        return self._reader.batch(index, place)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
 
     def first_rows(self, count: int) -> list[Any]:
         return self._read(self.row_numbers(0, DataPlace())[:count])
@@ -297,7 +317,8 @@ def data_source(data: Any, batch_size: int | None = None, *, shuffle: bool = Tru
                 collate_fn: Collate | None = None, drop_last: bool = False) -> DataSource:
     """`data` (a DataSource, DataLoader, IterableDataset, or anything indexable with a length) as a
     DataSource of global batches of `batch_size` rows. A DataLoader brings its own batch size,
-    collate function, order (shuffle or not) and drop_last; `seed` seeds the shuffle."""
+    collate function, order (shuffle or not), drop_last and reading settings (workers, pinning,
+    prefetch); `seed` seeds the shuffle, unless the DataLoader has a `generator`."""
     if isinstance(data, DataSource):
         return data
     if isinstance(data, DataLoader):
@@ -327,10 +348,18 @@ def _from_loader(loader: DataLoader, batch_size: int | None, seed: int) -> DataS
     if batch_size is not None and batch_size != loader.batch_size:
         raise ValueError(f"batch_size={batch_size} but the DataLoader's is {loader.batch_size}; leave "
                          "batch_size out (the loader's batch_size is the global batch)")
-    if loader.num_workers:
-        warnings.warn(f"colab_par reads rows in the training process: the DataLoader's num_workers="
-                      f"{loader.num_workers} are not started", stacklevel=3)
+    if not loader.in_order:
+        raise ValueError("in_order=False lets workers hand batches back in any order, so the position a "
+                         "checkpoint saves would not say which rows were trained on; build the loader "
+                         "with in_order=True (the default)")
+    reading = LoaderOptions.of(loader)
     if isinstance(loader.dataset, IterableDataset):
+        if reading.reads_apart:
+            raise ValueError(f"this DataLoader reads a stream with num_workers={loader.num_workers}, "
+                             f"pin_memory={loader.pin_memory}: colab_par reads a stream on rank 0 alone "
+                             "and sends each rank its rows, in order, so that a checkpoint knows the place "
+                             "in it; build the loader with num_workers=0 and pin_memory=False, or give a "
+                             "map-style Dataset (__getitem__ and __len__), whose rows workers can read")
         return IterableSource(loader.dataset, loader.batch_size, collate_fn=loader.collate_fn,
                               drop_last=loader.drop_last)
     sampler = loader.sampler
@@ -344,8 +373,10 @@ def _from_loader(loader: DataLoader, batch_size: int | None, seed: int) -> DataS
                          "split over ranks: it orders rows itself (seeded, the same on every rank), so "
                          "build the loader with shuffle=True or False and no sampler (no "
                          "DistributedSampler either: the global batch is split over dp here)")
+    if shuffle and loader.generator is not None:  # the loader's own seed orders its rows
+        seed = loader.generator.initial_seed()
     return MapSource(loader.dataset, loader.batch_size, shuffle=shuffle, seed=seed,
-                     collate_fn=loader.collate_fn, drop_last=loader.drop_last)
+                     collate_fn=loader.collate_fn, drop_last=loader.drop_last, reading=reading)
 
 
 # ---- collating and checking rows ------------------------------------------------------------------

@@ -83,7 +83,7 @@ async def _dispatch(kernel: Any, lock: Any, dispatch_shell: Callable[[Any, list]
                 _apply(kernel, stream, idents, msg)
         finally:  # "idle" ends the task's output for the client: it must follow that output
             compat.after_output([sys.stdout, sys.stderr],
-                                lambda: kernel._publish_status("idle", "shell", parent=msg))
+                                lambda: compat.publish_status(kernel, "idle", msg))
 
 
 @contextlib.contextmanager
@@ -146,7 +146,7 @@ async def _lean_call(kernel: Any, stream: Any, ident: bytes, parts: list) -> Non
     stream.send_multipart([ident, *lean_wire.frames(kernel.session.auth, [msg_id, reply["status"],
                                                                                  "1" if shown else "0"], payload)])
     if shown:
-        compat.after_output(streams, lambda: kernel._publish_status("idle", "shell", parent=parent))
+        compat.after_output(streams, lambda: compat.publish_status(kernel, "idle", parent))
 
 
 def serving_port() -> int | None:

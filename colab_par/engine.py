@@ -15,14 +15,23 @@ from typing import Any, Sequence
 from colab_par import compat, direct
 from colab_par.backend import device_for
 
-__all__ = ["host_info", "visible_gpus", "bind_device", "socket_interfaces", "enable_stack_dumps", "stack_file",
-           "open_rendezvous", "init_process_group", "leave_process_group", "break_connections",
-           "names_built_on_the_group", "user_names", "rank_status", "device_report", "update_namespace"]
+__all__ = ["host_info", "visible_gpus", "visible_gpu_ids", "bind_device", "socket_interfaces", "enable_stack_dumps",
+           "stack_file", "open_rendezvous", "init_process_group", "bound_device", "NCCL_ENVIRONMENT",
+           "leave_process_group", "break_connections", "names_built_on_the_group", "user_names", "rank_status",
+           "device_report", "before_cell"]
 
 _LISTENER: socket.socket | None = None  # rank 0: the bound rendezvous socket until the store takes it
 _STACKS: Any = None  # the open file faulthandler dumps stacks into on SIGUSR1
 _ENGINE_SOCKETS: set[int] | None = None  # socket inodes the engine had before it joined a world
 _INET = (socket.AF_INET, socket.AF_INET6)
+_DRIVER_NODES = ("/dev/nvidiactl", "/dev/dxg")  # the NVIDIA driver's control node; WSL2's GPU node
+# Set on an NCCL rank before its group forms, unless the user set them. On a timeout or an NCCL
+# error, torch's watchdog then aborts the communicators and leaves the process alive (2,
+# CleanUpOnly; torch's default, 3, and 1 tear the process down, losing the engine's variables):
+# the rank's pending and later collectives raise, and the cluster re-forms the world. The flight
+# recorder keeps the last collectives' states, so `probe` can name what a rank that returned
+# from an NCCL call at once (it only enqueues) waits for in a later `.item()` or synchronize.
+NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_FR_BUFFER_SIZE": "2000"}
 
 
 def host_info(toward: str = "127.0.0.1") -> dict[str, Any]:
@@ -33,15 +42,17 @@ def host_info(toward: str = "127.0.0.1") -> dict[str, Any]:
     share. What the hostname resolves to is often loopback (Debian maps it to 127.0.1.1) or
     nothing at all on a cluster node.
     """
+    gpus = visible_gpus()
     return {"host": socket.gethostname(), "ip": address_toward(toward), "pid": os.getpid(),
-            "gpus": visible_gpus()}
+            "gpus": gpus, "gpu_ids": visible_gpu_ids(gpus)}
 
 
 def visible_gpus() -> int:
     """CUDA GPUs this process may use (after CUDA_VISIBLE_DEVICES). torch counts them through NVML
     where it can, without initialising CUDA, so binding a device later is unaffected; a host
-    without the NVIDIA driver answers without asking torch at all."""
-    if sys.platform.startswith("linux") and not os.path.exists("/dev/nvidiactl"):
+    without the NVIDIA driver (no /dev/nvidiactl, nor WSL2's /dev/dxg, through which WSL2's
+    driver serves CUDA) answers without asking torch at all."""
+    if sys.platform.startswith("linux") and not any(map(os.path.exists, _DRIVER_NODES)):
         return 0
     try:
         import torch
@@ -49,6 +60,23 @@ def visible_gpus() -> int:
         return torch.cuda.device_count()
     except Exception:  # noqa: BLE001 - no usable torch CUDA means no GPUs
         return 0
+
+
+def visible_gpu_ids(count: int) -> list[str]:
+    """Names of the `count` GPUs this process sees, so the client can tell engines that share a
+    host's GPUs (the same names: each takes its own by local order) from engines each given their
+    own by the launcher (srun --gpus-per-task, a CUDA_VISIBLE_DEVICES per engine: different names,
+    each engine's one GPU is its cuda:0). NVML's UUIDs where it answers (a GPU confined by cgroups
+    is "0" in every task), else CUDA_VISIBLE_DEVICES' entries."""
+    if count == 0:
+        return []
+    named = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    uuids = compat.gpu_uuids()
+    if uuids:
+        chosen = [next((u for u in uuids if u.startswith(d)), d) if not d.isdigit()
+                  else uuids[int(d)] if int(d) < len(uuids) else d for d in named] if named else uuids
+        return chosen[:count]
+    return (named or [str(i) for i in range(count)])[:count]
 
 
 def address_toward(peer: str) -> str:
@@ -91,13 +119,14 @@ def socket_interfaces(own_address: str) -> dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": f"={name}"} if name else {}
 
 
-def bind_device(local_rank: int, local_world: int, backend: str) -> str:
+def bind_device(local_rank: int, local_world: int, backend: str, device_index: int | None = None) -> str:
     """Bind this engine to its device before anything touches CUDA, and share the CPU fairly.
 
     Called first on a fresh engine: under nccl, `set_device` precedes any allocation, so each
     engine owns exactly one GPU; a gloo world computes on the CPU even on a GPU host (see
     `colab_par.backend`), and CUDA is left untouched. Each engine gets an equal share of the cores
-    instead of every engine spawning a thread per core and thrashing.
+    instead of every engine spawning a thread per core and thrashing. `device_index`: which of the
+    GPUs this engine sees is its own (`backend.device_indices`; its local rank by default).
     """
     import torch
 
@@ -105,13 +134,14 @@ def bind_device(local_rank: int, local_world: int, backend: str) -> str:
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
     threads = max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(threads)
-    device = device_for(backend, local_rank)
+    index = local_rank if device_index is None else device_index
+    device = device_for(backend, index)
     if device.startswith("cuda"):
         count = torch.cuda.device_count()
-        if local_rank >= count:
-            raise RuntimeError(f"local rank {local_rank} has no GPU: this host shows {count}; "
-                               f"start at most {count} engines per host")
-        torch.cuda.set_device(local_rank)
+        if index >= count:
+            raise RuntimeError(f"local rank {local_rank} has no GPU: this engine sees {count}; "
+                               f"start at most one engine per GPU")
+        torch.cuda.set_device(index)
     return device
 
 
@@ -189,6 +219,9 @@ def init_process_group(backend: str, addr: str, port: int, rank: int, world: int
         os.environ.setdefault(name, value)  # never over a value the user set
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": addr,
                        "MASTER_PORT": str(port)})
+    if backend == "nccl":
+        for name, value in NCCL_ENVIRONMENT.items():
+            os.environ.setdefault(name, value)  # read when the NCCL group is built, below
     timeout = timedelta(seconds=timeout_s)
     if rank == 0:
         if _LISTENER is None or _LISTENER.getsockname()[1] != port:
@@ -198,7 +231,20 @@ def init_process_group(backend: str, addr: str, port: int, rank: int, world: int
         store = dist.TCPStore(addr, port, world, True, timeout=timeout, master_listen_fd=fd)
     else:
         store = dist.TCPStore(addr, port, world, False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                            device_id=bound_device(backend))
+
+
+def bound_device(backend: str) -> Any:
+    """The device an NCCL world's rank is bound to (`bind_device` set it), for
+    `init_process_group(device_id=...)`: the communicator forms at once, sub-groups split from it
+    instead of each forming lazily at its first collective, and `barrier()` knows its GPU. None
+    under gloo, which binds to no device."""
+    if backend != "nccl":
+        return None
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def leave_process_group(addresses: Sequence[str]) -> None:
@@ -367,9 +413,11 @@ def _rss_bytes() -> int | None:
         return None
 
 
-def update_namespace(blob: bytes) -> None:
-    """Unpickle shipped notebook names (a `ship.payload`) into the engine's interactive namespace,
-    in one piece.
+def before_cell(blob: bytes, number: int | None) -> None:
+    """Before a cell: unpickle the shipped notebook names (a `ship.payload`) into the engine's
+    interactive namespace in one piece, and number the cell as the notebook numbers it, so its
+    tracebacks and `%colossal debug` say ``Cell In[7]`` where the notebook shows [7] (IPython
+    names a cell by its shell's execution count when compiling it).
 
     One cloudpickle payload keeps the objects' identities consistent (a class and the ``__class__``
     cell its methods' ``super()`` uses are the same object), which per-name pushes do not.
@@ -378,4 +426,7 @@ def update_namespace(blob: bytes) -> None:
 
     from colab_par.ship import unpack
 
-    get_ipython().user_ns.update(unpack(blob))
+    shell = get_ipython()
+    shell.user_ns.update(unpack(blob))
+    if number is not None:
+        shell.execution_count = number

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Iterator, Union
 
+from colab_par.device_catalogue import DEVICES, catalogue_device
 from colab_par.tier_options import MemoryTiers, tier_token
 
 __all__ = ["Layout", "LayoutError", "model_sizes", "valid_layouts", "field_options",
@@ -183,12 +184,13 @@ class Layout:
 
     # ---- validation ----------------------------------------------------------------------------
     def validate(self, world_size: int | None = None, model_config: Any = None, *,
-                 device: str | None = None, global_batch: int | None = None) -> "Layout":
+                 device: Any = None, global_batch: int | None = None) -> "Layout":
         """Raise `LayoutError` for the first broken rule; return self when the layout is possible.
 
         `model_config` may be a GPTConfig, a Hugging Face config or a mapping with n_layer/n_head/
-        n_kv_head/seq_len/ffn_hidden (any of the usual spellings). `device` ("cpu", "cuda", or a
-        planner catalogue name such as "T4") lets the bf16 rule apply; `global_batch` lets the
+        n_kv_head/seq_len/ffn_hidden (any of the usual spellings). `device` ("cpu", "cuda", a
+        planner catalogue name such as "T4", or a DeviceSpec) lets the bf16 rule apply (by the
+        DeviceSpec's `bf16`); `global_batch` lets the
         batch-splitting rules apply.
         """
         sizes = _rule_sizes(world_size, model_config, global_batch)
@@ -262,7 +264,7 @@ def _default_choices(world: int, sizes: dict[str, int]) -> dict[str, Choices]:
             "microbatches": (None, *_divisors(batch)) if batch else (None,)}
 
 
-def valid_layouts(world_size: int, model_config: Any = None, *, device: str | None = None,
+def valid_layouts(world_size: int, model_config: Any = None, *, device: Any = None,
                   global_batch: int | None = None, **choices: Choices) -> Iterator[Layout]:
     """Every Layout over `world_size` ranks that `validate` accepts, each once.
 
@@ -307,7 +309,7 @@ def valid_layouts(world_size: int, model_config: Any = None, *, device: str | No
     return search(0, {})
 
 
-def field_options(world_size: int, model_config: Any = None, *, device: str | None = None,
+def field_options(world_size: int, model_config: Any = None, *, device: Any = None,
                   global_batch: int | None = None, **choices: Iterable[Any]) -> dict[str, list[Any]]:
     """For each field, the values that appear in at least one valid layout (a picker's options);
     `choices` set a field's candidate values as in `valid_layouts` (e.g. ``ep=(1, 2, 4)``)."""
@@ -821,7 +823,22 @@ def _check_batch(layout: Any, world: int | None, sizes: dict, device: str | None
 def _check_precision(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     if layout.precision != "bf16" or device is None:
         return
-    no_bf16 = ("t4", "v100", "p100", "k80")
-    if any(name in device.lower() for name in no_bf16):
-        raise LayoutError(f"precision='bf16' needs a GPU with bfloat16 (Ampere or newer); {device} "
-                          "has none; use precision='fp32'")
+    spec = _device_spec(device)
+    if spec is not None and not spec.bf16:
+        raise LayoutError(f"precision='bf16' needs a device with bfloat16 (Ampere or newer GPUs); "
+                          f"{spec.name} has none (its DeviceSpec lists peaks for {', '.join(spec.peak_flops)} "
+                          "only); use precision='fp32'")
+
+
+def _device_spec(device: Any) -> Any:
+    """The DeviceSpec a rule's `device` means: the one given, the catalogue's entry for a name, or
+    None for a bare "cpu" / "cuda" (no product named: the device decides at run time)."""
+    if not isinstance(device, str):
+        return device
+    if device.lower().split(":")[0] in ("cpu", "cuda"):
+        return None
+    spec = catalogue_device(device)
+    if spec is None:
+        raise LayoutError(f"device {device!r} is not in the device catalogue; choose one of "
+                          f"{', '.join(DEVICES)}, 'cpu' or 'cuda', or pass a DeviceSpec")
+    return spec

@@ -307,7 +307,7 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
         return _estimate_module(spec, layout, dev, global_batch=global_batch, gpus_per_node=gpus_per_node,
                                 optimizer=optimizer, validate=validate, init=init, grad_clip=grad_clip)
     if validate:
-        layout.validate(layout.world_size, spec.config(seq_len), device=dev.name, global_batch=global_batch)
+        layout.validate(layout.world_size, spec.config(seq_len), device=dev, global_batch=global_batch)
     # bytes follow what the kit holds (bf16 layouts run in bf16 on any device, a CPU included);
     # speed follows the device's peaks (fp32's where it has no bf16 figure)
     precision = layout.precision if layout.precision in dev.peak_flops else "fp32"
@@ -400,7 +400,7 @@ def _estimate_module(spec: ModuleSpec, layout: Layout, dev: DeviceSpec, *, globa
     does not record the largest single tensor; the init peak takes the largest unit for it.
     """
     if validate:
-        layout.validate(layout.world_size, spec.config(), device=dev.name, global_batch=global_batch)
+        layout.validate(layout.world_size, spec.config(), device=dev, global_batch=global_batch)
     precision = layout.precision if layout.precision in dev.peak_flops else "fp32"  # speed, as above
     act_bytes = 2 if layout.precision == "bf16" else 4
     state_precision = _state_precision(layout)
@@ -719,7 +719,8 @@ _SCHEDULE_ORDER = ("zbv", "1f1b", "interleaved", "gpipe")
 
 
 def candidate_layouts(spec: ModelSpec, world_size: int, *, global_batch: int, seq_len: int,
-                      bf16: bool, gpus_per_node: int = 8, device: str | None = None) -> list[Layout]:
+                      bf16: bool, gpus_per_node: int = 8,
+                      device: "str | DeviceSpec | None" = None) -> list[Layout]:
     """Layouts worth estimating, without activation checkpointing (`plan` adds it when needed):
     the layouts layout.py accepts over `search_space`, less the `preferred` ones' dominated twins."""
     return preferred(valid_layouts(world_size, spec.config(seq_len), device=device,
@@ -752,7 +753,7 @@ def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batc
                    expert_load=expert_load, grad_clip=grad_clip)
     plans = [_cheapest_fitting(spec, layout.replace(tiers=tiers or MemoryTiers()), options)
              for layout in candidate_layouts(spec, world_size, global_batch=global_batch, seq_len=seq_len,
-                                             bf16=dev.bf16, gpus_per_node=gpus_per_node, device=dev.name)]
+                                             bf16=dev.bf16, gpus_per_node=gpus_per_node, device=dev)]
     if not plans:
         raise LayoutError(f"no valid layout for this model on {world_size} devices with "
                           f"global_batch={global_batch}, seq_len={seq_len}; try a global batch "

@@ -1,7 +1,7 @@
 """The training loop: one loop for every layout, run on every engine (or in plain Python).
 
 `Trainer` drives a `ParallelModel`: gradient accumulation, clipping through the model's own
-shard-aware norm, LR warm-up + cosine, per-rank seeding, periodic DCP checkpoints, and telemetry
+shard-aware norm, LR warm-up + cosine, seeding per mesh role, periodic DCP checkpoints, and telemetry
 rows that go to `history`, to the notebook dashboard (through `datapub` on engines) or to
 terminal lines. Plotting lives in dashboard.py, measuring in telemetry.py.
 """
@@ -27,6 +27,7 @@ from colab_par.data_sources import DataPlace, DataSource, data_source, dp_total
 from colab_par.eval_rows import EvalRows
 from colab_par.loggers import Logger, RunLogs
 from colab_par.parallel.batch import batch_size, batch_to, check_batch
+from colab_par.parallel.rng import seed_streams
 from colab_par.profiling import recorder
 from colab_par.profiling.steps import ProfileSteps, StepProfiler
 
@@ -62,8 +63,10 @@ class Trainer:
     sees `batch_size * grad_accum` sequences), for any other model a `BatchList` of global
     batches (a plain list is wrapped in one), or the user's own data: a torch Dataset,
     IterableDataset, DataLoader or Hugging Face `datasets.Dataset` with `batch_size=` the GLOBAL
-    batch (a DataLoader's own batch_size is read as global), shuffled with `seed`
-    (`colab_par.data_sources`: each rank reads only its rows, the position is saved in checkpoints).
+    batch (a DataLoader's own batch_size is read as global), shuffled with `seed` (or the
+    DataLoader's `generator`), read by the DataLoader's workers with its pinning and prefetch where
+    it has them (`colab_par.data_sources`: each rank reads only its rows, the position is saved in
+    checkpoints).
     `lr_schedule(step) -> factor` multiplies each param
     group's initial LR. `grad_clip` clips the global norm across all shards. `log_every` sets how
     often a telemetry row is recorded and published (with `telemetry=True` a log step also
@@ -144,7 +147,7 @@ class Trainer:
         self._expert_load: tuple[Any, telem.ExpertLoad | None] | None = None  # (pm, its MoE layers' load)
         self.base_lrs = [group.get("initial_lr", group["lr"]) for group in pm.optimizer.param_groups]
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        torch.manual_seed(seed * 1_000_003 + self.rank)
+        seed_streams(seed, getattr(pm, "mesh", None))  # one stream per mesh role (parallel/rng.py)
         tokens = isinstance(data, TokenDataset)
         self._flops_per_token = telemetry_flops_per_token(pm, data.seq_len) if telemetry and tokens else 0.0
         self._measured_flops: float | None = None  # per rank and step, counted where no formula applies
@@ -179,6 +182,8 @@ class Trainer:
                 if self.ckpt_dir is not None and (due or self.step == stop_at):
                     self.save_checkpoint()
         finally:
+            if isinstance(self.data, DataSource):
+                self.data.close()
             if self._logs is not None:
                 self._logs.end(self.history)
             if publisher is not None:

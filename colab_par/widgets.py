@@ -112,7 +112,7 @@ class LayoutPicker:
     def layout(self) -> Layout:
         """The current choice, validated for this world, model, device and batch."""
         return self._current().validate(self.world_size, self.spec.config(self.seq_len),
-                                        device=self.device.name, global_batch=self.global_batch)
+                                        device=self.device, global_batch=self.global_batch)
 
     def apply(self, layout: "Layout | str") -> None:
         """Set every selector from `layout` (refreshing once at the end)."""
@@ -142,7 +142,7 @@ class LayoutPicker:
         """A dropdown per field offering the values that some valid layout for this world, model,
         device and batch takes (`field_options`: the picker knows no rule itself)."""
         start = self._start
-        options = field_options(self.world_size, self.spec.config(self.seq_len), device=self.device.name,
+        options = field_options(self.world_size, self.spec.config(self.seq_len), device=self.device,
                                 global_batch=self.global_batch, ep=self._expert_degrees())
         labels = {"tp_mode": "tp mode", "tp_depth": "tp depth", "cp_mode": "cp mode",
                   "pp_schedule": "schedule", "virtual_stages": "virtual st.",

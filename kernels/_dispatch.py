@@ -22,7 +22,9 @@ __all__ = ["backend", "is_dtensor", "launches", "interpreter_active", "count_lau
            "poisoned_outputs", "next_power_of_2", "split_rows", "tile_rows", "row_block", "as_rows"]
 
 launches: Counter[tuple[str, str]] = Counter()
-"""Kernel launches per (kernel name, backend): lets tests prove which path really ran."""
+"""Kernel launches per (kernel name, backend): lets tests prove which path really ran. The torch
+path counts each forward call of its reference (its backward is autograd's) under "torch", so a
+model whose modules call the kit's kernels shows it on a CPU engine too."""
 
 _poison = False
 _warned_late_interpret = False

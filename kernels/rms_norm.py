@@ -154,5 +154,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
         raise ValueError(f"rms_norm: x is on {x.device} but weight on {weight.device}; move both to one device")
     path = backend(x)
     if path == "torch" or x.numel() == 0:
+        count_launch("rms_norm_forward", "torch")
         return rms_norm_reference(x, weight, eps)
     return _RMSNormFunction.apply(x, weight, eps, path)

@@ -127,5 +127,6 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
         raise ValueError("apply_rope: q, k, cos and sin must be on one device")
     path = backend(q)
     if path == "torch" or q.numel() == 0:
+        count_launch("rope_forward", "torch")
         return apply_rope_reference(q, k, cos, sin)
     return _RoPEFunction.apply(q, k, cos.contiguous(), sin.contiguous(), path)

@@ -75,5 +75,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
                          f"{up.dtype} {up.device} must match in shape, dtype and device")
     path = backend(gate)
     if path == "torch" or gate.numel() == 0:
+        count_launch("swiglu_forward", "torch")
         return swiglu_reference(gate, up)
     return _SwiGLUFunction.apply(gate, up, path)

@@ -76,16 +76,23 @@ def test_adapters_compose_with_the_other_layout_steps(cluster2, kind: str, layou
 def test_lora_trains_in_bf16_with_fp32_master_weights(cluster2) -> None:
     """Every linear (adapters too) runs in bf16 and the losses show bf16 rounding yet stay within 2e-2
     (`parity.assert_close_to_fp32`'s bounds); the frozen fp32 base is untouched. Adapter weights
-    start at zero, where bf16 noise flips the sign of Adam's first steps (each up to
-    lr·(1-β1)/sqrt(1-β2) ≈ 3.2 lr), so they are held to that bound rather than to the base's 5e-3."""
+    start at zero, where bf16 noise flips the sign of some of Adam's first steps, so they are not
+    held element by element: their update (final minus initial weights) must follow the fp32
+    reference's, within a quarter of its norm (measured 0.05). Adapters that never trained miss by
+    the whole norm (ratio 1); an element-wise bound wide enough for the sign flips
+    (2·3.2·lr·steps = 0.05) would pass them."""
     results = cluster2.run(bf16_engine_run, "dp2 zero3 bf16", kind=LLAMA_LORA, steps=STEPS)
     reference = reference_run(LLAMA_LORA, STEPS)
     adapters = _peft_trainable()
     frozen_only = {k: v for k, v in reference["state"].items() if k not in adapters}
     assert_close_to_fp32(results, {**reference, "state": frozen_only})
-    for name, expected in reference["state"].items():
-        bound = 0.0 if name not in adapters else 2 * 3.2 * 1e-3 * STEPS
-        torch.testing.assert_close(results[0]["state"][name], expected, rtol=0.0, atol=bound, msg=name)
+    for name, expected in frozen_only.items():
+        assert torch.equal(results[0]["state"][name], expected), name
+    initial = build_model(LLAMA_LORA, SEED).get_base_model().state_dict()
+    got = torch.cat([(results[0]["state"][n] - initial[n]).flatten() for n in sorted(adapters)])
+    wanted = torch.cat([(reference["state"][n] - initial[n]).flatten() for n in sorted(adapters)])
+    miss = ((got - wanted).norm() / wanted.norm()).item()
+    assert miss < 0.25, f"the adapters' bf16 update is {miss:.2f} of the fp32 update's norm away from it"
 
 
 @pytest.mark.parametrize("kind", [LLAMA_LORA, "gpt2+lora"])

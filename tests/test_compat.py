@@ -229,6 +229,7 @@ def test_prompt_heart_monitor_registers_a_heart_at_its_first_answer():
 
 
 def test_controller_main_code_starts_the_controller_app():
+    assert "run_controller()" in compat.CONTROLLER_MAIN_CODE  # through run_controller: the prompt monitor
     done = subprocess.run([sys.executable, "-c", compat.CONTROLLER_MAIN_CODE, "--help"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -363,7 +364,7 @@ def test_triton_interpreted_follows_the_environment_at_import(interpret: str):
 
 # ---- the claim: nothing else uses a private API ----------------------------------------------------
 PACKAGE_ROOTS = [Path(__file__).resolve().parents[1] / name for name in ("colab_par", "kernels")]
-FOREIGN = ("torch", "transformers", "triton", "ipyparallel")
+FOREIGN = ("torch", "transformers", "triton", "ipyparallel", "ipykernel")
 # Private names still used outside compat.py: (file, name) -> why. Keep this short; each entry is a
 # release of torch away from an AttributeError inside training.
 ALLOWED = {
@@ -382,14 +383,15 @@ ALLOWED = {
 
 @functools.cache
 def _foreign_private_attributes() -> frozenset[str]:
-    """Private attribute names of the torch, transformers and ipyparallel objects the kit handles
-    (classes and live instances: `_parameters` exists only on an instance), and every private name
+    """Private attribute names of the torch, transformers, ipyparallel and ipykernel objects the kit
+    handles (classes and live instances: `_parameters` exists only on an instance), and every private name
     compat.py itself reaches for (`AsyncResult._children` is set only on a live result)."""
     import ast
     import inspect
 
     import ipyparallel
     import transformers
+    from ipykernel.kernelbase import Kernel
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage
@@ -401,7 +403,7 @@ def _foreign_private_attributes() -> frozenset[str]:
                torch.nn.Linear(1, 1), torch.optim.SGD([param]), torch.Generator(), DeviceMesh, DTensor,
                FSDPModule, PipelineStage, ParallelStyle, torch.autograd.Function,
                transformers.PreTrainedModel, transformers.PretrainedConfig(), ipyparallel.AsyncResult,
-               ipyparallel.Client, ipyparallel.DirectView]
+               ipyparallel.Client, ipyparallel.DirectView, Kernel]
     objects += [cls for _, cls in inspect.getmembers(torch.nn, inspect.isclass)
                 if issubclass(cls, torch.nn.Module)]
     names = {name for obj in objects for name in dir(obj)}
@@ -470,7 +472,8 @@ def test_the_private_api_scan_finds_each_kind_of_use(tmp_path):
              "schema = func._schema": "_schema",
              "module._parameters[name] = p": "_parameters",
              "futures = getattr(result, '_children')": "_children",
-             "reset = getattr(module, '_reset_parameters', None)": "_reset_parameters"}
+             "reset = getattr(module, '_reset_parameters', None)": "_reset_parameters",
+             "kernel._publish_status('idle', 'shell')": "_publish_status"}
     for i, (code, name) in enumerate(cases.items()):
         path = tmp_path / f"case{i}.py"
         path.write_text("import torch\n" + code + "\n")
@@ -597,3 +600,234 @@ def test_storage_holder_rehomes_a_dtensor_parameters_values(cluster2):
                 and compat.storage_holder(plain) is plain)
 
     assert cluster2.run(rehome) == [True, True]
+
+
+def test_fsdp_offload_policy_is_the_one_fully_shard_applied(cluster2):
+    def policies() -> list[str]:
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        from colab_par.compat import fsdp_offload_policy
+
+        mesh = init_device_mesh("cpu", (2,))
+        offloaded = fully_shard(torch.nn.Linear(4, 4), mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        plain = fully_shard(torch.nn.Linear(4, 4), mesh=mesh)
+        holds_none = fully_shard(torch.nn.Sequential(fully_shard(torch.nn.Linear(4, 4), mesh=mesh)), mesh=mesh)
+        return [type(fsdp_offload_policy(m)).__name__ for m in (offloaded, plain, holds_none)]
+
+    assert cluster2.run(policies) == [["CPUOffloadPolicy", "OffloadPolicy", "NoneType"]] * 2
+
+
+# ---- the rest of the entries: one test each ------------------------------------------------------
+def test_grouped_mm_is_one_op_only_for_the_operands_torchs_kernel_takes():
+    weights = torch.randn(2, 8, 4)
+    assert compat.grouped_mm_is_one_op(torch.randn(6, 8), weights)  # float32, 32-byte rows
+    assert not compat.grouped_mm_is_one_op(torch.randn(6, 8, dtype=torch.float64), weights.double())
+    assert not compat.grouped_mm_is_one_op(torch.randn(6, 3), torch.randn(2, 3, 4))  # 12-byte rows
+    assert not compat.grouped_mm_is_one_op(torch.randn(6, 8), weights.half())  # mixed dtypes
+
+
+def test_unwrapped_name_takes_the_checkpoint_wrappers_module_out():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    plain = [name for name, _ in model.named_parameters()]
+    model[0] = compat.checkpoint_wrapper(model[0])
+    wrapped = [name for name, _ in model.named_parameters()]
+    assert wrapped != plain and [compat.unwrapped_name(name) for name in wrapped] == plain
+
+
+def test_swapped_parameters_run_the_module_with_the_given_tensors_then_restore():
+    linear = torch.nn.Linear(3, 2, bias=False)
+    own, x = linear.weight, torch.randn(4, 3)
+    other = torch.randn(2, 3, requires_grad=True)
+    with compat.swapped_parameters(linear, {"weight": other}):
+        out = linear(x)
+    torch.testing.assert_close(out, x @ other.T, rtol=0, atol=0)
+    assert linear.weight is own
+    out.sum().backward()  # the gradient reaches the swapped-in tensor's history
+    torch.testing.assert_close(other.grad, x.sum(0).expand(2, 3), rtol=0, atol=0)
+
+
+def test_fused_optimizer_devices_include_cpu_where_fused_adam_runs_on_it():
+    devices = compat.fused_optimizer_devices()
+    assert "cuda" in devices
+    if "cpu" in devices:  # then torch's fused AdamW must really take CPU tensors
+        param = torch.nn.Parameter(torch.ones(3))
+        param.grad = torch.ones(3)
+        torch.optim.AdamW([param], lr=0.1, fused=True).step()
+        assert torch.all(param < 1)
+
+
+def test_recompile_limit_error_is_raised_at_the_limit_under_failing_at_recompile_limit():
+    import torch._dynamo
+
+    assert compat.recompile_limit() >= 1
+    torch._dynamo.reset()
+    function = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=1, automatic_dynamic_shapes=False):
+        assert compat.recompile_limit() == 1
+        function(torch.ones(2))
+        with compat.failing_at_recompile_limit(), pytest.raises(compat.recompile_limit_error()):
+            function(torch.ones(3))  # a second shape: dynamo would fall back to eager silently
+    torch._dynamo.reset()
+
+
+def test_pin_inductor_vector_width_pins_what_inductor_would_pick():
+    import torch._inductor.config as config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    before = config.cpp.simdlen
+    try:
+        config.cpp.simdlen = None
+        width = compat.pin_inductor_vector_width()
+        assert width == config.cpp.simdlen == pick_vec_isa().bit_width()
+    finally:
+        config.cpp.simdlen = before
+
+
+def _drop_attribute(monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module, name: str) -> None:
+    """`model` as a transformers release without `name` would build it: gone from the instance and
+    from every class that defines it (what a rename upstream does)."""
+    if name in vars(model):
+        monkeypatch.delattr(model, name)
+    for cls in type(model).__mro__:
+        if name in vars(cls):
+            monkeypatch.delattr(cls, name)
+    assert not hasattr(model, name)
+
+
+def test_hf_output_recorder_finds_a_moe_models_router_and_refuses_a_drifted_transformers(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+
+    config = transformers.MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, num_local_experts=2)
+    model = transformers.MixtralForCausalLM(config)
+    recorder = compat.hf_output_recorder(model, "router_logits")
+    assert any(isinstance(module, recorder.target_class) for module in model.modules())
+    assert compat.hf_output_recorder(model, "no_such_output") is None
+    assert compat.hf_output_recorder(torch.nn.Linear(2, 2), "router_logits") is None  # not transformers'
+    # a transformers without the attributes: refused, not read as "no plan" / "records nothing"
+    _drop_attribute(monkeypatch, model, "_tp_plan")
+    with pytest.raises(compat.CompatError, match=r"_tp_plan.*transformers>=5\.9"):
+        compat.hf_tp_plan(model)
+    _drop_attribute(monkeypatch, model, "_can_record_outputs")
+    with pytest.raises(compat.CompatError, match=r"_can_record_outputs.*transformers>=5\.9"):
+        compat.hf_output_recorder.__wrapped__(model, "router_logits")
+
+
+def _local_offsets() -> tuple[int, ...]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    return (compat.local_shard_offsets((5, 3), mesh, [Shard(0)]), compat.local_shard_offsets((5, 3), mesh, [Shard(1)]),
+            compat.local_shard_offsets((5, 3), mesh, [Replicate()]))
+
+
+def test_local_shard_offsets_are_where_each_ranks_block_starts(cluster2):
+    # torch's chunking: 5 rows -> 3 + 2, 3 columns -> 2 + 1
+    assert cluster2.run(_local_offsets) == [((0, 0), (0, 0), (0, 0)), ((3, 0), (0, 2), (0, 0))]
+
+
+def _engine_side() -> dict:
+    """On an engine: the kernel, its shell entry for direct requests, and after_output's fast path."""
+    import sys
+    import threading
+
+    kernel = compat.engine_kernel()
+    ran = threading.Event()
+    seen = {}
+
+    def then() -> None:
+        seen.update(thread=threading.current_thread().name,
+                    pending=any(buffer.tell() for buffer in sys.stdout._buffers.values()))
+        ran.set()
+
+    print("some output", end="")
+    compat.after_output([sys.stdout, sys.stderr], then)
+    ran.wait(10)
+    mark = compat.output_mark(kernel.session, [sys.stdout])
+    quiet = compat.output_since(mark, kernel.session, [sys.stdout])
+    print("more")
+    return {"kernel": type(kernel) is compat.ipp_engine_kernel_class(),
+            "shell": compat.engine_shell(kernel) is not None, "after_output": seen, "quiet": quiet,
+            "printed": compat.output_since(mark, kernel.session, [sys.stdout])}
+
+
+def test_engine_kernel_shell_and_output_order_take_the_fast_paths(cluster2):
+    """The fallbacks (no direct channel, a flush that waits, "assume output") are not what the
+    installed ipykernel gets: `then` runs on the output thread after the pending text went out."""
+    for result in cluster2.run(_engine_side):
+        assert result["kernel"] and result["shell"]
+        assert result["after_output"] == {"thread": result["after_output"]["thread"], "pending": False}
+        assert result["after_output"]["thread"] != "MainThread"
+        assert result["quiet"] is False and result["printed"] is True
+
+
+def _publish_idle(msg_id: str, session: str) -> None:
+    parent = {"header": {"msg_id": msg_id, "session": session, "username": "test", "msg_type": "apply_request",
+                         "date": "2026-01-01T00:00:00Z", "version": "5.3"}}
+    compat.publish_status(compat.engine_kernel(), "idle", parent)
+
+
+def test_publish_status_idle_resolves_the_clients_output_future(cluster2):
+    """What direct.py sends after a request's output: the client's own books (`client_metadata`,
+    `output_futures`) resolve the request's output when the engine's idle status arrives."""
+    import concurrent.futures
+    import uuid
+
+    client = cluster2._client
+    msg_id = f"colab-par-test-{uuid.uuid4()}"
+    done = concurrent.futures.Future()
+    compat.client_metadata(client)[msg_id]  # a request of this client's (its books are a defaultdict)
+    compat.output_futures(client)[msg_id] = done
+    try:
+        client[client.ids[0]].apply_sync(_publish_idle, msg_id, client.session.session)
+        assert done.result(timeout=10) is None
+    finally:
+        compat.output_futures(client).pop(msg_id, None)
+        compat.client_metadata(client).pop(msg_id, None)
+    assert "ipykernel>=6.9.1,<8" in str(compat._missing("ipykernel", "Kernel._publish_status"))
+
+
+def test_client_internals_are_the_live_clients_sockets_and_books(cluster2):
+    import zmq
+    from zmq.eventloop.zmqstream import ZMQStream
+
+    client = cluster2._client
+    ids = client.ids[:2]
+    idents, targets = compat.engine_idents(client, ids)
+    assert targets == ids and len(set(idents)) == 2 and all(isinstance(ident, bytes) for ident in idents)
+    assert isinstance(compat.mux_stream(client), ZMQStream)
+    assert isinstance(compat.client_context(client), zmq.Context)
+    assert compat.client_io_loop(client) is not None and callable(compat.client_reply_handler(client))
+    busy = client[ids].execute("import time\ntime.sleep(1.0)", block=False)
+    assert compat.unanswered(client) == {ids[0]: 1, ids[1]: 1} | {i: 0 for i in client.ids[2:]}
+    books = compat.client_metadata(client)[busy.msg_ids[0]]  # the request's own, filled as replies come
+    busy.get(timeout=30)
+    assert set(compat.unanswered(client).values()) == {0}
+    assert books is busy.metadata[0] and books["msg_id"] == busy.msg_ids[0] and books["completed"] is not None
+
+
+def _fail() -> None:
+    raise ValueError("on purpose")
+
+
+def test_failed_at_reads_when_each_engines_part_failed(cluster2):
+    import datetime
+
+    client = cluster2._client
+    result = client[client.ids[:2]].apply_async(_fail)
+    with pytest.raises(Exception):
+        result.get(timeout=30)
+    for future in compat.task_futures(result):
+        assert isinstance(compat.failed_at(future, future.result()), datetime.datetime)
+
+
+def test_non_persistent_buffers_are_the_ones_left_out_of_the_state_dict():
+    module = torch.nn.Module()
+    module.register_buffer("kept", torch.zeros(1))
+    module.register_buffer("table", torch.zeros(1), persistent=False)
+    from colab_par.compat import non_persistent_buffers
+
+    assert non_persistent_buffers(module) == {"table"} and set(module.state_dict()) == {"kept"}

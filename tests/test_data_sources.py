@@ -11,7 +11,7 @@ import sys
 import cloudpickle
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from colab_par.data_sources import DataPlace, IterableSource, MapSource, data_source, stack_rows
 
@@ -200,7 +200,7 @@ def resume_run(kind: str, layout: str, *, ckpt: str | None = None, stop_at: int 
     torch.manual_seed(5)
     pm = parallelize(GPT(GPTConfig(**GPT_SIZES)), layout,
                      optimizer_fn=lambda p: torch.optim.AdamW(p, lr=3e-3))
-    data = Windows() if kind == "map" else WindowStream()
+    data = {"map": Windows, "stream": WindowStream, "workers": workers_loader}[kind]()
     trainer = Trainer(pm, data, steps=STEPS, batch_size=BATCH, seed=3, telemetry=False,
                       ckpt_dir=ckpt, ckpt_every=SAVE_AT if ckpt else None)
     if resume_from:
@@ -212,6 +212,12 @@ def resume_run(kind: str, layout: str, *, ckpt: str | None = None, stop_at: int 
     trainer.fit(stop_at=stop_at)
     return {"parts": parts, "losses": [row["loss"] for row in trainer.history],
             "position": trainer.data_position}
+
+
+def workers_loader() -> DataLoader:
+    """The map rows through a DataLoader read by 2 worker processes per rank, pinned, persistent."""
+    return DataLoader(Windows(), batch_size=BATCH, shuffle=True, collate_fn=stack_rows, num_workers=2,
+                      pin_memory=True, persistent_workers=True)
 
 
 def rows_trained(ranks: list[dict]) -> list[int]:
@@ -271,6 +277,51 @@ def test_a_live_relayout_keeps_the_row_stream(cluster2, uninterrupted):
     moved = cluster2.run(resume_run, "map", "dp2", relayout_to="pp2 gpipe mb2")
     assert rows_trained(moved) == stream  # dp2's shares, then whole batches
     assert moved[0]["losses"] == pytest.approx(losses, rel=1e-5)
+
+
+def test_a_dataloader_with_workers_resumes_on_the_exact_next_row(cluster2, uninterrupted, tmp_path):
+    """Read by workers (2 per rank, pinned, persistent): the rows and losses of the in-process
+    uninterrupted run, saved mid-epoch and resumed under tp2 (dp 2 -> 1) on exactly the next row,
+    and moved live to pp2 keeping the stream."""
+    stream, losses, _ = uninterrupted["map"]
+    first = cluster2.run(resume_run, "workers", "dp2", ckpt=str(tmp_path), stop_at=SAVE_AT)
+    assert rows_trained(first) == stream[:SAVE_AT * BATCH] and first[0]["losses"] == losses[:SAVE_AT]
+    resumed = cluster2.run(resume_run, "workers", "tp2", resume_from=str(tmp_path))
+    assert rows_trained(resumed) == stream[SAVE_AT * BATCH:] and resumed[0]["position"] == STEPS
+    assert resumed[0]["losses"] == pytest.approx(losses[SAVE_AT:], rel=1e-5)
+    moved = cluster2.run(resume_run, "workers", "dp2", relayout_to="pp2 gpipe mb2")
+    assert rows_trained(moved) == stream
+
+
+class Corrupt(Rows):
+    """Rows 0..BATCH-1 read anywhere; later rows fail when a DataLoader worker reads them."""
+
+    def __getitem__(self, i: int) -> dict:
+        if get_worker_info() is not None and i >= BATCH:
+            raise ValueError(f"row {i} is corrupt")
+        return row(i)
+
+
+def fail_in_a_worker() -> str:
+    import traceback
+
+    from colab_par import Trainer, parallelize
+
+    loader = DataLoader(Corrupt(), batch_size=BATCH, num_workers=2)
+    trainer = Trainer(parallelize(Recorder(), "dp2"), loader, steps=3, telemetry=False)
+    try:
+        trainer.fit()
+    except ValueError:
+        return f"at step {trainer.step}: {traceback.format_exc()}"
+    return "trained"
+
+
+def test_a_worker_that_raises_fails_the_step_with_its_traceback(cluster2):
+    for dp_rank, report in enumerate(cluster2.run(fail_in_a_worker)):
+        assert report.startswith("at step 1: ")  # batch 0 trained; batch 1 (rows 4..7) failed
+        assert re.search(r"ValueError: Caught ValueError in DataLoader worker process \d\.\nOriginal Traceback "
+                         r"\(most recent call last\):\n.*in _worker_loop\n.*in __getitem__\n(.*\n)?"
+                         rf"ValueError: row {4 + 2 * dp_rank} is corrupt\n", report, re.S), report
 
 
 # ---- a packed Hugging Face dataset trains a tiny Llama under dp2 like one process ------------------
@@ -384,6 +435,9 @@ def test_a_dataloader_brings_its_batch_collate_order_and_drop_last():
     assert (source.batch_size, source.collate, source.shuffle, source.drop_last) == (BATCH, tuples_to_dict, True, True)
     in_order = data_source(DataLoader(TupleRows(), batch_size=2, collate_fn=tuples_to_dict))
     assert shares(in_order, 1, 2) == [2, 3] and in_order.describe()["shuffle"] is False
+    seeded = data_source(DataLoader(TupleRows(), batch_size=BATCH, shuffle=True, collate_fn=tuples_to_dict,
+                                    generator=torch.Generator().manual_seed(9)), seed=7)
+    assert [i for index in (0, 1) for i in shares(seeded, index, 2)] == seeded_order(9, 0)[:8]  # its generator
     streamed = data_source(DataLoader(Stream(), batch_size=BATCH))
     assert isinstance(streamed, IterableSource)
     assert streamed.local_batch(0, DataPlace())["sample_id"].tolist() == Stream.ORDER[:BATCH]
@@ -554,6 +608,10 @@ def test_bad_data_is_refused_before_any_work_with_the_way_out(cluster2):
     (lambda: data_source(DataLoader(Rows(), batch_size=4, sampler=torch.utils.data.distributed.DistributedSampler(
         Rows(), num_replicas=2, rank=0))), ValueError, r"DistributedSampler.*no DistributedSampler either"),
     (lambda: stack_rows([{"ids": [1]}, {"ids": [1, 2]}]), ValueError, r"column 'ids' has rows of different"),
+    (lambda: data_source(DataLoader(Stream(), batch_size=4, num_workers=2)), ValueError,
+     r"reads a stream with num_workers=2, pin_memory=False: colab_par reads a stream on rank 0.*num_workers=0"),
+    (lambda: data_source(DataLoader(Rows(), batch_size=4, num_workers=1, in_order=False)), ValueError,
+     r"in_order=False lets workers hand batches back in any order.*in_order=True"),
 ])
 def test_data_refused_before_a_model_is_involved(make, error, message):
     with pytest.raises(error, match=message):

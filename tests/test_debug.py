@@ -41,16 +41,21 @@ def alive_refs():
 
 
 def fail_on_rank_1(shell) -> EngineError:
-    shell.run_cell(FUNCTION)
-    error = shell.run_cell("%%colossal\n" + CELL).error_in_exec
+    """Run the cells as a notebook does (with history: each cell gets the next number, so the
+    failing cell's differs from the engines' own count of the cells they ran)."""
+    shell.run_cell(FUNCTION, store_history=True)
+    error = shell.run_cell("%%colossal\n" + CELL, store_history=True).error_in_exec
     assert isinstance(error, EngineError) and [group[:2] for group in error.groups] == [([1], "ValueError")]
     return error
 
 
 def test_debug_inspects_a_notebook_function_and_its_cell_on_the_failed_rank(on_cluster, cluster2, capsys):
     error = fail_on_rank_1(on_cluster)
-    # the shipped function's own lines now show in the engine's traceback too
-    assert "raise ValueError(f'bad scale {y}')" in re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    number = on_cluster.execution_count - 1  # what the notebook shows beside the failed cell
+    # the shipped function's own lines now show in the engine's traceback too, and the cell by
+    # the notebook's number (not the engine's own count)
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    assert "raise ValueError(f'bad scale {y}')" in shown and f"Cell In[{number}], line 2" in shown, shown
     capsys.readouterr()
     on_cluster.run_line_magic("colossal", "debug --rank 1 --commands 'p x; p y; l; n; up; p a; ll; !a = -1'")
     out = capsys.readouterr().out
@@ -59,7 +64,7 @@ def test_debug_inspects_a_notebook_function_and_its_cell_on_the_failed_rank(on_c
     assert "(Pdb rank 1) p x\n101\n(Pdb rank 1) p y\n1010\n" in out
     assert "  2  \t    y = x * 10\n" in out and "  4  ->\t        raise ValueError(f'bad scale {y}')\n" in out
     assert "*** n: this is a post-mortem" in out
-    assert re.search(r"\(Pdb rank 1\) up\n> Cell In\[\d+\]\(2\)<module>\(\)\n-> b = scale\(a, rank\)\n", out), out
+    assert f"(Pdb rank 1) up\n> Cell In[{number}](2)<module>()\n-> b = scale(a, rank)\n" in out, out
     assert "(Pdb rank 1) p a\n101\n" in out
     assert "  1  \ta = rank + 100\n  2  ->\tb = scale(a, rank)\n" in out
     # the statement ran in rank 1's own namespace; rank 0 was never involved

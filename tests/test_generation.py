@@ -116,6 +116,43 @@ def test_gpt_generates_on_a_tensor_grid(cluster4) -> None:
     check_gpt_generation(cluster4.run(engine_generate, "gpt", "tp4 2d", trained_state("gpt"), GPT_CALLS), GPT_CALLS)
 
 
+def fed_lengths(layout: str, state: dict) -> dict[str, list[int]]:
+    """Engine side: how many tokens each forward fed the token embedding, cached and not."""
+    import torch.distributed as dist
+
+    from colab_par import parallelize
+
+    torch.manual_seed(dist.get_rank())
+    model = build("gpt")
+    model.load_state_dict(state)
+    pm = parallelize(model, layout)
+    ids, mask, _ = prompts()
+    lengths: list[int] = []
+    embeddings = [m for m in pm.model.modules() if isinstance(m, torch.nn.Embedding)]
+    handles = [m.register_forward_pre_hook(lambda m, args: lengths.append(args[0].shape[-1])) for m in embeddings]
+    fed = {}
+    for use_cache in (True, False):
+        lengths.clear()
+        pm.generate(ids, NEW, attention_mask=mask, use_cache=use_cache)
+        fed[str(use_cache)] = list(lengths)
+    for handle in handles:
+        handle.remove()
+    return fed
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2 1f1b mb2", "cp2"])
+def test_the_cache_feeds_only_the_new_tokens(cluster2, layout: str) -> None:
+    """The cached path is the one taken: after the prompt, each forward feeds one token, where the
+    re-forwarding path feeds the whole sequence so far (one more each step)."""
+    ranks = [fed for fed in cluster2.run(fed_lengths, layout, trained_state("gpt")) if fed["True"]]
+    assert ranks, "no rank's embedding saw a forward"
+    for fed in ranks:
+        cached, uncached = fed["True"], fed["False"]
+        assert len(cached) == len(uncached) >= NEW - 1, fed
+        assert cached[1:] == [1] * (len(cached) - 1) and cached[0] == uncached[0] > 1, fed
+        assert uncached == list(range(uncached[0], uncached[0] + len(uncached))), fed
+
+
 def check_gpt_generation(results: list[list[torch.Tensor]], calls: list[dict]) -> None:
     """Greedy (cached and, where called, re-forwarded) equals the one-process loop; sampling too."""
     greedy, sampled, *uncached = (new_tokens(r) for r in zip(*results))

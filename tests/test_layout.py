@@ -306,8 +306,10 @@ def test_rule_local_batch_splits_into_microbatches() -> None:
 
 
 def test_rule_bf16_needs_a_capable_device() -> None:
-    assert "T4 has none; use precision='fp32'" in _error(Layout(precision="bf16"), 1, device="T4")
-    assert "V100 has none" in _error(Layout(precision="bf16"), 1, device="V100")
+    assert "T4 has none (its DeviceSpec lists peaks for fp32 only); use precision='fp32'" in _error(
+        Layout(precision="bf16"), 1, device="T4")
+    assert "'V100' is not in the device catalogue; choose one of H100-80GB" in _error(
+        Layout(precision="bf16"), 1, device="V100")  # no guess from the name: the catalogue or a DeviceSpec
     assert _accepted("bf16", device="H100-80GB").precision == "bf16"
     assert _accepted("bf16", device="cpu").precision == "bf16"  # torch has bf16 on CPUs (slow, but it runs)
 

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 from any_models import CAUSAL_LMS, bert, causal_lm  # noqa: E402
-from parity import (HF_DECODERS, LR, SEED, _parallelized, _vocab_seq, assert_parity, batches,  # noqa: E402
+from parity import (HF_DECODERS, LLAMA_SIZES, LR, SEED, _parallelized, _vocab_seq, assert_parity, batches,  # noqa: E402
                     build_model, engine_model, engine_run, reference_run, training_batches)
 from test_expert_costs import AllToAllBytes  # noqa: E402
 
@@ -153,23 +153,30 @@ def _fused_loss_run(layout: str) -> dict:
 
     from colab_par import parallelize
 
+    from colab_par.kernels import _dispatch
+
     model = build_model("llama", SEED + dist.get_rank())
     calls = []
     model.lm_head.register_forward_hook(lambda *_: calls.append(1))
     pm = parallelize(model, layout, optimizer_fn=lambda p: torch.optim.AdamW(p, lr=LR), kernels="triton")
-    losses = []
+    losses, before = [], _dispatch.launches.copy()
     for x, y in batches(*_vocab_seq("llama"), 5):
         losses.append(pm.forward_backward(x, y))
         pm.optimizer_step()
-    return {"losses": losses, "lm_head_calls": len(calls)}
+    launched = {name: count for (name, _), count in (_dispatch.launches - before).items()}
+    return {"losses": losses, "lm_head_calls": len(calls), "launches": launched}
 
 
 @pytest.mark.parametrize("layout", ["dp2", "dp2 zero3"])
 def test_kernels_reach_llama_and_its_loss_never_builds_logits(cluster2, layout: str) -> None:
     """With kernels="triton" the decoder's norms, SwiGLU and RoPE are the kit's, and the loss is
     the fused linear cross-entropy through DDP / FSDP: lm_head never runs, losses match."""
+    layers, steps = LLAMA_SIZES["num_hidden_layers"], 5
+    per_step = {"rms_norm": 2 * layers + 1, "swiglu": layers, "rope": layers}  # calls of each kernel a step
     for result in cluster2.run(_fused_loss_run, layout):
         assert result["lm_head_calls"] == 0
+        for kernel, modules in per_step.items():  # the torch path counts forward calls only
+            assert result["launches"].get(f"{kernel}_forward") == modules * steps, (kernel, result["launches"])
         torch.testing.assert_close(torch.tensor(result["losses"], dtype=torch.float64),
                                    torch.tensor(reference_run("llama")["losses"][:5], dtype=torch.float64),
                                    rtol=1e-5, atol=0.0)

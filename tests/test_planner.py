@@ -225,8 +225,34 @@ def test_published_8b_and_70b_sizes() -> None:
 def test_device_catalogue_and_errors() -> None:
     assert get_device("h100") is DEVICES["H100-80GB"]
     assert not DEVICES["T4"].bf16 and DEVICES["A100-40GB"].bf16
-    with pytest.raises(ValueError, match="unknown device 'tpu'; choose one of H100-80GB"):
+    with pytest.raises(ValueError, match="device 'tpu' is not in the device catalogue; choose one of H100-80GB"):
         get_device("tpu")
+
+
+@pytest.mark.parametrize("name", ["cuda", "cuda:0", "NVIDIA H800"])
+def test_a_gpu_the_catalogue_lacks_is_refused_not_planned_as_another(name: str) -> None:
+    """"cuda" (a device type, no product) and an unlisted product are never priced as an H100."""
+    for ask in (lambda: get_device(name), lambda: plan(SMALL, 2, device=name, global_batch=4, seq_len=64)):
+        with pytest.raises(ValueError, match=rf"device '{name}' is .*; choose one of H100-80GB, .*T4 or 'cpu'.*"
+                                             r"describe the GPU with a DeviceSpec\(name, memory"):
+            ask()
+
+
+def test_bf16_follows_the_device_spec_not_its_name() -> None:
+    """A DeviceSpec decides bf16 by its peaks: a "T4"-named card with bf16 plans bf16 layouts, an
+    "H100"-named one without it is refused bf16 and planned in fp32."""
+    h100 = DEVICES["H100-80GB"]
+    with_bf16 = DeviceSpec("Tesla T4 (rebadged)", h100.memory, dict(h100.peak_flops), h100.hbm_bandwidth,
+                           h100.intra_bandwidth, h100.inter_bandwidth, h100.host_bandwidth)
+    without = DeviceSpec("H100-like", h100.memory, {"fp32": 67e12}, h100.hbm_bandwidth, h100.intra_bandwidth,
+                         h100.inter_bandwidth, h100.host_bandwidth)
+    assert Layout(precision="bf16").validate(1, device=with_bf16).precision == "bf16"
+    assert {p.layout.precision for p in plan(SMALL, 2, device=with_bf16, global_batch=4, seq_len=64)} == {"bf16"}
+    with pytest.raises(LayoutError, match=r"H100-like has none \(its DeviceSpec lists peaks for fp32 only\)"):
+        Layout(precision="bf16").validate(1, device=without)
+    with pytest.raises(LayoutError, match="H100-like has none"):
+        estimate(SMALL, "dp2 bf16", device=without, global_batch=4, seq_len=64)
+    assert {p.layout.precision for p in plan(SMALL, 2, device=without, global_batch=4, seq_len=64)} == {"fp32"}
 
 
 # torch.cuda.get_device_name() of real cards (as they appear in nvidia-smi output and bug reports),

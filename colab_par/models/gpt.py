@@ -47,6 +47,7 @@ class GPTConfig:
     top_k: int = 2
     norm_topk_prob: bool = True
     aux_loss_coef: float = 0.0
+    dropout: float = 0.0  # on the embeddings and each residual branch, as GPT-2's resid/embd dropout
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -63,6 +64,8 @@ class GPTConfig:
             raise ValueError("head_dim = d_model/n_head must be even for rotary embeddings")
         if self.kernels not in ("torch", "triton", "auto"):
             raise ValueError(f"kernels={self.kernels!r}; choose 'torch', 'triton' or 'auto'")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1), e.g. 0.1")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} experts per token out of n_experts={self.n_experts}; "
                              f"use 1 <= top_k <= {self.n_experts}")
@@ -228,8 +231,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache=cache)
-        return x + self.feed_forward(self.ffn_norm(x))
+        p, training = self.attention.config.dropout, self.training
+        x = x + F.dropout(self.attention(self.attention_norm(x), cos, sin, cache=cache), p, training)
+        return x + F.dropout(self.feed_forward(self.ffn_norm(x)), p, training)
 
 
 class GPT(nn.Module):
@@ -257,7 +261,8 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
         """`positions`: (seq,) shared by the batch or (batch, seq) per row (left-padded prompts)."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = (F.dropout(self.tok_embeddings(tokens), self.config.dropout, self.training)
+             if self.tok_embeddings is not None else tokens)
         if positions is None:
             positions = torch.arange(h.shape[1], device=h.device)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)

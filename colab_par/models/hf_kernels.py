@@ -24,7 +24,8 @@ from torch import nn
 from colab_par.kernels import apply_rope, fused_linear_cross_entropy, rms_norm, swiglu
 from colab_par.kernels._dispatch import is_dtensor
 
-__all__ = ["KERNEL_MODES", "apply_kernels", "hf_causal_lm_loss", "supports_kernels", "fuse_loss_into_forward"]
+__all__ = ["KERNEL_MODES", "apply_kernels", "hf_causal_lm_loss", "supports_kernels", "require_kernels",
+           "fuse_loss_into_forward"]
 
 KERNEL_MODES = ("torch", "triton", "auto")
 
@@ -36,8 +37,18 @@ _PATCHED = "_colab_par_kernels"  # attribute on the root model: (mode, list of w
 
 
 def supports_kernels(model: nn.Module) -> bool:
-    """True for a Hugging Face model of a family whose modules ``apply_kernels`` knows."""
-    return getattr(getattr(model, "config", None), "model_type", None) in _FAMILIES
+    """True for a transformers model (a PreTrainedModel) whose config names a family whose modules
+    ``apply_kernels`` knows."""
+    from colab_par.models.hf import is_hf_model
+
+    return is_hf_model(model) and getattr(model.config, "model_type", None) in _FAMILIES
+
+
+def require_kernels(model: nn.Module) -> None:
+    """Refuse, naming the families and the way out, a model ``apply_kernels`` cannot patch."""
+    if not supports_kernels(model):
+        raise ValueError(f"{type(model).__name__} has nothing colab_par's kernels can patch: apply_kernels knows "
+                         f"the Hugging Face families {sorted(_FAMILIES)}; use kernels='torch' for this model")
 
 
 def apply_kernels(model: nn.Module, kernels: str = "auto") -> list[str]:
@@ -58,9 +69,7 @@ def apply_kernels(model: nn.Module, kernels: str = "auto") -> list[str]:
             raise ValueError(f"{type(model).__name__} already has kernels={done[0]!r} patched in; build a fresh "
                              f"model to use kernels={kernels!r}")
         return list(done[1])
-    if not supports_kernels(model):
-        raise ValueError(f"{type(model).__name__} has nothing colab_par's kernels can patch: apply_kernels knows "
-                         f"the Hugging Face families {sorted(_FAMILIES)}; use kernels='torch' for this model")
+    require_kernels(model)
     model_type = model.config.model_type
     prefix = _FAMILIES[model_type]
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")

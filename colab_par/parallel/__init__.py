@@ -287,26 +287,54 @@ class ParallelModel:
         return {name: list(aliases) for name, aliases in self._whole_model_names.items()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded parameters (original FQNs, on the CPU) on global rank 0; {} elsewhere."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=False)
-        mine: dict[str, torch.Tensor] = {}
-        for part in self.model_parts:
-            state = get_model_state_dict(part, options=options)
-            mine.update({k: v.detach().cpu().clone() for k, v in state.items()})
-        if self.layout.pp == 1:
-            return mine if dist.get_rank() == 0 else {}
+        """Unsharded parameters (original FQNs, on the CPU) on global rank 0; {} elsewhere.
+
+        Gathered one tensor at a time, each moved to the CPU at once, so no rank holds more than
+        one whole tensor on its device (torch's full state dict gathers them all there first).
+        With pipeline stages, each stage's first rank sends its tensors to rank 0 one by one, over
+        the world's backend (pickled objects would travel as one device buffer per rank)."""
+        from torch.distributed.tensor import DTensor
+
         first_of_stage = self.dp_rank == 0 and self.cp_rank == 0 and self.tp_rank == 0
-        gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine if first_of_stage else {}, gathered, dst=0)
-        if gathered is None:
+        keeps = dist.get_rank() == 0 if self.layout.pp == 1 else first_of_stage
+        mine: dict[str, torch.Tensor] = {}
+        for part in self.model_parts:  # sharded: the names resolved, nothing gathered yet
+            for name, value in get_model_state_dict(part, options=StateDictOptions()).items():
+                whole = value.full_tensor() if isinstance(value, DTensor) else value
+                if keeps:
+                    mine[name] = whole.detach().to("cpu", copy=True)
+                del whole
+        if self.layout.pp == 1:
+            return mine
+        state = _to_rank0(mine if first_of_stage else {})
+        if state is None:
             return {}
-        state = {k: v for piece in gathered for k, v in piece.items()}
         if not self._whole_model_names:
             return state
         # Stages traced by pipeline() hold a tied tensor under one of its names and turn buffers
         # into their own: give back exactly the model's names, each tied name its tensor.
         return {name: next(state[alias] for alias in aliases if alias in state)
                 for name, aliases in self._whole_model_names.items()}
+
+
+def _to_rank0(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """Every rank's `tensors` (CPU) in global rank 0's CPU memory, None elsewhere: names, shapes and
+    dtypes as small objects, then each tensor point to point through one device buffer at a time."""
+    device = default_device()
+    metadata = {name: (tensor.shape, tensor.dtype) for name, tensor in tensors.items()}
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(metadata, gathered, dst=0)
+    if dist.get_rank() != 0:
+        for tensor in tensors.values():  # in the order of the names just gathered
+            dist.send(tensor.to(device).contiguous(), dst=0)
+        return None
+    state = dict(tensors)
+    for sender, names in enumerate(gathered[1:], start=1):
+        for name, (shape, dtype) in names.items():
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(buffer, src=sender)
+            state[name] = buffer.cpu()
+    return state
 
 
 def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str, *,
@@ -355,6 +383,7 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
                             if any(module is block for _, _, block in model_blocks))
     device = default_device()
     _refuse_what_the_model_lacks(model, layout, hf or takes_positions, bool(block_types), device)
+    _refuse_kernels_it_lacks(model, kernels)
     optimizer_fn = optimizer_fn or (lambda params: torch.optim.AdamW(params, lr=1e-3))
 
     fused_loss = (_apply_hf_kernels(model, kernels, layout, device,
@@ -444,6 +473,26 @@ def _rebuilder(model: nn.Module) -> Callable[[], nn.Module] | None:
     build = functools.partial(type(model), config)
     build.config = config  # type: ignore[attr-defined]
     return build
+
+
+def _refuse_kernels_it_lacks(model: nn.Module, kernels: str) -> None:
+    """An explicit `kernels` is honoured or refused: "triton" on a model the kit's kernels cannot
+    reach is refused as apply_kernels refuses it (Hugging Face decoders are known by their
+    config's model_type); the kit's GPT follows its own GPTConfig.kernels, so another mode named
+    here is refused. "auto" uses the kernels where they apply."""
+    if kernels == "auto":
+        return
+    from colab_par.models.gpt import GPTConfig
+    from colab_par.models.hf_kernels import require_kernels
+
+    config = getattr(model, "config", None)
+    if isinstance(config, GPTConfig):
+        if config.kernels != kernels:
+            raise ValueError(f"kernels={kernels!r} but this GPT was built with GPTConfig(kernels="
+                             f"{config.kernels!r}), which its modules follow; build it with GPTConfig("
+                             f"kernels={kernels!r}), or leave parallelize's kernels out")
+    elif kernels == "triton":
+        require_kernels(model)
 
 
 def _apply_hf_kernels(model: nn.Module, kernels: str, layout: Layout, device: torch.device, *,

@@ -3,10 +3,18 @@
 "full" recomputes each whole block in backward; "selective" keeps the matmul and attention outputs
 (the expensive ops) and recomputes only the cheap elementwise ones (norms, SwiGLU, RoPE), following
 torch's selective-checkpoint policies. Applied before FSDP so each wrapped block is one FSDP unit.
+
+The recompute must redo the forward exactly. So the RNG state is saved before each block and
+replayed in its recompute (dropout draws the forward's masks again; the stream is the one
+`rng.py` seeds), and a Hugging Face block gets no KV cache while it trains: it would append this
+forward's keys a second time in the recompute (the cause of selective checkpointing's "aten.slice
+encountered during backward but not found in storage"), as transformers' own checkpointing drops it.
 """
 from __future__ import annotations
 
+import inspect
 from functools import partial
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -19,10 +27,34 @@ __all__ = ["apply_activation_checkpointing"]
 
 _SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
               *sdpa_aten_ops()}
+# The names transformers' blocks give the KV cache they write to (`GradientCheckpointingLayer`).
+_CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 def _save_expensive_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _drop_cache(block: nn.Module) -> Callable:
+    """A forward pre-hook for `block`'s wrapper: a training call runs without the KV cache, whether
+    the model passes it by keyword (Llama) or by position (GPT-2)."""
+    signature = inspect.signature(block.forward)
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        if not (module.training and torch.is_grad_enabled()):
+            return None
+        bound = signature.bind_partial(*args, **kwargs)
+        named = [bound.arguments, *(value for key, value in bound.arguments.items()
+                                    if signature.parameters[key].kind is inspect.Parameter.VAR_KEYWORD)]
+        for arguments in named:
+            for key in _CACHE_KEYWORDS:
+                if arguments.get(key) is not None:
+                    arguments[key] = None
+            if arguments.get("use_cache"):
+                arguments["use_cache"] = False
+        return bound.args, bound.kwargs
+
+    return hook
 
 
 def apply_activation_checkpointing(module: nn.Module, mode: str, blocks: list[Block]) -> nn.Module:
@@ -32,9 +64,12 @@ def apply_activation_checkpointing(module: nn.Module, mode: str, blocks: list[Bl
         return module
     if mode not in ("selective", "full"):
         raise ValueError(f"checkpointing={mode!r} is unknown; choose 'none', 'selective' or 'full'")
-    options = {"preserve_rng_state": False}
+    options: dict[str, Any] = {"preserve_rng_state": True}
     if mode == "selective":
         options["context_fn"] = partial(create_selective_checkpoint_contexts, _save_expensive_ops)
     for container, key, block in blocks:
-        replace_block(container, key, checkpoint_wrapper(block, **options))
+        wrapped = checkpoint_wrapper(block, **options)
+        if type(block).__module__.startswith("transformers."):
+            wrapped.register_forward_pre_hook(_drop_cache(block), with_kwargs=True)
+        replace_block(container, key, wrapped)
     return module

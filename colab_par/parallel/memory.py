@@ -1,7 +1,8 @@
 """Bytes of model state this rank really holds: counted from the local shards, not from formulas.
 
 The planner predicts these numbers; this module measures them, so the two can be compared.
-Tensors that CPU offload keeps in host memory are reported under ``host_*`` keys. The ``tier_*``
+Tensors that CPU offload keeps in host memory are reported under ``host_*`` keys; whether FSDP
+offloads is read from FSDP's own state (its `CPUOffloadPolicy`), not from the layout that asked. The ``tier_*``
 keys are memory tiers' view: model state resident per tier now (on a CPU-only machine device and
 host are one memory, counted as ``tier_device``), bytes moved between tiers in the last step and
 the measured working memory (0 before the first step); a layout without tiers has none of them.
@@ -11,9 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable
 
 import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
+from colab_par.compat import fsdp_offload_policy
 from colab_par.memory_tiers.optimizer import TieredAdamW
 
 if TYPE_CHECKING:
@@ -50,7 +53,8 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def memory_report(pm: "ParallelModel") -> dict[str, int]:
     """This rank's params / grads / optimizer bytes (and host_* for offloaded state), plus totals."""
     params = [p for part in pm.model_parts for p in part.parameters()]
-    offloaded = pm.layout.offload
+    offloaded = any(isinstance(fsdp_offload_policy(module), CPUOffloadPolicy)
+                    for part in pm.model_parts for module in part.modules() if isinstance(module, FSDPModule))
     report: dict[str, int] = {}
     for name, tensors in (("params", params), ("grads", [p.grad for p in params if p.grad is not None]),
                           ("optimizer", _optimizer_tensors(pm.optimizer))):
