@@ -6,7 +6,7 @@ torch's selective-checkpoint policies. Applied before FSDP so each wrapped block
 
 The recompute must redo the forward exactly. So the RNG state is saved before each block and
 replayed in its recompute (dropout draws the forward's masks again; the stream is the one
-`rng.py` seeds), and a Hugging Face block gets no KV cache while it trains: it would append this
+`rng.py` seeds), and a block that takes a KV cache gets none while it trains: it would append this
 forward's keys a second time in the recompute (the cause of selective checkpointing's "aten.slice
 encountered during backward but not found in storage"), as transformers' own checkpointing drops it.
 """
@@ -27,12 +27,17 @@ __all__ = ["apply_activation_checkpointing"]
 
 _SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
               *sdpa_aten_ops()}
-# The names transformers' blocks give the KV cache they write to (`GradientCheckpointingLayer`).
+# The names blocks give the KV cache they write to (transformers' `GradientCheckpointingLayer`'s, the kit's GPT's).
 _CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 def _save_expensive_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _takes_cache(block: nn.Module) -> bool:
+    """Whether `block`'s forward accepts a KV cache (by what it is: its signature, not its class)."""
+    return any(name in inspect.signature(block.forward).parameters for name in (*_CACHE_KEYWORDS, "use_cache"))
 
 
 def _drop_cache(block: nn.Module) -> Callable:
@@ -69,7 +74,7 @@ def apply_activation_checkpointing(module: nn.Module, mode: str, blocks: list[Bl
         options["context_fn"] = partial(create_selective_checkpoint_contexts, _save_expensive_ops)
     for container, key, block in blocks:
         wrapped = checkpoint_wrapper(block, **options)
-        if type(block).__module__.startswith("transformers."):
+        if _takes_cache(block):
             wrapped.register_forward_pre_hook(_drop_cache(block), with_kwargs=True)
         replace_block(container, key, wrapped)
     return module
