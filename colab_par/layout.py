@@ -367,6 +367,7 @@ _SIZE_NAMES = {
     "n_blocks": ("n_blocks",),
     "generic_model": ("generic_model",),
     "tp_plan": ("tp_plan",),
+    "tied_params": ("tied_params",),  # one parameter under two names (module_spec.ModuleSpec)
     # experts per mixture-of-experts layer (the kit's GPT, Qwen-MoE, Mixtral, DeepSeek spellings)
     "n_experts": ("n_experts", "num_experts", "num_local_experts", "n_routed_experts"),
     # experts a token runs, and an expert's width where it differs from a dense layer's
@@ -686,6 +687,17 @@ def _check_blocks(layout: Any, world: int | None, sizes: dict, device: str | Non
         raise LayoutError(f"pipeline parallel cuts between repeated blocks, and this model has "
                           f"{sizes.get('n_blocks', 0)} for pp·virtual_stages = {stages} stages; "
                           "use fewer stages, or name the blocks with blocks=[...]")
+
+
+@_rule("pp", "pp_schedule")
+def _check_traced_ties(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    """ZB-V's V puts the first and the last stage on rank 0. The kit's GPT and Hugging Face decoders
+    split by layers and share a tied head with the embeddings; a traced model's stages hold each a
+    copy of the tie under one name, which one optimizer state (a checkpoint) cannot name twice."""
+    if sizes.get("generic_model") and sizes.get("tied_params") and layout.pp > 1 and layout.pp_schedule == "zbv":
+        raise LayoutError("pp_schedule='zbv' puts this model's first and last pipeline stages on one rank, "
+                          "where its tied parameters become two tensors under one name that checkpoints "
+                          "cannot save; use 'interleaved' or '1f1b', or untie the parameters")
 
 
 @_rule("cp", "cp_mode")

@@ -30,6 +30,7 @@ class ModuleSpec:
     flops_per_sample: float  # forward + backward
     tensor_parallel: bool  # a tensor-parallel plan exists (the model's own or the user's)
     trainable_params: int | None = None  # parameters that train (a PEFT model's adapters); None: all
+    tied_params: bool = False  # one parameter under two names (a head tied to the embeddings)
 
     @property
     def trainable(self) -> float:
@@ -62,11 +63,14 @@ class ModuleSpec:
         params = sum(p.numel() for p in model.parameters())
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         unit = max((sum(p.numel() for p in block.parameters()) for _, _, block in found), default=params)
+        tied = sum(1 for _ in model.named_parameters(remove_duplicate=False)) > sum(1 for _ in model.parameters())
         return cls(name=type(model).__name__, n_params=params, unit_params=unit, n_blocks=len(found),
                    activation_bytes=float(meter.bytes), flops_per_sample=float(counter.get_total_flops()),
                    tensor_parallel=tp_plan is not None or has_tp_plan(
-                       model.get_base_model() if is_peft_model(model) else model), trainable_params=trainable)
+                       model.get_base_model() if is_peft_model(model) else model), trainable_params=trainable,
+                   tied_params=tied)
 
     def config(self, seq_len: int = 0) -> dict[str, int]:
         """The sizes layout.py's rules read for a model of this kind."""
-        return {"n_blocks": self.n_blocks, "generic_model": 1, "tp_plan": int(self.tensor_parallel)}
+        return {"n_blocks": self.n_blocks, "generic_model": 1, "tp_plan": int(self.tensor_parallel),
+                "tied_params": int(self.tied_params)}

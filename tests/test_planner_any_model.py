@@ -8,7 +8,7 @@ import pytest
 from any_models import build, make_batches
 
 from colab_par import LayoutPicker
-from colab_par.layout import LayoutError
+from colab_par.layout import Layout, LayoutError, valid_layouts
 from colab_par.module_spec import ModuleSpec
 from colab_par.planner import estimate
 
@@ -88,3 +88,17 @@ def test_every_plan_the_picker_offers_trains(cluster2) -> None:
     for layout, losses in first.items():
         assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses), (layout, losses)
         assert sum(losses[-2:]) < 0.8 * sum(losses[:2]), (layout, losses)
+
+
+def test_a_traced_model_with_tied_parameters_is_never_offered_zbv() -> None:
+    """ZB-V puts a traced model's first and last stages on one rank, where a tie becomes two tensors
+    under one name that checkpoints cannot save: the rule refuses it, so neither the picker nor
+    plan() offers it, while an untied model keeps it."""
+    assert _spec("bert").tied_params and not _spec("mlp").tied_params
+    tied = {"n_blocks": 4, "generic_model": 1, "tied_params": 1}
+    with pytest.raises(LayoutError, match="first and last pipeline stages on one rank.*'interleaved'"):
+        Layout.parse("pp2 zbv v2").validate(2, tied)
+    assert Layout.parse("pp2 interleaved v2").validate(2, tied)
+    schedules = {layout.pp_schedule for layout in valid_layouts(2, tied) if layout.pp > 1}
+    assert "zbv" not in schedules and "interleaved" in schedules
+    assert "zbv" in {layout.pp_schedule for layout in valid_layouts(2, {**tied, "tied_params": 0})}
