@@ -831,3 +831,53 @@ def test_non_persistent_buffers_are_the_ones_left_out_of_the_state_dict():
     from colab_par.compat import non_persistent_buffers
 
     assert non_persistent_buffers(module) == {"table"} and set(module.state_dict()) == {"kept"}
+
+
+def test_dtensor_over_wraps_the_local_tensor_itself_with_the_likes_layout(cluster2):
+    def wrapped() -> tuple:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from colab_par.compat import dtensor_over
+
+        like = distribute_tensor(torch.zeros(4, 3), init_device_mesh("cpu", (2,)), [Shard(0)])
+        local = torch.full((2, 3), float(dist.get_rank()))
+        over = dtensor_over(local, like)
+        return (over.to_local().data_ptr() == local.data_ptr(), over.placements == like.placements,
+                tuple(over.shape), over.full_tensor()[:, 0].tolist())
+
+    assert cluster2.run(wrapped) == [(True, True, (4, 3), [0.0, 0.0, 1.0, 1.0])] * 2
+
+
+def test_gpu_uuids_never_initialise_cuda():
+    from colab_par.compat import gpu_uuids
+
+    uuids = gpu_uuids()  # None here (no NVML); one string per GPU where there is one
+    assert uuids is None or all(isinstance(uuid, str) for uuid in uuids)
+    assert not torch.cuda.is_initialized()
+
+
+FLIGHT = '''
+import os, torch, torch.distributed as dist
+from colab_par.compat import flight_record
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=0, world_size=1)
+dist.all_reduce(torch.ones(1))
+record = flight_record()
+print(sorted({"entries", "pg_config"} & set(record)), len(record["pg_config"]) > 0)
+dist.destroy_process_group()
+'''
+
+
+def test_flight_record_is_torchs_record_of_this_process_collectives():
+    """The full behaviour (an unfinished collective named) is tests/test_gpu_paths.py's; here the
+    shape of what the private dump gives back."""
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = {**__import__("os").environ, "TORCH_FR_BUFFER_SIZE": "100", "PORT": str(port)}
+    out = subprocess.run([sys.executable, "-c", FLIGHT], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == "['entries', 'pg_config'] True"
