@@ -37,7 +37,9 @@ __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_pat
            "process_groups", "compile_seconds", "grouped_mm", "grouped_mm_is_one_op", "fused_optimizer_devices",
            "recompile_limit",
            "failing_at_recompile_limit", "recompile_limit_error", "swapped_parameters", "hf_output_recorder",
-           "storage_holder", "dtensor_over", "fsdp_offload_policy"]
+           "storage_holder", "dtensor_over", "fsdp_offload_policy", "non_persistent_buffers", "client_metadata",
+           "failed_at", "flight_record", "gpu_uuids", "local_shard_offsets", "output_futures", "output_mark",
+           "output_since", "unflatten_mesh", "unwrapped_name"]
 
 SUPPORTED = {"torch": "torch>=2.6,<3", "ipyparallel": "ipyparallel>=9", "ipykernel": "ipykernel>=6.9.1,<8",
              "transformers": "transformers>=5.9", "triton": "triton>=3.0"}
