@@ -85,8 +85,8 @@ TIER_PANEL = PanelSpec("state per tier by rank (MiB)", parts=TIER_PARTS, scale=2
                        note=("mem_tier_moved", "moved {:,.0f} MiB/step", 2 ** -20),
                        limit=("mem_tier_budget", "budget per rank"))
 # MoE models add a row per heat map of the latest step's per-expert counts (layer × expert):
-# (what `telemetry.expert_counts` reads, title); a dense model's frame has none
-EXPERT_MAPS = (("tokens", "tokens per expert"), ("dropped", "dropped tokens per expert"))
+# the heat map of a MoE model's routed tokens (`telemetry.expert_counts`); a dense model's frame has none
+EXPERT_MAP_TITLE = "tokens per expert"
 COLUMNS = 3
 FRAME_INCHES, DPI = (11.0, 5.5), 72  # the SVG frames and the PNG picture have the same pixel size
 ROW_INCHES = FRAME_INCHES[1] / 2  # the frame grows by this for each heat-map row
@@ -238,17 +238,14 @@ class LiveDashboard:
                 + [plot for _, plot in self._expert_maps(latest)])
 
     def _expert_maps(self, latest: dict[int, dict]) -> list[tuple[str, Plot]]:
-        """(title, plot) of each layer × expert heat map of the newest step's counts, from the
+        """(title, plot) of the layer × expert heat map of the newest step's routed tokens, from the
         lowest rank whose row has them (the counts are already summed over the ranks sharing the
-        batch)."""
-        maps = []
-        for what, title in EXPERT_MAPS:
-            for row in latest.values():
-                counts = expert_counts(row, what)
-                if counts:
-                    maps.append((title, _heat_plot(title, counts, int(row["step"]), what == "tokens")))
-                    break
-        return maps
+        batch); none for a dense model. The experts are dropless: no token is dropped to map."""
+        for row in latest.values():
+            counts = expert_counts(row)
+            if counts:
+                return [(EXPERT_MAP_TITLE, _heat_plot(EXPERT_MAP_TITLE, counts, int(row["step"])))]
+        return []
 
     def _plot(self, spec: PanelSpec, latest: dict[int, dict]) -> Plot:
         if spec.parts:
@@ -462,14 +459,13 @@ class _Column:
         return self.x[:self.size], self.y[:self.size]
 
 
-def _heat_plot(title: str, counts: list[list[float]], step: int, imbalance: bool) -> Plot:
-    """A full-width heat map of one step's layer × expert counts; the title says the step and, for
-    routed tokens, how far the busiest expert is above the mean (1.00× is perfect balance)."""
+def _heat_plot(title: str, counts: list[list[float]], step: int) -> Plot:
+    """A full-width heat map of one step's layer × expert counts; the title says the step and how
+    far the busiest expert is above the mean (1.00× is perfect balance)."""
     title = f"{title}, step {step}"
-    if imbalance:
-        ratios = [max(layer) / (sum(layer) / len(layer)) for layer in counts if sum(layer)]
-        if ratios:
-            title += f" · busiest expert {max(ratios):.2f}× the mean"
+    ratios = [max(layer) / (sum(layer) / len(layer)) for layer in counts if sum(layer)]
+    if ratios:
+        title += f" · busiest expert {max(ratios):.2f}× the mean"
     return Plot(title, heat=tuple(tuple(layer) for layer in counts),
                 row_labels=tuple(f"layer {i}" for i in range(len(counts))),
                 categories=tuple(str(e) for e in range(len(counts[0]))), span=COLUMNS)

@@ -21,7 +21,7 @@ from colab_par.flops import ModelSpec, flops_per_token
 
 __all__ = ["METRICS_KEY", "StepClock", "ActivationMeter", "Publisher", "metrics_data",
            "device_peak_flops", "model_flops_per_token", "memory_sample", "grad_bytes",
-           "pipeline_bubble", "ExpertLoad", "expert_row_key", "expert_counts", "EXPERT_COUNTS"]
+           "pipeline_bubble", "ExpertLoad", "expert_row_key", "expert_counts"]
 
 METRICS_KEY = "colab_par.metrics"
 ROWS_KEY = METRICS_KEY + ".rows."
@@ -163,19 +163,15 @@ def grad_bytes(pm: Any) -> int:
     return memory_report(pm)["grads"]
 
 
-EXPERT_COUNTS = ("tokens", "dropped")  # what a step counts per expert: routed, and (capacity) dropped
+def expert_row_key(layer: int, expert: int) -> str:
+    """The row column of the tokens routed to `expert` of the `layer`-th MoE layer in a step."""
+    return f"expert_tokens.{layer}.{expert}"
 
 
-def expert_row_key(layer: int, expert: int, what: str = "tokens") -> str:
-    """The row column of the tokens routed to (or, `what="dropped"`, dropped by) `expert` of the
-    `layer`-th MoE layer in a step."""
-    return f"expert_{what}.{layer}.{expert}"
-
-
-def expert_counts(row: dict[str, Any], what: str = "tokens") -> list[list[float]]:
+def expert_counts(row: dict[str, Any]) -> list[list[float]]:
     """The layer × expert matrix of a row's `expert_row_key` columns ([] when it has none); a
     layer or expert the row lacks counts 0."""
-    prefix = f"expert_{what}."
+    prefix = "expert_tokens."
     cells = {}
     for key, value in row.items():
         if key.startswith(prefix):

@@ -19,8 +19,8 @@ from colab_par.telemetry import expert_counts, expert_row_key, metrics_data
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 
-def expert_columns(counts: list[list[float]], what: str = "tokens") -> dict[str, float]:
-    return {expert_row_key(layer, expert, what): value
+def expert_columns(counts: list[list[float]]) -> dict[str, float]:
+    return {expert_row_key(layer, expert): value
             for layer, per_expert in enumerate(counts) for expert, value in enumerate(per_expert)}
 
 
@@ -38,18 +38,6 @@ def test_heat_map_shows_the_newest_steps_counts_in_svg_and_png():
     png = dash.png()
     assert png.startswith(PNG_MAGIC)
     assert_png_heat_map(dash, png, STEP_COUNTS[2])
-
-
-def test_dropped_counts_get_their_own_map_only_when_published():
-    dropped = [[0, 2, 0, 0], [1, 0, 0, 0]]
-    dash = LiveDashboard(mode="text")
-    dash.update([metrics_data({"rank": 0, "run": 1},
-                              [row(1, 0, **expert_columns(STEP_COUNTS[1]),
-                                   **expert_columns(dropped, "dropped"))])])
-    maps = heat_cells(dash.svg())
-    assert [title.split(",")[0] for title in maps] == ["tokens per expert", "dropped tokens per expert"]
-    assert list(maps.values()) == [STEP_COUNTS[1], dropped]
-    assert [panel.title for panel in dash.panels() if panel.heat] == list(map(lambda t: t.split(",")[0], maps))
 
 
 def test_a_dense_run_draws_no_heat_map_and_keeps_its_frame():
@@ -70,7 +58,7 @@ def test_a_dense_run_draws_no_heat_map_and_keeps_its_frame():
 def test_expert_counts_reads_back_what_the_row_keys_name():
     counts = [[1.0, 0.0, 7.0], [2.0, 3.0, 0.0]]
     assert expert_counts({"loss": 1.0, **expert_columns(counts)}) == counts
-    assert expert_counts({"loss": 1.0}) == [] and expert_counts(expert_columns(counts), "dropped") == []
+    assert expert_counts({"loss": 1.0}) == []
 
 
 # ---- a real dp2 ep2 run against a one-process count of the routers' choices ------------------------
