@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from colab_par.data_sources import DataPlace, MapSource
+from colab_par.data_workers import LoaderOptions
 from colab_par.parallel.batch import Batch, LabelMean
 
 __all__ = ["EvalRows", "eval_rows", "maskable", "token_pair"]
@@ -28,8 +29,9 @@ __all__ = ["EvalRows", "eval_rows", "maskable", "token_pair"]
 class EvalRows:
     """Every row of `dataset` once, in global batches of `batch_size` (module docstring)."""
 
-    def __init__(self, dataset: Any, batch_size: int, collate_fn: Any = None):
-        self.source = MapSource(dataset, batch_size, shuffle=False, collate_fn=collate_fn)
+    def __init__(self, dataset: Any, batch_size: int, collate_fn: Any = None, reading: LoaderOptions | None = None):
+        """`reading`: a DataLoader's workers, pinning and prefetch, which read the rows when given."""
+        self.source = MapSource(dataset, batch_size, shuffle=False, collate_fn=collate_fn, reading=reading)
         self.rows, self.batch_size = self.source.length, batch_size
         self.count = math.ceil(self.rows / batch_size)
 
@@ -53,6 +55,10 @@ class EvalRows:
         past_end = torch.arange(first, first + share) >= self.rows
         return _masked(batch, past_end) if bool(past_end.any()) else batch
 
+    def close(self) -> None:
+        """End of an evaluation pass: workers that are not persistent exit."""
+        self.source.close()
+
 
 def eval_rows(data: Any, batch_size: int | None) -> EvalRows:
     """`data` (a DataLoader, or an indexable dataset with a length) as EvalRows; a DataLoader
@@ -71,7 +77,7 @@ def eval_rows(data: Any, batch_size: int | None) -> EvalRows:
         if batch_size is not None and batch_size != data.batch_size:
             raise ValueError(f"batch_size={batch_size} but the DataLoader's is {data.batch_size}; leave "
                              "batch_size out (the loader's batch_size is the global batch)")
-        return EvalRows(dataset, data.batch_size, data.collate_fn)
+        return EvalRows(dataset, data.batch_size, data.collate_fn, LoaderOptions.of(data))
     if batch_size is None:
         raise ValueError(f"a {type(data).__name__} has rows, not batches: pass batch_size= (the GLOBAL "
                          "batch, rows over all data-parallel ranks), or a DataLoader that has one")

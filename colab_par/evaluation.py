@@ -57,20 +57,24 @@ def evaluate(pm: Any, data: Any, num_batches: int | None = None,
     pieces = _pieces(pm, data, num_batches)  # refuses what it cannot read before any work
     totals = torch.zeros(2, dtype=torch.float64, device=pm.device)
     units, language, batches = set(), True, 0
-    with training_state_kept(pm), _summed_labels(pm.batch_loss_fn):
-        for kind, piece in pieces:
-            total, count, unit, is_language = (_token_sums(pm, *piece) if kind == "tokens"
-                                               else _batch_sums(pm, *piece))
-            totals += torch.tensor([total, count], dtype=torch.float64, device=pm.device)
-            units.add(unit)
-            language &= is_language
-            batches += 1
-        if len(units) > 1:
-            raise ValueError(f"the batches mix units ({', '.join(sorted(units))}); evaluate data of one "
-                             "kind at a time")
-        if pm.tp_rank != 0 or pm.pp_rank != 0:
-            totals.zero_()  # tensor-parallel ranks repeat their group's sums; pipeline ranks all hold them
-        dist.all_reduce(totals)
+    try:
+        with training_state_kept(pm), _summed_labels(pm.batch_loss_fn):
+            for kind, piece in pieces:
+                total, count, unit, is_language = (_token_sums(pm, *piece) if kind == "tokens"
+                                                   else _batch_sums(pm, *piece))
+                totals += torch.tensor([total, count], dtype=torch.float64, device=pm.device)
+                units.add(unit)
+                language &= is_language
+                batches += 1
+            if len(units) > 1:
+                raise ValueError(f"the batches mix units ({', '.join(sorted(units))}); evaluate data of one "
+                                 "kind at a time")
+            if pm.tp_rank != 0 or pm.pp_rank != 0:
+                totals.zero_()  # tensor-parallel ranks repeat their group's sums; pipeline ranks all hold them
+            dist.all_reduce(totals)
+    finally:
+        if isinstance(data, EvalRows):
+            data.close()
     total, count = totals.tolist()
     if count == 0:
         raise ValueError("the data holds no scored units (every target is -100); nothing to evaluate")

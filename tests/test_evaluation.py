@@ -124,10 +124,12 @@ def test_evaluates_under_four_ranks(cluster4, model_kind: str, kind: str, layout
 
 # ---- the user's own rows: read whole once, split over dp, none counted twice -----------------------------
 def engine_evaluate_rows(model_kind: str, layout: str, kind: str, batches: list, state: dict | None) -> dict:
-    """The rows of `batches` (10) as a DataLoader of token pairs, a Hugging Face dataset of
+    """The rows of `batches` (10) as a DataLoader of token pairs (read by its 2 workers), a Hugging Face dataset of
     labelled rows, or images in batches of 2 and of 4 (4 does not divide 10: refused)."""
+    import multiprocessing
+
     import datasets
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader, TensorDataset, get_worker_info
 
     from colab_par import parallelize
 
@@ -139,8 +141,20 @@ def engine_evaluate_rows(model_kind: str, layout: str, kind: str, batches: list,
         columns = {key: torch.cat([b[key] for b in batches]).tolist() for key in batches[0]}
         return pm.evaluate(datasets.Dataset.from_dict(columns), batch_size=4)
     rows = TensorDataset(*(torch.cat(parts) for parts in zip(*batches)))
-    if kind == "tokens":
-        return pm.evaluate(DataLoader(rows, batch_size=4))
+    if kind == "tokens":  # read by the DataLoader's own workers, as a user's loader would be
+        in_workers = multiprocessing.Value("i", 0)  # shared with the (forked) workers
+
+        class Counted(TensorDataset):
+            def __getitem__(self, index):
+                if get_worker_info() is not None:
+                    with in_workers.get_lock():
+                        in_workers.value += 1
+                return super().__getitem__(index)
+
+        result = pm.evaluate(DataLoader(Counted(*rows.tensors), batch_size=4, num_workers=2))
+        if in_workers.value < len(rows) // 2:  # this rank's share of the 10 rows (and copies)
+            raise RuntimeError(f"the DataLoader's workers read {in_workers.value} rows")
+        return result
     try:
         pm.evaluate(rows, batch_size=4)
     except ValueError as error:
