@@ -34,7 +34,8 @@ class DeviceSpec:
     peak; a GPU's CUDA context and NCCL buffers sit in the 10 % the capacity leaves free);
     `collective_bandwidth` the bus bandwidth within a node per collective where it was measured
     ("all_reduce", "all_gather", "reduce_scatter": gloo on CPU reaches different rates for each,
-    all below the raw link); a collective not named there runs at `intra_bandwidth`.
+    all below the raw link); a collective not named there runs at `intra_bandwidth`; `kind` "gpu"
+    or "cpu".
     """
 
     name: str
@@ -54,10 +55,18 @@ class DeviceSpec:
     core_share: float = 1.0
     process_memory: float = 0.0
     collective_bandwidth: Mapping[str, float] = field(default_factory=dict)
+    kind: str = "gpu"  # "cpu": the measured CPU, where torch runs bfloat16 whatever the ISA has
 
     @property
     def bf16(self) -> bool:
+        """A bfloat16 peak is listed: the device is priced (and `plan` chooses) bf16 at its speed."""
         return "bf16" in self.peak_flops
+
+    @property
+    def runs_bf16(self) -> bool:
+        """bf16 layouts run here: a GPU with bfloat16 (Ampere or newer), or any CPU (priced at its
+        fp32 peak when no bf16 figure is measured)."""
+        return self.bf16 or self.kind == "cpu"
 
 
 # ---- GPUs: the vendors' datasheets ---------------------------------------------------------------

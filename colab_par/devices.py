@@ -116,7 +116,8 @@ def cpu_device(engines: int, *, cores: int, peak_flops: float, efficiency: float
                       half_tokens=0, overlap=CPU_COSTS.overlap, layer_overhead=layer_overhead / share,
                       wrapper_overhead={k: v * layer_overhead / share for k, v in CPU_WRAPPER_COST.items()},
                       async_launch=False, core_share=share, process_memory=process_memory,
-                      collective_bandwidth={k: v * share for k, v in CPU_COSTS.collective_bandwidth.items()})
+                      collective_bandwidth={k: v * share for k, v in CPU_COSTS.collective_bandwidth.items()},
+                      kind="cpu")
 
 
 def cpu_compute_costs() -> dict[str, float]:

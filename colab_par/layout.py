@@ -836,7 +836,7 @@ def _check_precision(layout: Any, world: int | None, sizes: dict, device: str | 
     if layout.precision != "bf16" or device is None:
         return
     spec = _device_spec(device)
-    if spec is not None and not spec.bf16:
+    if spec is not None and not spec.runs_bf16:
         raise LayoutError(f"precision='bf16' needs a device with bfloat16 (Ampere or newer GPUs); "
                           f"{spec.name} has none (its DeviceSpec lists peaks for {', '.join(spec.peak_flops)} "
                           "only); use precision='fp32'")

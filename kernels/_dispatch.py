@@ -18,7 +18,7 @@ import triton.language as tl
 
 from colab_par import compat
 
-__all__ = ["backend", "is_dtensor", "launches", "interpreter_active", "count_launch", "new_output",
+__all__ = ["backend", "is_dtensor", "launches", "triton_launches", "interpreter_active", "count_launch", "new_output",
            "poisoned_outputs", "next_power_of_2", "split_rows", "tile_rows", "row_block", "as_rows"]
 
 launches: Counter[tuple[str, str]] = Counter()
@@ -70,6 +70,11 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
 
 def count_launch(kernel_name: str, path: str) -> None:
     launches[(kernel_name, path)] += 1
+
+
+def triton_launches() -> int:
+    """Launches of Triton kernels so far, compiled or interpreted (the torch path's calls left out)."""
+    return sum(count for (_, path), count in launches.items() if path != "torch")
 
 
 def new_output(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -253,6 +253,10 @@ def test_bf16_follows_the_device_spec_not_its_name() -> None:
     with pytest.raises(LayoutError, match="H100-like has none"):
         estimate(SMALL, "dp2 bf16", device=without, global_batch=4, seq_len=64)
     assert {p.layout.precision for p in plan(SMALL, 2, device=without, global_batch=4, seq_len=64)} == {"fp32"}
+    # a CPU runs bf16 whatever its ISA (torch emulates it), priced at its fp32 peak
+    cpu = DeviceSpec("CPU", h100.memory, {"fp32": 1e11}, 1e10, 1e10, 1e10, 1e10, kind="cpu")
+    assert Layout(precision="bf16").validate(1, device=cpu).precision == "bf16"
+    assert estimate(SMALL, "dp2 bf16", device=cpu, global_batch=4, seq_len=64).layout.precision == "bf16"
 
 
 # torch.cuda.get_device_name() of real cards (as they appear in nvidia-smi output and bug reports),
