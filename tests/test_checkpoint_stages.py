@@ -31,9 +31,9 @@ def config(kind: str):
     return transformers.LlamaConfig(**LLAMA_SIZES, attn_implementation="sdpa")
 
 
-def best_layout(kind: str) -> str:
-    """What plan() (and so the picker's Auto) recommends for `kind` on 2 CPU engines."""
-    return str(plan(config(kind), 2, device="cpu", global_batch=BATCH, seq_len=SEQ)[0].layout)
+def best_layout(kind: str, engines: int = 2) -> str:
+    """What plan() (and so the picker's Auto) recommends for `kind` on `engines` CPU engines."""
+    return str(plan(config(kind), engines, device="cpu", global_batch=BATCH, seq_len=SEQ)[0].layout)
 
 
 def build_trainer(kind: str, layout: str):
@@ -123,3 +123,17 @@ def test_relayout_into_several_stages_per_rank_and_back(cluster2, reference, kin
     for first, second in (("tp2", "pp2 zbv v2"), ("pp2 zbv v2", "dp2")):
         moved = cluster2.run(relayout_midway, kind, first, second)[0]
         assert moved == pytest.approx(reference(kind, first), rel=1e-5), (first, second)
+
+
+@pytest.mark.parametrize("engines, other", [(4, "dp2 tp2"), (8, "dp4 tp2")])
+def test_the_best_layout_for_more_engines_resumes_in_another(request, tmp_path, engines, other):
+    """plan()'s best layout on 4 and 8 CPU engines (pipelines here: pp4 1f1b, dp2 pp4 1f1b), saved
+    midway and resumed under dp·tp: the unsaved losses, for the GPT and the tied Llama."""
+    cluster = request.getfixturevalue(f"cluster{engines}")
+    for kind in ("gpt", "llama"):
+        layout = best_layout(kind, engines)
+        unsaved_losses = cluster.run(unsaved, kind, layout)[0]
+        root = str(tmp_path / kind)
+        cluster.run(save_midway, kind, layout, root)
+        resumed = cluster.run(resume, kind, other, root)[0]
+        assert resumed == pytest.approx(unsaved_losses[SAVE_AT:], rel=1e-5), (kind, layout)
