@@ -72,11 +72,17 @@ def visible_gpu_ids(count: int) -> list[str]:
         return []
     named = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     uuids = compat.gpu_uuids()
-    if uuids:
-        chosen = [next((u for u in uuids if u.startswith(d)), d) if not d.isdigit()
-                  else uuids[int(d)] if int(d) < len(uuids) else d for d in named] if named else uuids
-        return chosen[:count]
-    return (named or [str(i) for i in range(count)])[:count]
+    if not uuids:
+        return (named or [str(i) for i in range(count)])[:count]
+    return [_uuid_of(entry, uuids) for entry in named][:count] if named else uuids[:count]
+
+
+def _uuid_of(entry: str, uuids: list[str]) -> str:
+    """NVML's UUID a CUDA_VISIBLE_DEVICES entry names (by index, or by the UUID or its prefix); the
+    entry itself where NVML lists no such GPU."""
+    if entry.isdigit():
+        return uuids[int(entry)] if int(entry) < len(uuids) else entry
+    return next((uuid for uuid in uuids if uuid.startswith(entry)), entry)
 
 
 def address_toward(peer: str) -> str:
