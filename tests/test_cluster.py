@@ -173,9 +173,9 @@ def test_the_backend_follows_the_engines_hosts_not_the_notebooks():
 
 
 def test_engine_counts_come_from_the_launcher_where_this_host_cannot_tell():
-    assert Cluster(launcher=Slurm(gpus_per_node=4, nodes=2))._resolve_n() == 8  # one engine per GPU
-    assert Cluster(launcher=SSH({"node1": 3, "node2": 1}))._resolve_n() == 4
-    assert Cluster()._resolve_n() == 2  # this host has no GPU
+    assert Cluster(launcher=Slurm(gpus_per_node=4, nodes=2))._lifecycle.resolve_n() == 8  # one engine per GPU
+    assert Cluster(launcher=SSH({"node1": 3, "node2": 1}))._lifecycle.resolve_n() == 4
+    assert Cluster()._lifecycle.resolve_n() == 2  # this host has no GPU
 
 
 def gpu_engine(backend, current, default, cuda=True, ifname="=eth0"):

@@ -14,7 +14,7 @@ from colab_par import EngineError, engine
 def _hub_completed(cluster) -> int:
     """Tasks the controller's hub saw finish on every engine (it sees only what passes its queues)."""
     status = cluster._client.queue_status()
-    return sum(status[eid]["completed"] for eid in cluster._engine_ids)
+    return sum(status[eid]["completed"] for eid in cluster._state.engine_ids)
 
 
 def _where_am_i() -> str:
@@ -51,9 +51,9 @@ def _break_then_answer() -> str:
 
 
 def test_run_and_cells_bypass_the_controller_queue(cluster2):
-    assert cluster2._direct.engines == set(cluster2._engine_ids)
+    assert cluster2._state.direct.engines == set(cluster2._state.engine_ids)
     before = _hub_completed(cluster2)
-    pids = [info["pid"] for info in cluster2._hosts]
+    pids = [info["pid"] for info in cluster2._state.hosts]
     assert cluster2.run(_where_am_i) == [f"{r}:{pid}" for r, pid in enumerate(pids)]
     cluster2.execute("direct_cell_value = rank * 10")
     assert cluster2.names(0).count("direct_cell_value") == 1
@@ -68,9 +68,9 @@ def test_run_and_cells_bypass_the_controller_queue(cluster2):
 
 def test_direct_and_ipyparallel_share_one_namespace(cluster2):
     cluster2.execute("shared_by_both = rank + 100")
-    through_hub = cluster2._client[cluster2._engine_ids].apply_sync(_engine_global, "shared_by_both")
+    through_hub = cluster2._client[cluster2._state.engine_ids].apply_sync(_engine_global, "shared_by_both")
     assert through_hub == [100, 101]
-    cluster2._client[cluster2._engine_ids].execute("set_by_hub = rank * 3", block=True)
+    cluster2._client[cluster2._state.engine_ids].execute("set_by_hub = rank * 3", block=True)
     assert cluster2.run(_engine_global, "set_by_hub") == [0, 3]
 
 
@@ -79,7 +79,7 @@ def test_errors_carry_ipython_tracebacks_as_through_the_hub(cluster2):
         cluster2.run(_fails)
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(direct_error.value))
     assert "ValueError: broken on purpose (ranks 0,1)" in text
-    through_hub = cluster2._client[cluster2._engine_ids[0]].apply_async(_fails)
+    through_hub = cluster2._client[cluster2._state.engine_ids[0]].apply_async(_fails)
     through_hub.wait(30)
     hub_error = through_hub.exception()
     hub_text = re.sub(r"\x1b\[[0-9;]*m", "", hub_error.traceback)
@@ -89,7 +89,7 @@ def test_errors_carry_ipython_tracebacks_as_through_the_hub(cluster2):
 
 
 def test_output_and_published_data_arrive(cluster2):
-    result = cluster2._apply([0, 1], _shout, "hello")
+    result = cluster2._calls.apply([0, 1], _shout, "hello")
     assert result.get(timeout=30) == [5, 5]
     assert result.wait_for_output(10)
     assert result.stdout == ["hello on rank 0\n", "hello on rank 1\n"]
@@ -109,10 +109,10 @@ def test_breaking_the_worlds_connections_keeps_the_channel(cluster2):
     """Aborting a stuck collective shuts down each rank's new TCP connections to the world's
     address; the client's channel is one of them on one host and must survive it (else the reply
     of the running call is lost)."""
-    result = cluster2._apply([0, 1], _break_then_answer)
+    result = cluster2._calls.apply([0, 1], _break_then_answer)
     assert result.wait(30), "the reply was lost with the connection"
     assert result.get() == ["answered", "answered"]
-    cluster2._join_world()  # a fresh group for the tests after this one
+    cluster2._world.join_world()  # a fresh group for the tests after this one
     assert cluster2.run(_where_am_i)[0].startswith("0:")
 
 
@@ -128,10 +128,10 @@ def _nothing() -> None:
 
 
 def test_a_silent_call_needs_no_output_and_published_data_arrives(cluster2):
-    quiet = cluster2._apply([0, 1], _nothing)
+    quiet = cluster2._calls.apply([0, 1], _nothing)
     assert quiet.get(timeout=30) == [None, None]
     assert quiet.wait_for_output(0)  # the replies said nothing was published: no status to wait for
-    published = cluster2._apply([0, 1], _publish_rank)
+    published = cluster2._calls.apply([0, 1], _publish_rank)
     assert published.get(timeout=30) == [0, 0]
     assert published.wait_for_output(10)
     assert published.data == [{"published_by": 0}, {"published_by": 1}]
@@ -188,7 +188,7 @@ def test_requests_without_the_key_or_sent_twice_are_refused(cluster2):
 
     from colab_par import direct, lean_wire
 
-    url = cluster2._client[[cluster2._engine_ids[0]]].apply_sync(direct.serve, "127.0.0.1")[0]
+    url = cluster2._client[[cluster2._state.engine_ids[0]]].apply_sync(direct.serve, "127.0.0.1")[0]
     auth, session = cluster2._client.session.auth, cluster2._client.session.session
     assert auth is not None  # ipyparallel's clusters are signed
     socket = zmq.Context.instance().socket(zmq.DEALER)
@@ -219,7 +219,7 @@ def test_calls_from_several_threads_get_their_own_replies(cluster2):
     results: dict[int, list] = {}
 
     def caller(offset: int) -> None:
-        results[offset] = [cluster2._apply([0, 1], _engine_global_plus, "rank", offset + i).get(timeout=30)
+        results[offset] = [cluster2._calls.apply([0, 1], _engine_global_plus, "rank", offset + i).get(timeout=30)
                            for i in range(20)]
 
     threads = [threading.Thread(target=caller, args=(offset,)) for offset in (0, 1000)]
