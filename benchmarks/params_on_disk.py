@@ -40,7 +40,7 @@ def train(layout: str, trim: bool, steps: int = 5) -> dict:
     import colab_par.memory_tiers.param_pages as pages
     from colab_par import parallelize
     from colab_par.host_heap import trim_host_heap
-    from colab_par.memory_tiers.measure import reset_peak, resident_bytes
+    from colab_par.memory_tiers.measure import PeakWindow, resident_bytes
     from colab_par.models import GPT, GPTConfig
 
     chunks.CHUNK_BYTES = 2 * 2 ** 20
@@ -51,15 +51,14 @@ def train(layout: str, trim: bool, steps: int = 5) -> dict:
     torch.manual_seed(0)
     pm = parallelize(lambda: GPT(GPTConfig(**GPT_SIZES)), layout,
                      optimizer_fn=lambda p: torch.optim.AdamW(p, lr=1e-3))
-    reset_peak(torch.device("cpu"))
+    window = PeakWindow(torch.device("cpu"))  # the peak from here on
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         pm.train_step(tokens, torch.roll(tokens, -1, 1))
         times.append(time.perf_counter() - start)
-    with open("/proc/self/status") as status:
-        peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    peak = window.bytes()
     pages.trim_host_heap = trim_host_heap
     del pm
     gc.collect()

@@ -31,6 +31,9 @@ import sys
 import time
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_probe import probe  # noqa: E402  (the driver asks a child about the GPUs)
+
 GiB = 2 ** 30
 LAYOUTS = ("dp2 zero3", "dp2 zero3 ac-full")
 # (d_model, n_layer): widths are multiples of 128 (heads of 128), depth grows with width
@@ -61,28 +64,44 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def _reset_peak() -> int:
-    """Restart the peak counter from what is held now, and return that: on a GPU the CUDA
-    allocator's peak; on a CPU engine VmHWM (after dropping freed heap)."""
+_windows: dict[str, Any] = {}
+
+
+def _window() -> Any:
+    """This engine's span of its device's peak (the CUDA allocator's, or VmHWM on a CPU engine):
+    a `PeakWindow`, whose marks keep the spans of the other readers in the process (the tiers'
+    placement measures its own step meanwhile)."""
+    import torch
+
+    from colab_par.memory_tiers.measure import PeakWindow
+
+    cuda = torch.cuda.is_available()  # the engine's own GPU: it holds a context there anyway
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if str(device) not in _windows:
+        _windows[str(device)] = PeakWindow(device)
+    return _windows[str(device)]
+
+
+def _reset_peak(window: Any = None) -> int:
+    """Restart `window`'s span (default: this engine's `_window`) from what is held now, and
+    return that: on a GPU the CUDA allocator's bytes; on a CPU engine the RSS (after dropping
+    freed heap)."""
     import ctypes
     import gc
 
-    import torch
+    from colab_par.memory_tiers.measure import resident_bytes
 
+    window = window or _window()
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
-    return _status("VmRSS")
+    if window.device.type == "cpu":
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    window.mark()
+    return resident_bytes(window.device)
 
 
-def _peak() -> int:
-    import torch
-
-    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else _status("VmHWM")
+def _peak(window: Any = None) -> int:
+    """The peak since `window`'s last mark (default: this engine's `_window`)."""
+    return (window or _window()).bytes()
 
 
 def train_candidate(sizes: dict[str, Any], layout: str, build: str, steps: int,
@@ -102,19 +121,20 @@ def train_candidate(sizes: dict[str, Any], layout: str, build: str, steps: int,
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randint(0, config.vocab_size, (global_batch, config.seq_len), generator=generator)
     batch = (inputs, torch.roll(inputs, -1, dims=1))
-    result: dict[str, Any] = {"baseline": _reset_peak()}
+    window = _window()  # passed on: this function may travel by value, without the module's state
+    result: dict[str, Any] = {"baseline": _reset_peak(window)}
     torch.manual_seed(0)
     start = time.perf_counter()
     pm = parallelize((lambda: GPT(config)) if build == "meta" else GPT(config), layout)
     result["init_s"] = time.perf_counter() - start
-    result["init_peak"] = _peak()
-    result["after_init"] = _reset_peak()
+    result["init_peak"] = _peak(window)
+    result["after_init"] = _reset_peak(window)
     step_times, step_peaks = [], []
     for _ in range(steps):
         start = time.perf_counter()
         pm.train_step(*batch)
         step_times.append(time.perf_counter() - start)
-        step_peaks.append(_peak())
+        step_peaks.append(_peak(window))
     result.update(step_s=step_times, step_peaks=step_peaks, train_peak=max(step_peaks))
     del pm
     gc.collect()
@@ -130,32 +150,28 @@ def _available() -> int:
     raise KeyError("MemAvailable")
 
 
-def engines_and_device(kind: str) -> tuple[int, Any, str]:
+def engines_and_device(kind: str, gpus: Any = None) -> tuple[int, Any, str]:
     """How many engines, the planner's DeviceSpec and the backend: every GPU (nccl) on a CUDA
-    machine, else 2 CPU engines (gloo)."""
-    import torch
-
+    machine (`gpus`: `cuda_probe.probe()`'s answer), else 2 CPU engines (gloo)."""
     from colab_par.devices import PRODUCTS, device_for_product, measure_cpu_device
 
     if kind == "cpu":
         return 2, measure_cpu_device(2), "gloo"
-    if not torch.cuda.is_available():
+    if gpus is None or not gpus.count:
         raise SystemExit("--device cuda: no CUDA device here")
-    gpu = torch.cuda.get_device_name(0)
-    device = device_for_product(gpu)
+    device = device_for_product(gpus.names[0])
     if device is None:
-        raise SystemExit(f"{gpu} is not in the planner's catalogue ({', '.join(PRODUCTS)})")
-    return torch.cuda.device_count(), device, "nccl"
+        raise SystemExit(f"{gpus.names[0]} is not in the planner's catalogue ({', '.join(PRODUCTS)})")
+    return gpus.count, device, "nccl"
 
 
 def _free_per_engine(kind: str, engines: int, headroom: float) -> float:
-    """Memory one more engine's peak may take: a GPU's free memory, or the host's available
-    memory shared by the CPU engines."""
+    """Memory one more engine's peak may take: the least free memory of the GPUs the engines
+    take (asked in a child process, between candidates: this process holds no context on any
+    GPU), or the host's available memory shared by the CPU engines."""
     if kind == "cpu":
         return (_available() - headroom * GiB) / engines
-    import torch
-
-    return min(torch.cuda.mem_get_info(i)[0] for i in range(engines)) - headroom * GiB
+    return min(probe(tuple(range(engines))).free.values()) - headroom * GiB
 
 
 def run_candidate(sizes: dict[str, Any], layout: str, build: str, steps: int,
@@ -215,10 +231,9 @@ def main() -> None:
                         help="GiB of available memory left untouched (this process, the rest)")
     args = parser.parse_args()
 
-    import torch
-
-    kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engines, device, backend = engines_and_device(kind)
+    gpus = probe() if args.device != "cpu" else None  # names only: no context on any GPU
+    kind = args.device or ("cuda" if gpus.count else "cpu")
+    engines, device, backend = engines_and_device(kind, gpus)
     layouts = args.layouts or [layout.replace("dp2", f"dp{engines}") for layout in LAYOUTS]
     # a SIGTERM (e.g. `timeout`) unwinds through `with Cluster(...)`, which stops the engines
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

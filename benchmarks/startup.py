@@ -35,7 +35,17 @@ of engines).
 Idle cost (`--idle`): a started 2-engine cluster left alone for 15 s, the CPU time of this process
 and every process below it (controller, engines, zygotes) read from /proc before and after.
 
-    python benchmarks/startup.py [--rounds 5] [--idle | --phases]
+Edit-run in the first seconds after a start (`--first-seconds`): colab_par with the warm pool (whose
+engine zygote makes its idle imports after serving a first start, see `colab_par/warm_pool.py`),
+without it (`COLAB_PAR_WARM_POOL=0`) and Monarch, arms alternated, each sample a fresh process: from
+the moment the start returns, an edit-run every `QUICK_S` for `EDIT_WINDOW_S` (what the pool did
+before yielding: it imported 2 s after its last request, beside these cells), then a longer look
+(`LOOK_S`: long enough for background work that waits for quiet to begin, so the next edit-run meets
+it under way) and three more quick edits. Per sample: the median, mean and slowest edit-run of the
+window (a cell that met background work is slower; a median hides a few such), and the first
+edit-run after the look.
+
+    python benchmarks/startup.py [--rounds 5] [--idle | --phases | --first-seconds]
 """
 from __future__ import annotations
 
@@ -67,6 +77,9 @@ WORK = textwrap.dedent("""
         optimizer.step()
         return float(loss.detach())
 """)
+
+EDIT_WINDOW_S = 6.0  # how long after a start the quick edit-runs go on
+QUICK_S, LOOK_S = 0.3, 2.5  # the pause before a quick edit-run, and the longer look after the window
 
 
 def all_reduce() -> float:
@@ -105,6 +118,94 @@ def _train_step_fn():
     namespace: dict = {}
     exec(WORK, namespace)  # noqa: S102 - the fixed workload above
     return namespace["train_step"]
+
+
+def _edit_runs_after_start(call) -> dict[str, float]:
+    """Edit-runs from the moment a start returned (module docstring); `call(fn)` runs `fn` on
+    every worker and returns their results."""
+    def edit_run_ms(pause: float) -> float:
+        time.sleep(pause)
+        return _median_ms(lambda: call(_train_step_fn()), 1)
+
+    began = time.monotonic()
+    assert call(all_reduce) == [2.0, 2.0]
+    first_ms = edit_run_ms(0.0)  # with the one-time imports (DDP, optim)
+    window = []
+    while time.monotonic() - began < EDIT_WINDOW_S:
+        window.append(edit_run_ms(QUICK_S))
+    after_look = [edit_run_ms(LOOK_S), *(edit_run_ms(QUICK_S) for _ in range(3))]
+    return {"first_edit_ms": first_ms, "edit_mean_ms": statistics.mean(window),
+            "edit_ms": statistics.median(window), "edit_max_ms": max(window), "after_look_ms": after_look[0],
+            "after_look_quick_ms": statistics.median(after_look[1:])}
+
+
+def arm_first_seconds_colab_par() -> dict[str, float]:
+    """A script's first start (the pool, unless switched off, starts with it), then edit-runs."""
+    from colab_par import Cluster
+
+    cluster = Cluster(n=2, backend="gloo", dashboard=False).start()
+    stamps = _edit_runs_after_start(cluster.run)
+    stamps["forked"] = float(all(cluster.run(forked_from)))
+    cluster.stop()
+    return stamps
+
+
+def arm_first_seconds_monarch() -> dict[str, float]:
+    import cloudpickle
+    from monarch.actor import Actor, endpoint, this_host
+    from monarch.spmd import setup_torch_elastic_env
+
+    class Worker(Actor):
+        @endpoint
+        def call(self, blob: bytes):
+            return cloudpickle.loads(blob)()
+
+    procs = this_host().spawn_procs(per_host={"gpus": 2})
+    setup_torch_elastic_env(procs)
+    workers = procs.spawn("worker", Worker)
+    stamps = _edit_runs_after_start(
+        lambda fn: [value for _, value in workers.call.call(cloudpickle.dumps(fn)).get().items()])
+    procs.stop().get()
+    return stamps
+
+
+def first_seconds(rounds: int) -> None:
+    """The three arms alternated (who goes first rotates), `rounds` fresh processes each."""
+    pythons = {"first_seconds": sys.executable, "first_seconds_nopool": sys.executable,
+               "first_seconds_monarch": monarch_python()}
+    arms = list(pythons)
+    samples: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
+    for index in range(rounds):
+        for arm in arms[index % len(arms):] + arms[:index % len(arms)]:
+            env = {**os.environ, **({"COLAB_PAR_WARM_POOL": "0"} if arm.endswith("nopool") else {})}
+            done = subprocess.run([pythons[arm], __file__, "--arm", arm], capture_output=True, text=True,
+                                  timeout=300, env=env)
+            if done.returncode:
+                raise RuntimeError(f"arm {arm} failed:\n{done.stderr[-3000:]}")
+            samples[arm].append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(f"round {index + 1}/{rounds} done", file=sys.stderr)
+
+    def column(arm: str, key: str) -> list[float]:
+        return [sample[key] for sample in samples[arm]]
+
+    print(f"edit-run (build + DDP + one step) every {QUICK_S} s in the first {EDIT_WINDOW_S:.0f} s after a "
+          f"start, then after a {LOOK_S} s look; {rounds} rounds, arms rotated, each sample a fresh process; "
+          "median over the samples (min-max)")
+    print("| edit-run | colab_par, warm pool | colab_par, COLAB_PAR_WARM_POOL=0 | Monarch 0.7.0 |\n|---|---|---|---|")
+    rows = (("first_edit_ms", "first (one-time imports)"), ("edit_ms", "in the window: median"),
+            ("edit_mean_ms", "in the window: mean"), ("edit_max_ms", "in the window: slowest"),
+            ("after_look_ms", f"first after the {LOOK_S} s look"),
+            ("after_look_quick_ms", "the three quick ones after it"))
+    for key, what in rows:
+        print(f"| {what} | " + " | ".join(_spread(column(arm, key), "ms") for arm in arms) + " |")
+    print()
+    for key, what in rows[1:]:
+        pool, nopool, monarch = (statistics.median(column(arm, key)) for arm in arms)
+        print(f"{what}: pool on / pool off {pool / nopool:.2f} (goal <= 1.10), pool on / Monarch "
+              f"{pool / monarch:.2f} (goal <= 1.0)")
+    print("engines forked from the pool in every pool-on sample: "
+          f"{all(s['forked'] == 1.0 for s in samples['first_seconds'])}, in none without it: "
+          f"{not any(s['forked'] for s in samples['first_seconds_nopool'])}")
 
 
 # ---- arms, each run in a fresh process: `python startup.py --arm NAME` prints one JSON line -----
@@ -339,6 +440,8 @@ def main() -> None:
     parser.add_argument("--arm", help=argparse.SUPPRESS)  # one sample, in this fresh process
     parser.add_argument("--idle", action="store_true", help="measure a running cluster's idle CPU")
     parser.add_argument("--phases", action="store_true", help="when each phase of a script's cold start ends")
+    parser.add_argument("--first-seconds", action="store_true",
+                        help="only the edit-run in the first seconds after a start: pool on, off, Monarch")
     args = parser.parse_args()
     if args.idle:
         idle_cpu()
@@ -349,11 +452,15 @@ def main() -> None:
     if args.arm:
         runs = {"colab_par": lambda: arm_colab_par(False), "colab_par_nopool": lambda: arm_colab_par(False),
                 "colab_par_notebook": lambda: arm_colab_par(True),
-                "monarch": arm_monarch, "phases": arm_phases}
+                "monarch": arm_monarch, "phases": arm_phases, "first_seconds": arm_first_seconds_colab_par,
+                "first_seconds_nopool": arm_first_seconds_colab_par, "first_seconds_monarch": arm_first_seconds_monarch}
         print(json.dumps(runs[args.arm]()))
         return
     if args.rounds < 3:
         parser.error(f"--rounds {args.rounds}: take at least 3 for a median and a spread")
+    if args.first_seconds:
+        first_seconds(args.rounds)
+        return
     pythons = {"colab_par": sys.executable, "colab_par_nopool": sys.executable,
                "colab_par_notebook": sys.executable,
                "monarch": monarch_python()}

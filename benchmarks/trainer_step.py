@@ -20,8 +20,8 @@ as in a notebook session; start-up is not part of either figure (see startup.py)
 `--own-work` measures the Trainer's own work directly instead of against torchrun, so the figure
 does not drown in this machine's wall-clock noise: on each engine of a `Cluster(n=2)` (dashboard
 on), CPU time of `Trainer.fit()` over the timed steps, minus the CPU time spent inside the model's
-work (`ParallelModel.forward_backward` and `optimizer_step`, timed by wrapping them on the engine,
-process CPU clock: gloo's threads work for them), plus the activation meter's hooks, which run
+work (`ParallelModel.forward_backward_tensor` and `optimizer_step`, timed by wrapping them on the
+engine, process CPU clock: gloo's threads work for them), plus the activation meter's hooks, which run
 inside forward and backward but are telemetry. What is left is the Trainer's: data, LR, grad
 norm, memory and throughput rows, step clock, publishing. Its parts are timed the same way
 (thread CPU clock). Each round builds a fresh model; the share is reported per rank and round
@@ -140,9 +140,9 @@ def own_work_on_engine(model: dict, batch: int, steps: int, warmup: int,
 
     # the model's work runs on gloo's threads too: the process clock; the Trainer's parts run
     # in this thread: its clock, which costs a tenth of the process clock in a many-threaded engine
-    pm.forward_backward = timed(pm.forward_backward, "model", time.process_time)
+    pm.forward_backward_tensor = timed(pm.forward_backward_tensor, "model", time.process_time)
     pm.optimizer_step = timed(pm.optimizer_step, "model", time.process_time)
-    pm.clip_grad_norm_ = timed(pm.clip_grad_norm_, "grad norm")  # no grad_clip: telemetry's norm
+    pm.clip_grad_norm_tensor = timed(pm.clip_grad_norm_tensor, "grad norm")  # no grad_clip: telemetry's norm
     trainer._activations._pack = timed(trainer._activations._pack, "hooks")  # forward
     unpack = telemetry._identity  # backward: the meter's other hook
     telemetry._identity = timed(unpack, "hooks")

@@ -40,6 +40,7 @@ from colab_par.checkpoint_format import (FORMAT, NON_TENSORS, CheckpointError, T
 from colab_par.checkpoint_ties import read_through_aliases, tied_sources
 from colab_par.memory_tiers.checkpoint_pages import PagedLoadPlanner, PagedSavePlanner, disk_pages, drop_pages
 from colab_par.parallel.pipeline.stages import stages_as_one
+from colab_par.parallel.rng import ModelStream
 
 __all__ = ["save", "load", "relayout", "latest_checkpoint", "saved_history", "CheckpointError"]
 
@@ -66,7 +67,7 @@ def save(pm: Any, path: str | os.PathLike, *, trainer: Any = None, keep: int = 2
     _make_staging(root, staging)
     dcp.save(tensors, checkpoint_id=str(staging), planner=PagedSavePlanner(pages))
     drop_pages(pages)
-    _write_json(staging / f"rng-rank{rank}.json", _rng_state())
+    _write_json(staging / f"rng-rank{rank}.json", _rng_state(pm.rng))
     if trainer is not None:
         _write_json(staging / f"history-rank{rank}.json", trainer.history)
     if rank == 0:
@@ -202,7 +203,7 @@ def load(pm: Any, path: str | os.PathLike, *, trainer: Any = None) -> dict:
     rng_file = version / f"rng-rank{_rank()}.json"
     # Each rank's RNG stream (parallel/rng.py) belongs to its place in the saved layout's mesh.
     if meta["world_size"] == _world() and meta["layout"] == str(pm.layout) and rng_file.is_file():
-        _set_rng_state(json.loads(rng_file.read_text()))
+        _set_rng_state(pm.rng, json.loads(rng_file.read_text()))
     _barrier()
     return meta
 
@@ -476,18 +477,19 @@ def _stages(pm: Any) -> torch.nn.Module:
 
 
 # ---- small state: RNG, files, ranks -----------------------------------------------------------------
-def _rng_state() -> dict:
-    state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
-    return state
+def _rng_state(stream: ModelStream) -> dict:
+    """The model's stream (parallel/rng.py) as text: one base64 generator state per device kind."""
+    names = {"cpu": "torch", "cuda": "cuda"}
+    return {names[kind]: base64.b64encode(state.numpy().tobytes()).decode() for kind, state in stream.state().items()}
 
 
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])),
-                                                  dtype=torch.uint8))
+def _set_rng_state(stream: ModelStream, saved: dict) -> None:
+    """Continue the saved stream where it drew on the same devices (a CPU run's masks cannot
+    continue on a GPU: there dropout draws from the device's generator)."""
+    decoded = {kind: torch.frombuffer(bytearray(base64.b64decode(saved[name])), dtype=torch.uint8)
+               for kind, name in (("cpu", "torch"), ("cuda", "cuda")) if name in saved}
+    if decoded.keys() == stream.state().keys():
+        stream.load_state(decoded)
 
 
 def _write_json(path: Path, value: Any) -> None:

@@ -32,7 +32,7 @@ __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_pat
            "checkpoint_wrapper", "sdpa_aten_ops",
            "torch_dispatch_mode", "pin_inductor_vector_width", "device_constructors", "op_schema", "storage_key",
            "module_reset",
-           "triton_interpreted", "tree_flatten", "tree_unflatten", "tree_map", "tree_leaves",
+           "triton_interpreted", "assert_async", "tree_flatten", "tree_unflatten", "tree_map", "tree_leaves",
            "hf_token_losses", "answer_control_requests", "send_control_requests", "group_sequence",
            "process_groups", "compile_seconds", "grouped_mm", "grouped_mm_is_one_op", "fused_optimizer_devices",
            "recompile_limit",
@@ -593,6 +593,17 @@ def _interpreted_function() -> type:
     except ImportError:
         raise _missing("triton", "triton.runtime.interpreter.InterpretedFunction") from None
     return InterpretedFunction
+
+
+def assert_async(condition: Any, message: str) -> None:
+    """Fail with ``message`` where the 0-d boolean ``condition`` is false, without a host sync: on CUDA
+    a device-side assertion queued on the stream, on CPU an immediate error (`torch._assert_async`)."""
+    import torch
+
+    check = getattr(torch, "_assert_async", None)
+    if check is None:
+        raise _missing("torch", "torch._assert_async")
+    check(condition, message)
 
 
 def triton_interpreted(function: Any) -> bool:

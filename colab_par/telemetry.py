@@ -18,10 +18,11 @@ from torch.distributed.tensor import DTensor
 
 from colab_par import devices
 from colab_par.flops import ModelSpec, flops_per_token
+from colab_par.memory_tiers.measure import PeakWindow
 
 __all__ = ["METRICS_KEY", "StepClock", "ActivationMeter", "Publisher", "metrics_data",
            "device_peak_flops", "model_flops_per_token", "memory_sample", "grad_bytes",
-           "pipeline_bubble", "ExpertLoad", "expert_row_key", "expert_counts"]
+           "pipeline_bubble", "peak_window", "mark_peak", "ExpertLoad", "expert_row_key", "expert_counts"]
 
 METRICS_KEY = "colab_par.metrics"
 ROWS_KEY = METRICS_KEY + ".rows."
@@ -57,32 +58,56 @@ def model_flops_per_token(model: nn.Module, num_params: int, seq_len: int) -> fl
     return float(flops_per_token(spec, seq_len, "none"))
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class StepClock:
-    """Wall time of named phases of one step; synchronises the device so GPU time is counted.
+    """Seconds of one step and of its named phases, without stalling the device to take them.
 
-    With `mark`, each phase is also named in the running torch.profiler trace
+    On CUDA each boundary is an event recorded on the current stream (where the step's work is
+    queued), so the spans are the GPU's own timeline, read once in `read` after the step's
+    single read point has waited for the device anyway; on CPU, where work is done when the call
+    returns, they are perf_counter times. The step's span starts when the clock is made and ends
+    at `stop`. With `mark`, each phase is also named in the running torch.profiler trace
     (``colab_par.<phase>``), so a timeline shows the phases this clock times without timing them
     again (`colab_par.profiling`)."""
 
     def __init__(self, device: torch.device, *, mark: bool = False):
-        self.device, self.mark = device, mark
-        self.phases: dict[str, float] = {}
+        self.mark, self.cuda = mark, torch.device(device).type == "cuda"
+        self._spans: list[tuple[str, Any, Any]] = []  # (phase, start, end)
+        self._start, self._end = self._now(), None
+
+    def _now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         marked = torch.profiler.record_function(f"colab_par.{name}") if self.mark else contextlib.nullcontext()
         with marked:
-            start = time.perf_counter()
+            start = self._now()
             try:
                 yield
             finally:
-                _synchronize(self.device)
-                self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+                self._spans.append((name, start, self._now()))
+
+    def stop(self) -> None:
+        """The step's work is all queued: its span ends here."""
+        self._end = self._now()
+
+    def read(self) -> tuple[float, dict[str, float]]:
+        """(the step's seconds, seconds per phase), after `stop`; on CUDA it waits for the last
+        event, which the step's read point has already done."""
+        if self.cuda:
+            self._end.synchronize()
+
+        def seconds(start: Any, end: Any) -> float:
+            return start.elapsed_time(end) / 1000.0 if self.cuda else end - start
+
+        phases: dict[str, float] = {}
+        for name, start, end in self._spans:
+            phases[name] = phases.get(name, 0.0) + seconds(start, end)
+        return seconds(self._start, self._end), phases
 
 
 class ActivationMeter:
@@ -137,8 +162,8 @@ def _identity(tensor: torch.Tensor) -> torch.Tensor:
 
 def memory_sample(pm: Any, activations: int, grads: int) -> dict[str, float]:
     """Bytes on this rank: model state from the real local shards, activations, and the device's
-    own view (CUDA allocator counters, or the process RSS on CPU). `grads` is measured by the
-    caller before the optimizer step frees the gradients."""
+    own view (CUDA allocator counters, the peak since `mark_peak`, or the process RSS on CPU).
+    `grads` is measured by the caller before the optimizer step frees the gradients."""
     from colab_par.parallel import memory_report
 
     report = memory_report(pm)
@@ -149,8 +174,7 @@ def memory_sample(pm: Any, activations: int, grads: int) -> dict[str, float]:
     if device.type == "cuda":
         sample["mem_cuda_allocated"] = float(torch.cuda.memory_allocated(device))
         sample["mem_cuda_reserved"] = float(torch.cuda.memory_reserved(device))
-        sample["mem_cuda_peak"] = float(torch.cuda.max_memory_allocated(device))
-        torch.cuda.reset_peak_memory_stats(device)
+        sample["mem_cuda_peak"] = float(peak_window(device).bytes())  # since the step's mark
     else:
         sample["mem_rss"] = float(_process_rss())
     sample["mem_activations"] = float(activations)
@@ -218,11 +242,33 @@ class ExpertLoad:
                 for expert, n in enumerate(per_expert)}
 
 
-def pipeline_bubble(pm: Any) -> float | None:
-    """The idle share of the last pipeline step, as the pipeline runner measured it; None without PP."""
+def pipeline_bubble(pm: Any) -> Callable[[], float] | None:
+    """The idle share of the last pipeline step as the pipeline runner measured it, read when
+    called (on CUDA that waits for the step's events: call it once the step is read); None
+    without PP."""
     if pm.layout.pp == 1:
         return None
-    return float(pm.last_bubble)
+    return pm.bubble_reading()
+
+
+def mark_peak(device: torch.device) -> None:
+    """Start the span whose peak the next `memory_sample` reports as ``mem_cuda_peak`` (CUDA:
+    the Trainer marks it when a measured step starts; CPU rows carry the RSS instead)."""
+    if torch.device(device).type == "cuda":
+        peak_window(device).mark()
+
+
+_windows: dict[str, PeakWindow] = {}
+
+
+def peak_window(device: torch.device) -> PeakWindow:
+    """Telemetry's own span of the device's peak counter (`memory_tiers.measure.PeakWindow`):
+    the Trainer marks it when a measured step starts and `memory_sample` reads it, whatever
+    other readers (the tiers' placement) mark meanwhile."""
+    key = str(torch.device(device))
+    if key not in _windows:
+        _windows[key] = PeakWindow(torch.device(device))
+    return _windows[key]
 
 
 def _process_rss() -> int:

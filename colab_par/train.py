@@ -20,14 +20,13 @@ import torch
 import torch.distributed as dist
 
 from colab_par import evaluation, recovery
-from colab_par.compat import compile_seconds
+from colab_par.compat import compile_seconds, tree_map
 from colab_par import telemetry as telem
 from colab_par.data import BatchList, TokenDataset
 from colab_par.data_sources import DataPlace, DataSource, data_source, dp_total
 from colab_par.eval_rows import EvalRows
 from colab_par.loggers import Logger, RunLogs
 from colab_par.parallel.batch import batch_size, batch_to, check_batch
-from colab_par.parallel.rng import seed_streams
 from colab_par.profiling import recorder
 from colab_par.profiling.steps import ProfileSteps, StepProfiler
 
@@ -147,7 +146,7 @@ class Trainer:
         self._expert_load: tuple[Any, telem.ExpertLoad | None] | None = None  # (pm, its MoE layers' load)
         self.base_lrs = [group.get("initial_lr", group["lr"]) for group in pm.optimizer.param_groups]
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        seed_streams(seed, getattr(pm, "mesh", None))  # one stream per mesh role (parallel/rng.py)
+        pm.rng.seed(seed)  # one stream per mesh role (parallel/rng.py)
         tokens = isinstance(data, TokenDataset)
         self._flops_per_token = telemetry_flops_per_token(pm, data.seq_len) if telemetry and tokens else 0.0
         self._measured_flops: float | None = None  # per rank and step, counted where no formula applies
@@ -197,52 +196,56 @@ class Trainer:
         measure = self.telemetry and log
         if self._profile is not None:
             self._profile.before_step(self.step + 1)
-        clock = telem.StepClock(torch.device(pm.device), mark=recorder.is_recording())
         compiled_before = compile_seconds() if pm.layout.compile else 0.0
+        if measure:
+            telem.mark_peak(torch.device(pm.device))  # the step's own span of the allocator's peak
         mark = recorder.open_mark(self.step + 1)  # brackets exactly what step_time measures
-        start = time.perf_counter()
+        clock = telem.StepClock(torch.device(pm.device), mark=recorder.is_recording())
         losses, bubbles, samples, tokens = [], [], 0, 0
         experts = self._experts()
         if experts is not None:
             experts.start_step()
         for micro in range(self.grad_accum):
             with clock.phase("data"):
-                batch = self._next_batch()
+                batch, counted = self._next_batch()
             meter = self._activations.measure() if measure and micro == 0 else contextlib.nullcontext()
             count = self._count_flops() if measure and micro == 0 else contextlib.nullcontext()
             options = dict(loss_scale=1.0 / self.grad_accum, sync_grads=micro == self.grad_accum - 1)
             with clock.phase("forward_backward"), meter, count:
-                if isinstance(self.data, TokenDataset):
-                    losses.append(pm.forward_backward(*batch, local=True, **options))
+                if isinstance(self.data, TokenDataset):  # losses stay on the device until the step is read
+                    losses.append(pm.forward_backward_tensor(*batch, local=True, **options))
                 else:
-                    losses.append(pm.forward_backward(batch, local=isinstance(self.data, DataSource),
-                                                      **options))
+                    losses.append(pm.forward_backward_tensor(batch, local=isinstance(self.data, DataSource),
+                                                             **options))
             if experts is not None:
                 experts.add_micro_step()
-            samples, tokens = (a + b for a, b in zip((samples, tokens), _counts(batch, self.data)))
+            samples, tokens = (a + b for a, b in zip((samples, tokens), counted))
             bubbles.append(telem.pipeline_bubble(pm) if measure else None)
         lr = self._apply_lr()
         grad_norm = None
         if self.grad_clip is not None or measure:
             with clock.phase("clip"):
-                grad_norm = float(pm.clip_grad_norm_(self.grad_clip if self.grad_clip else math.inf))
+                grad_norm = pm.clip_grad_norm_tensor(self.grad_clip if self.grad_clip else math.inf)
         grads = telem.grad_bytes(pm) if measure else 0
         with clock.phase("optimizer"):
             pm.optimizer_step()
+        clock.stop()
         self.step += 1
-        step_time = time.perf_counter() - start
         recorder.close_mark(mark)
         if self._profile is not None:
             self._profile.after_step(self.step)
         if pm.layout.compile:
             self._compile_s += compile_seconds() - compiled_before
         if not log:
-            return None
+            return None  # nothing read: the host runs on ahead of the device
+        losses, grad_norm = read_step(losses, grad_norm)
+        step_time, phases = clock.read()  # its events are done: the read waited for the whole step
+        bubbles = [None if bubble is None else bubble() for bubble in bubbles]
         if measure and isinstance(self.data, DataSource):
             tokens = dp_total(tokens, pm)  # this rank counted its own rows
         row = {"step": self.step, "rank": self.rank, "loss": sum(losses) / len(losses), "lr": lr,
                "grad_norm": grad_norm, "step_time": step_time,
-               **{f"time_{name}": seconds for name, seconds in clock.phases.items()}}
+               **{f"time_{name}": seconds for name, seconds in phases.items()}}
         if self._compile_s:  # the first step (and any new shape): how long of step_time compiled
             row["compile_s"], self._compile_s = self._compile_s, 0.0
         if experts is not None:
@@ -273,21 +276,23 @@ class Trainer:
         """Every `eval_every` steps and after the last one."""
         return self.eval_every is not None and (self.step % self.eval_every == 0 or self.step == self.steps)
 
-    def _next_batch(self) -> Any:
-        """Token data: this rank's rows, on the device. Other data: the global batch (the model
-        takes its dp share)."""
+    def _next_batch(self) -> tuple[Any, tuple[int, int]]:
+        """(batch, its samples and tokens, counted on the host). Token data: this rank's rows, on
+        the device. Other data: the global batch (the model takes its dp share)."""
         pm = self.pm
         if isinstance(self.data, TokenDataset):
-            inputs, targets = self.data.batch(self.data_position, pm.dp_rank, pm.dp_size)
-            batch = inputs.to(pm.device), targets.to(pm.device)
+            batch = self.data.batch(self.data_position, pm.dp_rank, pm.dp_size)
         elif isinstance(self.data, DataSource):
             if self._data_place is None or self._data_place[0] is not pm:  # a relayout changes it
                 self._data_place = (pm, DataPlace.of(pm))
-            batch = batch_to(self.data.local_batch(self.data_position, self._data_place[1]), pm.device)
+            batch = self.data.local_batch(self.data_position, self._data_place[1])
         else:
             batch = self.data.global_batch(self.data_position)
+        counted = _counts(batch, self.data)
+        if not isinstance(self.data, BatchList):
+            batch = _to_device(batch, torch.device(pm.device))
         self.data_position += 1
-        return batch
+        return batch, counted
 
     def _experts(self) -> telem.ExpertLoad | None:
         """The token counter of the model's MoE layers (None for a dense model), per model."""
@@ -431,6 +436,23 @@ def telemetry_flops_per_token(pm: Any, seq_len: int) -> float:
     model = getattr(model, "module", model)  # DDP keeps the model under .module
     num_params = sum(p.numel() for part in pm.model_parts for p in part.parameters())
     return telem.model_flops_per_token(model, num_params, seq_len)
+
+
+def read_step(losses: list[torch.Tensor], grad_norm: torch.Tensor | None) -> tuple[list[float], float | None]:
+    """The Trainer's one read point of a logged step: its micro-steps' losses and the gradient
+    norm (device scalars) come to the host in one copy, the loop's only wait for the device."""
+    scalars = losses + ([grad_norm] if grad_norm is not None else [])
+    values = torch.stack([value.reshape(()).double() for value in scalars]).tolist()
+    return values[:len(losses)], values[len(losses)] if grad_norm is not None else None
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    """`batch` on `device`. Onto a GPU through pinned memory without waiting: a plain
+    ``.to("cuda")`` waits until the device has run everything queued before it."""
+    if device.type != "cuda":
+        return batch_to(batch, device)
+    return tree_map(lambda t: t.pin_memory().to(device, non_blocking=True)
+                    if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t, batch)
 
 
 def _counts(batch: Any, data: Any) -> tuple[int, int]:

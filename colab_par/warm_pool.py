@@ -15,9 +15,15 @@ hands its stdio, working directory, arguments and environment to the zygote, get
 pid, forwards the signals it receives to that child and exits with the child's status. When the
 zygote is not running, or was started with a different environment (below), the proxy `exec`s the
 ordinary cold command instead, so a start never depends on the pool.
-Once it has served a first start and then been idle, the engine zygote also imports what a first
-`parallelize` or `from_pretrained` would (`_IDLE_IMPORTS`), so engines of every later start have it.
-A zygote sleeps in `select` between requests: it costs no CPU while idle, about 460 MB (engines, with the idle
+Once it has served a first start, the engine zygote also imports what a first `parallelize` or
+`from_pretrained` would (`_IDLE_IMPORTS`), so engines of every later start have it. That is seconds
+of CPU beside the user's first cells, so it yields to them (`_Yielding`): it begins only once the
+processes it serves (its owner, the notebook, and every engine it forked) have been quiet for
+`_QUIET_S`, and pauses, between modules and inside one, as soon as they use the CPU again. Lowering
+its priority instead would not do: forked engines inherit a zygote's niceness and cannot raise it
+back without privileges.
+A zygote sleeps in `select` between requests: it costs no CPU while idle (until its idle imports are
+made, it reads a few CPU clocks every `_WAIT_S`), about 460 MB (engines, with the idle
 imports; 240 MB without) and 55 MB (controllers) of memory, shared copy-on-write with what it forks
 (`gc.freeze` keeps the collector from touching those pages, and forked processes from spending half a
 second tearing torch down at exit).
@@ -42,11 +48,13 @@ Opt out with ``COLAB_PAR_WARM_POOL=0`` in the environment.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import gc
 import importlib
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -55,7 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from colab_par.compat import CONTROLLER_MAIN_CODE, ENGINE_MAIN_CODE
 
@@ -77,13 +85,18 @@ _TARGETS = {  # what each zygote imports, and what its forked children run
 # What an engine imports at its first `parallelize` or `from_pretrained` (torch's compiler and
 # pipelining, which `colab_par.parallel` needs; transformers' model base and losses; peft): about
 # 2 s, 4 s and 4 s of one core here, paid by every engine of a fresh cluster. The engine zygote
-# imports them once it has forked a first start's engines and been idle a while (so that start
-# never waits on them; each module on its own, so a later request waits for one at most): the
-# engines of every later start (restart, recovery, the next cluster) come with them.
+# imports them once it has forked a first start's engines and they (and the notebook) have been
+# quiet a while (so that start never waits on them, and they yield to the user's cells:
+# `_Yielding`; each module on its own, so a later request waits for one at most): the engines of
+# every later start (restart, recovery, the next cluster) come with them.
 _IDLE_IMPORTS = {"engine": ("colab_par.parallel", "transformers.modeling_utils",
                             "transformers.loss.loss_utils", "peft"),
                  "controller": ()}
-_IDLE_S = 2.0  # quiet this long before an idle import: a start's own burst of requests goes first
+_QUIET_S = 2.0  # the processes a zygote serves quiet this long before its idle imports go on
+_BUSY_SHARE = 0.03  # more CPU than this share of one core over `_WINDOW_S` is busy (2 idle engines:
+_WINDOW_S = 0.1  # ~1 %, at most 1.5 ms in any 0.1 s), so a cell is seen within its first few ms
+_CHECK_S = 0.002  # an idle import under way reads their CPU time (a few system calls) this often
+_WAIT_S = 0.2  # how often it reads it while waiting for quiet
 _READ_AT_START = ("PYTHON", "LANG", "LC_", "LD_", "MALLOC_", "GLIBC_TUNABLES", "OMP_", "GOMP_", "KMP_",
                   "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "TRITON_", "HF_", "TRANSFORMERS_")  # docstring
 _SET_BY_TORCH = {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"}  # read only while compiling, after a fork
@@ -241,6 +254,8 @@ def _serve(path: str, target: str) -> dict[str, Any] | None:
     children: dict[int, socket.socket] = {}  # pid -> its proxy's connection
     idle_imports = list(_IDLE_IMPORTS[target])
     served = False  # idle imports wait for a first start: it is never slowed by them
+    owner = os.getppid()
+    yielding = _Yielding(lambda: (owner, *children), (listener, sys.stdin.fileno()), stopping)
     if not idle_imports:
         _mark_warm(path)
     selector = selectors.DefaultSelector()
@@ -248,11 +263,12 @@ def _serve(path: str, target: str) -> dict[str, Any] | None:
     selector.register(wake_read, selectors.EVENT_READ, "signal")
     selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "owner")
     while not stopping:
-        ready = selector.select(_IDLE_S if idle_imports and served else None)
-        if not ready and idle_imports and served:
+        waiting = bool(idle_imports) and served
+        ready = selector.select(_WAIT_S if waiting else None)
+        if waiting and not ready and yielding.quiet_for() >= _QUIET_S:
             # children that exit meanwhile are reaped at once: a cluster's stop waits on that
             signal.signal(signal.SIGCHLD, lambda *_: _reap(children, selector))
-            _import_quietly(idle_imports.pop(0))
+            _import_quietly(idle_imports.pop(0), yielding)
             signal.signal(signal.SIGCHLD, lambda *_: None)
             if _touched_cuda():  # its forks could not use a GPU: later starts go the ordinary way
                 stopping.append(True)
@@ -289,6 +305,7 @@ def _serve(path: str, target: str) -> dict[str, Any] | None:
                     return request
                 _close_fds(request["fds"])
                 served = True
+                yielding.busy()  # a start's own burst of requests goes first
                 children[pid] = connection
                 selector.register(connection, selectors.EVENT_READ, pid)
                 connection.sendall(_HEADER.pack(pid))
@@ -328,17 +345,101 @@ def _touched_cuda() -> bool:
     return torch is not None and torch.cuda.is_initialized()
 
 
-def _import_quietly(module: str) -> None:
-    """Import `module` for the zygote's future children; one that fails to import is left to the
-    engine that needs it, which then raises the error where its user sees it."""
+def _import_quietly(module: str, yielding: "_Yielding") -> None:
+    """Import `module` for the zygote's future children, pausing whenever the processes it serves
+    are busy; one that fails to import is left to the engine that needs it, which then raises the
+    error where its user sees it."""
     gc.disable()
     try:
-        importlib.import_module(module)
-    except Exception:  # noqa: BLE001 - an optional package missing or broken is not the pool's concern
+        with yielding:
+            importlib.import_module(module)
+    except (Exception, _Abandoned):  # noqa: BLE001 - an optional package missing or broken is not the pool's concern
         pass
     finally:
         gc.freeze()
         gc.enable()
+
+
+class _Abandoned(BaseException):
+    """Raised inside a paused idle import when the zygote is to stop: a BaseException, so that no
+    module's `except Exception` around an optional import swallows it."""
+
+
+class _Yielding:
+    """Whether the processes a zygote serves (its owner and the processes it forked) have been
+    quiet, from their CPU time; and, entered around an idle import, a pause wherever that import
+    is (between modules or inside one: a timer interrupts it every `_CHECK_S`; the process CPU
+    timers would count in scheduler ticks, 4-10 ms) for as long as they are busy. A pause ends
+    when a request waits on the `interrupting` listener (a start waits on this import anyway: it
+    goes on at full speed) and abandons the import when the zygote is stopping or its owner is gone
+    (the `interrupting` stdin at its end). Forked children inherit neither the timer (fork never
+    does) nor the handler (the zygote forks only between imports, with SIGALRM's restored)."""
+
+    def __init__(self, pids: Callable[[], Iterable[int]], interrupting: tuple[socket.socket, int],
+                 stopping: list[bool]) -> None:
+        self._pids, self._interrupting, self._stopping = pids, interrupting, stopping
+        self._cpu: dict[int, float] = {}  # pid -> its CPU time at the last reading
+        self._spent = 0.0  # CPU seconds they spent since the zygote started (those alive at each reading)
+        self._history = collections.deque([(time.monotonic(), 0.0)])  # (when, spent), `_WINDOW_S` back
+        self._busy_at = self._history[0][0]
+        self._hurry = False  # a request waits: this import goes on without pauses
+        self._previous: Any = signal.SIG_DFL
+
+    def busy(self) -> None:
+        self._busy_at = time.monotonic()
+
+    def __enter__(self) -> None:
+        self._hurry = False
+        self._previous = signal.signal(signal.SIGALRM, self._pause)
+        signal.siginterrupt(signal.SIGALRM, False)  # system calls of the imported code restart
+        signal.setitimer(signal.ITIMER_REAL, _CHECK_S, _CHECK_S)
+
+    def __exit__(self, *_: object) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)  # first: no SIGALRM can then meet the default action
+        signal.signal(signal.SIGALRM, self._previous)
+
+    def quiet_for(self) -> float:
+        """Seconds since they last spent more than `_BUSY_SHARE` of a core over `_WINDOW_S`."""
+        now = time.monotonic()
+        if now - self._history[-1][0] >= _CHECK_S:
+            cpu = {pid: spent for pid in self._pids() if (spent := _cpu_seconds(pid)) is not None}
+            self._spent += sum(spent - self._cpu.get(pid, 0.0) for pid, spent in cpu.items())
+            self._cpu = cpu
+            self._history.append((now, self._spent))
+            while len(self._history) > 2 and self._history[1][0] <= now - _WINDOW_S:
+                self._history.popleft()
+            then, spent_then = self._history[0]  # the last reading at least `_WINDOW_S` back
+            if self._spent - spent_then > _BUSY_SHARE * max(now - then, _WINDOW_S):
+                self._busy_at = now
+        return now - self._busy_at
+
+    def _pause(self, *_: object) -> None:
+        """SIGALRM's handler during an idle import: wait here while they are busy."""
+        paused = False
+        while not self._stopping and not self._hurry and self.quiet_for() < _QUIET_S:
+            if not paused:
+                signal.setitimer(signal.ITIMER_REAL, 0)  # no wake-ups while paused
+                paused = True
+            readable, _, _ = select.select(self._interrupting, [], [], _WAIT_S)
+            for ready in readable:
+                if ready is self._interrupting[0]:
+                    self._hurry = True
+                elif not os.read(ready, 4096):
+                    self._stopping.append(True)  # the owner is gone (its end of the pipe closed)
+        if self._stopping:
+            raise _Abandoned
+        if paused:
+            signal.setitimer(signal.ITIMER_REAL, _CHECK_S, _CHECK_S)
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU time of process `pid` (all its threads), to the nanosecond (/proc counts in 10 ms
+    ticks), None once it is gone: Linux's clock id for a process's CPU-time clock, the one
+    `clock_getcpuclockid(3)` returns."""
+    try:
+        return time.clock_gettime((~pid << 3) | 2)  # CPUCLOCK_SCHED of the process `pid`
+    except OSError:
+        return None
 
 
 def _reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) -> None:

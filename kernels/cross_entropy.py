@@ -4,6 +4,7 @@ One program per row makes an online log-sum-exp pass over vocabulary blocks (run
 rescaled sum), then a second pass writes softmax - one_hot (label-smoothed if asked), already
 scaled for the reduction, over the logits. The (tokens x vocab) softmax is never allocated: the
 logits buffer becomes the gradient, which is why the logits must not be reused after the call.
+The count of valid targets and the reduction's scale stay on the device (no host sync).
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from colab_par import compat
 
 from ._dispatch import as_rows, backend, count_launch, new_output, row_block
 
@@ -30,7 +33,7 @@ def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, ignore_i
 
 @triton.jit
 def _cross_entropy_kernel(logits_ptr, logits_row_stride, target_ptr, loss_ptr, n_cols, ignore_index,
-                          label_smoothing, grad_scale, BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                          label_smoothing, grad_scale_ptr, BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr,
                           SMOOTHING: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_row_stride
@@ -55,7 +58,7 @@ def _cross_entropy_kernel(logits_ptr, logits_row_stride, target_ptr, loss_ptr, n
         loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - logit_total / n_cols)
     tl.store(loss_ptr + row, tl.where(valid, loss, 0.0).to(loss_ptr.dtype.element_ty))
     if WRITE_GRAD:
-        scale = tl.where(valid, grad_scale, 0.0)
+        scale = tl.where(valid, tl.load(grad_scale_ptr).to(tl.float32), 0.0)
         for start in range(0, n_cols, BLOCK):
             mask = start + cols < n_cols
             x = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
@@ -65,33 +68,35 @@ def _cross_entropy_kernel(logits_ptr, logits_row_stride, target_ptr, loss_ptr, n
             tl.store(row_ptr + start + cols, (grad * scale).to(logits_ptr.dtype.element_ty), mask=mask)
 
 
-def count_valid_targets(target: torch.Tensor, vocab_size: int, ignore_index: int) -> int:
-    """Number of non-ignored targets; raises before any kernel runs if a target is out of range."""
+def count_valid_targets(target: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+    """Number of non-ignored targets as a 0-d tensor on target's device, read by no host.
+
+    A target outside [0, vocab) fails an assertion queued before any kernel: on CPU an error at once,
+    on CUDA a device-side assertion (as torch's own cross-entropy kernels do), never a host sync.
+    """
     valid = target != ignore_index
-    out_of_range = valid & ((target < 0) | (target >= vocab_size))
-    n_valid, n_bad = torch.stack([valid.sum(), out_of_range.sum()]).tolist()
-    if n_bad:
-        bad = target[out_of_range][:5].tolist()
-        raise ValueError(f"cross_entropy: {n_bad} target(s) outside [0, {vocab_size}) such as {bad}; "
-                         f"targets must be class indices or ignore_index={ignore_index}")
-    return n_valid
+    in_range = ((target >= 0) & (target < vocab_size)) | ~valid
+    compat.assert_async(in_range.all(), f"cross_entropy: a target lies outside [0, {vocab_size}); targets must "
+                                        f"be class indices or ignore_index={ignore_index}")
+    return valid.sum()
 
 
 def loss_rows_and_grad_(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
-                        grad_scale: float, write_grad: bool, path: str) -> torch.Tensor:
+                        grad_scale: torch.Tensor, write_grad: bool, path: str) -> torch.Tensor:
     """Per-row losses of a (rows, vocab) block with unit column stride; if ``write_grad``, overwrite
-    the block with grad_scale * d loss_row / d logits (zero on ignored rows)."""
+    the block with grad_scale * d loss_row / d logits (zero on ignored rows). ``grad_scale`` is a
+    0-d float32 tensor on the logits' device, so a scale computed there is never read by the host."""
     loss_dtype = torch.promote_types(logits.dtype, torch.float32)
     if path == "torch":
         logits32 = logits.to(loss_dtype)
         losses = F.cross_entropy(logits32, target, ignore_index=ignore_index, reduction="none",
                                  label_smoothing=label_smoothing)
         if write_grad:
-            valid = (target != ignore_index).unsqueeze(1)
-            grad = torch.softmax(logits32, dim=1) - label_smoothing / logits.shape[1]
+            row_scale = torch.where((target != ignore_index).unsqueeze(1), grad_scale, 0.0)
+            grad = torch.softmax(logits32, dim=1).sub_(label_smoothing / logits.shape[1])
             grad.scatter_add_(1, target.clamp(min=0).unsqueeze(1),
                               torch.full_like(grad[:, :1], label_smoothing - 1.0))
-            logits.copy_(torch.where(valid, grad * grad_scale, 0.0))
+            logits.copy_(grad.mul_(row_scale))
         return losses
     n_rows, n_cols = logits.shape
     block, num_warps, _ = row_block(n_cols, MAX_BLOCK)
@@ -113,7 +118,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
         # a leaf's gradient must not alias its data, so only intermediates give up their buffer
         if write_grad and rows.data_ptr() == logits.data_ptr() and logits.is_leaf:
             rows = rows.clone()
-        grad_scale = 1.0 / max(n_valid, 1) if reduction == "mean" else 1.0
+        one = torch.ones((), dtype=torch.float32, device=rows.device)
+        grad_scale = one / n_valid.clamp(min=1) if reduction == "mean" else one
         losses = loss_rows_and_grad_(rows, target, ignore_index, label_smoothing, grad_scale, write_grad, path)
         ctx.grad, ctx.reduction, ctx.logits_shape = (rows if write_grad else None), reduction, logits.shape
         if reduction == "none":

@@ -881,3 +881,9 @@ def test_flight_record_is_torchs_record_of_this_process_collectives():
     out = subprocess.run([sys.executable, "-c", FLIGHT], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[0] == "['entries', 'pg_config'] True"
+
+
+def test_assert_async_passes_a_true_condition_and_raises_its_message_on_cpu():
+    compat.assert_async(torch.tensor(True), "never shown")
+    with pytest.raises(RuntimeError, match="targets must be class indices"):
+        compat.assert_async(torch.tensor(False), "targets must be class indices")

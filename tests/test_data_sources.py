@@ -189,13 +189,13 @@ def resume_run(kind: str, layout: str, *, ckpt: str | None = None, stop_at: int 
 
     def watch(pm) -> None:
         """Note the rows of every batch pm trains on (its own method, observed, not changed)."""
-        part, train = {"seen": [], "dp_rank": pm.dp_rank}, pm.forward_backward
+        part, train = {"seen": [], "dp_rank": pm.dp_rank}, pm.forward_backward_tensor
         parts.append(part)
 
         def forward_backward(batch, *args, **kwargs):
             part["seen"].extend(ids[tuple(t)] for t in batch[-1].tolist())
             return train(batch, *args, **kwargs)
-        pm.forward_backward = forward_backward
+        pm.forward_backward_tensor = forward_backward  # what the Trainer calls
 
     torch.manual_seed(5)
     pm = parallelize(GPT(GPTConfig(**GPT_SIZES)), layout,

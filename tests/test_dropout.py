@@ -70,7 +70,7 @@ def train(layout: str, kind: str, steps: int, data: str = "tokens", **overrides)
     trainer = Trainer(pm, source, steps=steps, seed=TRAIN_SEED, telemetry=False)
     trainer.fit()
     return {"losses": [row["loss"] for row in trainer.history], "replicated": replicated_over_tp(pm),
-            "rng": torch.get_rng_state()}
+            "rng": pm.rng.state()["cpu"]}
 
 
 def one_process(kind: str, steps: int, stream: int, **overrides) -> list[float]:
@@ -123,6 +123,32 @@ def test_dp_ranks_draw_other_masks_and_tp_ranks_the_same(cluster4) -> None:
     assert not torch.equal(results[0]["rng"], results[2]["rng"])  # dp replicas: other streams
 
 
+def hand_loop(layout: str, steps: int) -> dict:
+    """On an engine: a hand-written loop over `pm.train_step` whose cell reseeds torch's generator
+    per rank before every step (as a careless cell might); the model's stream must not care."""
+    import torch.distributed as dist
+
+    from colab_par import parallelize
+
+    pm = parallelize(build("gpt2"), layout, optimizer_fn=adamw)
+    data = SyntheticDataset(**DATA)
+    for step in range(steps):
+        torch.manual_seed(100 + dist.get_rank())
+        before = torch.get_rng_state()
+        pm.train_step(*data.batch(step))
+        assert torch.equal(torch.get_rng_state(), before), "training drew from the cell's generator"
+    return {"replicated": replicated_over_tp(pm), "rng": pm.rng.state()["cpu"]}
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_a_hand_written_loop_gets_the_streams_of_its_layout(cluster2, layout: str) -> None:
+    results = cluster2.run(hand_loop, layout, 6)
+    if layout == "tp2":
+        assert_same_over_tp(results, tp=2)
+    else:
+        assert not torch.equal(results[0]["rng"], results[1]["rng"])  # dp replicas: other masks
+
+
 @pytest.mark.parametrize("kind,overrides", [("gpt", {}), ("gpt2", {"attn_pdrop": 0.0})])
 def test_one_process_with_the_same_masks_matches_tp2(cluster2, kind: str, overrides: dict) -> None:
     """Every dropout here acts on an activation tp2 holds whole, so one process seeded with tp2's
@@ -148,7 +174,7 @@ def resumed(saved_as: str, resumed_as: str, kind: str, folder: str, steps: int) 
     trainer.resume()
     trainer.fit()
     return {"losses": [row["loss"] for row in trainer.history], "replicated": replicated_over_tp(pm),
-            "rng": torch.get_rng_state()}
+            "rng": pm.rng.state()["cpu"]}
 
 
 def test_resume_replays_the_saved_streams_bit_for_bit(cluster2, tmp_path) -> None:

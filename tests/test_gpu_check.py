@@ -58,12 +58,18 @@ def test_the_tiers_check_runs_its_engine_code_and_reports_each_layout(cluster2) 
         assert abs(tiered - plain) <= 1e-5 * abs(plain)
     assert runs["dp2"]["losses"][-1] < runs["dp2"]["losses"][0]
     gpu_check.TIERS_GPT = tiny
-    table = gpu_check.tiers_section("NVIDIA H100 80GB HBM3", runs=runs)
+    table, failures = gpu_check.tiers_section("NVIDIA H100 80GB HBM3", runs=runs)
+    assert failures == []  # the disk arm moved what `expected_moved` computes
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     assert [row.split("`")[1] for row in rows] == list(layouts)
     cells = [[cell.strip() for cell in row.strip(" |").split("|")] for row in rows]
     assert all(float(row[-1]) > 0 for row in cells), rows  # the planner's peak for a catalogued card
     assert cells[0][-2] == "-" and float(cells[1][-2]) > 0, rows  # host <-> device bytes with tiers only
+    assert cells[0][6] == "-" and cells[1][6] == cells[1][5] != "0.0", rows  # moved as expected
+    runs["dp2 optimizer@disk"]["moved"] -= 4
+    assert gpu_check.tiers_section("NVIDIA H100 80GB HBM3", runs=runs)[1] == [
+        f"dp2 optimizer@disk: the last step moved {runs['dp2 optimizer@disk']['moved']} bytes, expected "
+        f"{runs['dp2 optimizer@disk']['moved'] + 4}"]
 
 
 def test_the_tier_checks_run_on_engines_and_pass(cluster2, tmp_path: Path) -> None:
@@ -101,6 +107,8 @@ def test_the_tier_checks_name_each_failure() -> None:
     runs["optimizer@host"].update(moments_on_gpu=2, allocated=18 * n, host_step=False, moved=0)
     runs["optimizer@disk"].update(round_trip_state=False, losses=[2.0, 1.6])
     runs["budget"].update(peak=2 ** 20 + 1)  # over its budget of 1 MiB
+    runs["optimizer@host foreach"].update(host_step=False, moved=0)  # staged as asked, its bytes uncounted
     failures = gpu_check.tier_check_failures(runs, arms, cuda=True)
     assert [f.split(":")[0] for f in failures] == ["dp2 zero3 optimizer@host"] * 4 + [
-        "dp2 zero3 optimizer@disk"] * 2 + ["dp2 zero3 mem1MiB"], failures
+        "dp2 zero3 optimizer@disk"] * 2 + ["dp2 zero3 mem1MiB", "dp2 zero3 optimizer@host"], failures
+    assert "moved 0 bytes, expected 16000" in failures[-1]

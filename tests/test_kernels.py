@@ -187,8 +187,14 @@ def check_cross_entropy(rows: int, vocab: int, targets: list[int], reduction: st
 
 
 def check_cross_entropy_rejects_bad_target() -> None:
-    with pytest.raises(ValueError, match="outside"):
-        cross_entropy(torch.randn(2, 5, requires_grad=True), torch.tensor([1, 5]))
+    """The range check is an assertion queued without a host sync: on CPU it raises before any kernel."""
+    before = _dispatch.triton_launches()
+    for bad in ([1, 5], [-1, 0]):
+        with pytest.raises(RuntimeError, match=r"outside \[0, 5\).*ignore_index=-100"):
+            cross_entropy(torch.randn(2, 5, requires_grad=True) * 1, torch.tensor(bad))
+        with pytest.raises(RuntimeError, match=r"outside \[0, 5\)"):
+            fused_linear_cross_entropy(torch.randn(2, 3), torch.randn(5, 3), torch.tensor(bad))
+    assert _dispatch.triton_launches() == before
 
 
 def check_fused_linear_cross_entropy(tokens: int, hidden: int, vocab: int, ignore_every: int,

@@ -167,6 +167,51 @@ def _fused_loss_run(layout: str) -> dict:
     return {"losses": losses, "lm_head_calls": len(calls), "launches": launched}
 
 
+def halved_logits_llama() -> torch.nn.Module:
+    """A Llama whose own forward halves its logits (a temperature baked into a subclass): the
+    fused loss, which scores lm_head(hidden), would not be its loss."""
+    import transformers
+
+    class HalvedLogits(transformers.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits / 2
+            return out
+
+    base = build_model("llama", SEED)
+    model = HalvedLogits(base.config)
+    model.load_state_dict(base.state_dict())
+    return model
+
+
+def _own_forward_run() -> dict:
+    from colab_par import parallelize
+
+    pm = parallelize(halved_logits_llama(), "dp2", optimizer_fn=lambda p: torch.optim.AdamW(p, lr=LR),
+                     kernels="triton")
+    return {"fused": pm._fused_loss, "losses": [pm.train_step(x, y) for x, y in batches(*_vocab_seq("llama"), 2)]}
+
+
+def test_a_model_with_its_own_forward_keeps_its_own_loss(cluster2) -> None:
+    """kernels="triton" fuses the loss only where it is the model's own (`fused_loss_mismatch`)."""
+    from colab_par.models.hf_kernels import fuse_loss_into_forward
+
+    model = halved_logits_llama()
+    with pytest.raises(ValueError, match="HalvedLogits runs its own forward, not LlamaForCausalLM's"):
+        fuse_loss_into_forward(model)
+    expected = []
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for x, y in batches(*_vocab_seq("llama"), 2):
+        loss = torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    for result in cluster2.run(_own_forward_run):
+        assert result["fused"] is False
+        assert result["losses"] == pytest.approx(expected, rel=1e-5)
+
+
 @pytest.mark.parametrize("layout", ["dp2", "dp2 zero3"])
 def test_kernels_reach_llama_and_its_loss_never_builds_logits(cluster2, layout: str) -> None:
     """With kernels="triton" the decoder's norms, SwiGLU and RoPE are the kit's, and the loss is

@@ -37,10 +37,10 @@ def schedule(step):  # called at the start of every step
 
 save_rng = getattr(checkpoint, "undying_rng_state", checkpoint._rng_state)  # the cell may run twice
 checkpoint.undying_rng_state = save_rng
-def rng_state_of_a_dying_save():  # called by every rank in the middle of a save
+def rng_state_of_a_dying_save(stream):  # called by every rank in the middle of a save
     if trainer.step == 4:
         die_once("save")
-    return save_rng()
+    return save_rng(stream)
 checkpoint._rng_state = rng_state_of_a_dying_save
 
 pm = colab_par.parallelize(GPT(config), "dp2")

@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import any_models
 import cloudpickle
 import pytest
 import torch
@@ -208,3 +209,65 @@ def test_plain_python_prints_one_line_per_log_step(tmp_path):
     lines = done.stdout.splitlines()
     assert [line.split(" · ")[0] for line in lines] == ["step 2/4", "step 4/4"], done.stdout
     assert all("loss" in line and "tok/s" in line for line in lines)
+
+
+# ---- reading the device: once per logged step ----------------------------------------------------
+READS = frozenset({"item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__"})
+
+
+class DeviceReads(torch.overrides.TorchFunctionMode):
+    """Counts the values the kit's own code takes from tensors (each a wait for the device on a
+    GPU rank), by the function that asked: torch's internals (AdamW reading its host step
+    counts) and the data modules (rows that are host tensors before they are sent) are left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import colab_par
+        self.package = os.path.dirname(colab_par.__file__)
+        self.host_side = {os.path.join(self.package, name) for name in ("data.py", "data_sources.py")}
+        self.counts: dict[str, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in READS:
+            frame = sys._getframe(1)
+            while frame.f_code.co_filename.endswith(("torch/overrides.py", "torch/_tensor.py")):
+                frame = frame.f_back  # Tensor methods written in Python hand over to torch_function
+            path = frame.f_code.co_filename
+            if path.startswith(self.package) and path not in self.host_side:
+                where = f"{os.path.relpath(path, self.package)}:{frame.f_code.co_name}"
+                self.counts[where] = self.counts.get(where, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def reads_per_step(layout: str, data: str, grad_accum: int, steps: int = 5, log_every: int = 2) -> list:
+    """Engine side: (whether the step logged a row, the kit's device reads in it) for every step
+    after the first (which builds schedules and places state), telemetry on."""
+    from colab_par import parallelize
+
+    if data == "tokens":
+        torch.manual_seed(MODEL_SEED)
+        pm = parallelize(GPT(GPTConfig(**CONFIG)), layout, optimizer_fn=adamw)
+        source = SyntheticDataset(**DATA)
+    else:  # labelled dict batches: the loss averages over the labels counted on every dp rank
+        pm = parallelize(any_models.build(data, 0), layout, optimizer_fn=adamw)
+        source = any_models.make_batches(data, steps * grad_accum)
+    trainer = Trainer(pm, source, steps=steps, grad_accum=grad_accum, log_every=log_every)
+    trainer.train_step()
+    out = []
+    for _ in range(steps - 1):
+        with DeviceReads() as reads:
+            row = trainer.train_step()
+        out.append((row is not None, reads.counts))
+    return out
+
+
+@pytest.mark.parametrize("layout,data", [("dp2 zero3", "tokens"), ("pp2 gpipe mb2", "tokens"),
+                                         ("dp2", "llama-lm")])
+def test_a_step_reads_the_device_once_whatever_its_micro_steps(cluster2, layout, data):
+    """Three micro-steps, telemetry on: a logged step takes its losses and gradient norm from the
+    device in one read (`train.read_step`), a step without a row reads nothing; no micro-step,
+    phase timer, pipeline bubble or label count waits for the device."""
+    for rank in cluster2.run(reads_per_step, layout, data, 3):
+        assert [logged for logged, _ in rank] == [True, False, True, True]  # steps 2..5, log_every=2, last
+        for logged, counts in rank:
+            assert counts == ({"train.py:read_step": 1} if logged else {}), rank

@@ -41,7 +41,7 @@ from colab_par.memory_tiers.chunks import Chunk, Slot, build_chunks, local
 from colab_par.memory_tiers.host_adam import AdamWHyper, host_adamw_step
 from colab_par.compat import dtensor_over, storage_holder
 from colab_par.memory_tiers.param_pages import PagedParameters
-from colab_par.memory_tiers.measure import counted_bytes, peak_bytes, reset_peak, resident_bytes
+from colab_par.memory_tiers.measure import PeakWindow, counted_bytes, resident_bytes
 from colab_par.memory_tiers.ownership import Ownership
 from colab_par.memory_tiers.placement import FAST, Measured, TierBudgetError, budget_text, place
 from colab_par.memory_tiers.stores import DiskStore, MemoryStore, RunFolder, check_disk_room
@@ -121,7 +121,7 @@ class TieredAdamW(torch.optim.Optimizer):
         if self._params_on_disk:  # the parameters leave memory now, before the first step needs them all
             self._ensure_chunks()  # so in the parameters' order, not the first forward's
             self._place(measured=False)
-        reset_peak(device)
+        self._peak = PeakWindow(device)  # its own span of the process's peak (measure.py)
 
     # ---- construction ---------------------------------------------------------------------------
     def _params(self) -> list[nn.Parameter]:
@@ -312,7 +312,7 @@ class TieredAdamW(torch.optim.Optimizer):
         resident = counted_bytes(self.device, [local(p.grad) for p in self._params() if p.grad is not None]
                                  + [store.tensor for stores in self._stores for store in stores.values()
                                     if not store.tier_on_disk])
-        return max(0, peak_bytes(self.device) - self._at_apply - resident)
+        return max(0, self._peak.bytes() - self._at_apply - resident)
 
     def _return_gradients(self, chunk: Chunk, store: Any) -> None:
         self._transfers.wait_host()  # gradients still coming down
@@ -458,7 +458,7 @@ class TieredAdamW(torch.optim.Optimizer):
             self._moving += self._pages.take_read()  # read in forward and backward
         self.last_moved, self._moving = self._moving, 0
         if forward_seen and self._training_steps < self._measure_at:
-            reset_peak(self.device)  # the next step's peak is the one measured
+            self._peak.mark()  # the next step's peak is the one measured
         return loss
 
     def _stream(self, index: int, prefetch: bool) -> None:
@@ -537,6 +537,11 @@ class TieredAdamW(torch.optim.Optimizer):
                 home.copy_(on_device)
         for working, master in back:
             working.copy_(master.to(working.device))
+        # what crossed between the GPU and host memory: staged state down and back up, gradients
+        # held on the host down, a host master up
+        self._moving += sum(2 * _nbytes(home) for on_device, home in staged or [] if on_device is not home) + \
+            sum(_nbytes(g) for g in grads if g.device != chunk.device) + \
+            sum(_nbytes(master) for working, master in back if master.device != working.device)
 
     def _host_step(self, group: dict[str, Any], stores: dict[str, Any]) -> bool:
         """Whether this chunk steps with the fast host kernel, where the user named no AdamW
@@ -643,6 +648,10 @@ def _like(param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
         return grad
     return DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
                               shape=param.shape, stride=param.stride())
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _on(tensor: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ from colab_par.kernels import apply_rope, fused_linear_cross_entropy, rms_norm, 
 from colab_par.kernels._dispatch import is_dtensor
 
 __all__ = ["KERNEL_MODES", "apply_kernels", "hf_causal_lm_loss", "supports_kernels", "require_kernels",
-           "fuse_loss_into_forward"]
+           "fused_loss_mismatch", "fuse_loss_into_forward"]
 
 KERNEL_MODES = ("torch", "triton", "auto")
 
@@ -230,6 +230,9 @@ def hf_causal_lm_loss(model: nn.Module, tokens: torch.Tensor, positions: torch.T
     if not supports_kernels(model):
         raise ValueError(f"hf_causal_lm_loss: {name} is not one of the Hugging Face families {sorted(_FAMILIES)} "
                          "whose logits are plain lm_head(hidden); use causal_lm_logits and a loss_fn")
+    mismatch = fused_loss_mismatch(model)
+    if mismatch is not None:
+        raise ValueError(f"hf_causal_lm_loss: {mismatch}; use causal_lm_logits and the model's own loss")
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear) or head.bias is not None:
         raise ValueError(f"hf_causal_lm_loss: {name}'s output head must be an nn.Linear without bias, got {head!r}; "
@@ -250,6 +253,27 @@ def hf_causal_lm_loss(model: nn.Module, tokens: torch.Tensor, positions: torch.T
     return fused_linear_cross_entropy(hidden, weight, targets, ignore_index)
 
 
+def fused_loss_mismatch(model: nn.Module) -> str | None:
+    """Why the fused linear cross-entropy would not be this model's own loss, or None when it is:
+    the model must run its family's causal-LM forward (transformers' mapping for its config, not a
+    subclass's own), score with transformers' ForCausalLMLoss and scale or cap no logits."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    name = type(model).__name__
+    try:
+        family = MODEL_FOR_CAUSAL_LM_MAPPING[type(model.config)]
+    except KeyError:
+        return f"{name}'s config {type(model.config).__name__} has no causal-LM class in transformers"
+    if type(model).forward is not family.forward:
+        return f"{name} runs its own forward, not {family.__name__}'s"
+    if model.loss_function is not ForCausalLMLoss:
+        return f"{name} scores with {getattr(model.loss_function, '__name__', model.loss_function)}, not ForCausalLMLoss"
+    changed = [key for key in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+               if getattr(model.config, key, None) not in (None, 1, 1.0)]
+    return f"{name}'s config sets {', '.join(changed)}" if changed else None
+
+
 def fuse_loss_into_forward(model: nn.Module) -> None:
     """Let ``model(input_ids=..., position_ids=..., colab_par_targets=targets)`` return the fused
     `hf_causal_lm_loss` (other calls run the model's own forward).
@@ -260,6 +284,10 @@ def fuse_loss_into_forward(model: nn.Module) -> None:
     if not supports_kernels(model):
         raise ValueError(f"{type(model).__name__} is not one of the Hugging Face families "
                          f"{sorted(_FAMILIES)}; train it with kernels='torch'")
+    mismatch = fused_loss_mismatch(model)
+    if mismatch is not None:
+        raise ValueError(f"the fused loss would not be this model's own: {mismatch}; score its logits instead "
+                         "(parallelize does so for such a model)")
     model.forward = types.MethodType(_forward_with_fused_loss, model)
 
 

@@ -28,7 +28,7 @@ from colab_par.memory_tiers.measure import resident_bytes
 from colab_par.models.hf import causal_lm_logits, is_hf_model
 from colab_par.parallel.adapters import (Adapters, adapt_to_grid, adapter_tp_plan, attach_adapters, base_layer_of,
                                         wraps_output_layer)
-from colab_par.parallel.batch import (LabelMean, batch_to, call_model, check_batch, counted_labels,
+from colab_par.parallel.batch import (LabelMean, batch_to, call_model, check_batch, label_count,
                                       default_loss, labels_of, slice_batch)
 from colab_par.parallel.blocks import find_blocks
 from colab_par.parallel.checkpointing import apply_activation_checkpointing
@@ -43,6 +43,7 @@ from colab_par.parallel.init_record import InitRecord, record_build, record_rese
 from colab_par.parallel.materialize import WeightSource, broadcast_rng_state, is_meta_model, materialize
 from colab_par.parallel.mesh import broadcast_from_rank0, build_grid_mesh, build_mesh, default_device
 from colab_par.parallel.pipeline import PipelineRunner, split_model
+from colab_par.parallel.rng import ModelStream, shared_seed
 from colab_par.parallel.tensor_grid import apply_tensor_grid
 from colab_par.parallel.tensor_parallel import apply_tensor_parallel, tp_plan_for
 from colab_par.parallel.tiering import apply_memory_tiers, cast_working_parameters
@@ -76,6 +77,7 @@ class ParallelModel:
         self._takes_positions = takes_positions
         self._grad_averager, self._runner = grad_averager, runner
         self.adapters: Adapters | None = None  # a PEFT model's adapters (parallel/adapters/)
+        self.rng = ModelStream(mesh, device, shared_seed(device))  # its training passes' stream (rng.py)
         self.balance_loss: Any = None  # a Hugging Face MoE's global balance loss (hf_experts.py)
         self.dp_rank, self.dp_size = mesh["dp"].get_local_rank(), layout.dp
         self.cp_rank, self.cp_size = mesh["cp"].get_local_rank(), layout.cp
@@ -98,24 +100,32 @@ class ParallelModel:
         other batch comes as one object (see `batch.py`) and is scored by `loss_fn(outputs, batch)`.
         `local`: the batch is already this rank's dp share.
         """
+        return self.forward_backward_tensor(batch, targets, loss_scale=loss_scale, sync_grads=sync_grads,
+                                            local=local).item()
+
+    def forward_backward_tensor(self, batch: Any, targets: torch.Tensor | None = None, *,
+                                loss_scale: float = 1.0, sync_grads: bool = True,
+                                local: bool = False) -> torch.Tensor:
+        """`forward_backward` without reading the loss: a float64 scalar on the device, so a loop
+        of micro-steps never waits for the device (the Trainer reads its losses once per step)."""
         self._set_gradient_sync(sync_grads)
-        if targets is None:
-            loss_sum = self._forward_backward_batch(batch, loss_scale, local)
-        else:
-            loss_sum = self._forward_backward_tokens(batch, targets, loss_scale, local)
+        with self.rng.active():  # dropout draws from this rank's stream (rng.py)
+            if targets is None:
+                loss_sum = self._forward_backward_batch(batch, loss_scale, local)
+            else:
+                loss_sum = self._forward_backward_tokens(batch, targets, loss_scale, local)
         if sync_grads and self._runner is not None:
             self._runner.sync_tied_gradients()
         if sync_grads and self._grad_averager is not None:
             self._grad_averager()
-        return loss_sum.item() / dist.get_world_size()
+        return loss_sum / dist.get_world_size()
 
     def _forward_backward_tokens(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float,
                                  local: bool) -> torch.Tensor:
         inputs, targets = self._dp_slice(inputs, local), self._dp_slice(targets, local)
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         if self._runner is not None:
-            loss_sum = torch.tensor(self._runner.step(inputs, targets, loss_scale=loss_scale),
-                                    dtype=torch.float64, device=self.device)
+            loss_sum = self._runner.step(inputs, targets, loss_scale=loss_scale, on_device=True).reshape(())
             dist.all_reduce(loss_sum)
             return loss_sum
         loss_sum, pending = self._forward_backward_local(inputs, targets, loss_scale)
@@ -132,8 +142,7 @@ class ParallelModel:
         batch = batch_to(batch, self.device)
         inputs = self._count_labels(batch)
         if self._runner is not None:
-            loss_sum = torch.tensor(self._runner.step_batch(batch, loss_scale=loss_scale),
-                                    dtype=torch.float64, device=self.device)
+            loss_sum = self._runner.step_batch(batch, loss_scale=loss_scale, on_device=True).reshape(())
             dist.all_reduce(loss_sum)
             return loss_sum
         with self._autocast():
@@ -195,12 +204,11 @@ class ParallelModel:
         labels = labels_of(batch)
         if not isinstance(self.batch_loss_fn, LabelMean) or labels is None:
             return batch
-        counted = torch.tensor(float(counted_labels(labels, self.batch_loss_fn.shifts)),
-                               dtype=torch.float64, device=self.device)
+        counted = label_count(labels, self.batch_loss_fn.shifts).to(self.device, torch.float64)
         if self.dp_size > 1:
             dist.all_reduce(counted, group=self.mesh["dp"].get_group())
         pieces = self.dp_size * (self.layout.microbatches if self._runner is not None else 1)
-        self.batch_loss_fn.items = max(counted.item(), 1.0) / pieces
+        self.batch_loss_fn.items = (counted.clamp(min=1.0) / pieces).float()  # stays on the device, unread
         return {k: v for k, v in batch.items() if k != "labels"}
 
     def _logits(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -225,6 +233,11 @@ class ParallelModel:
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale gradients so their total 2-norm over ALL shards (dp/tp/pp) is at most `max_norm`.
         Gradients memory tiers hold are counted a chunk at a time and scaled when the step reads them."""
+        return self.clip_grad_norm_tensor(max_norm).item()
+
+    def clip_grad_norm_tensor(self, max_norm: float) -> torch.Tensor:
+        """`clip_grad_norm_` with the norm as a float64 scalar on the device; `max_norm=inf` (a norm
+        measured, nothing clipped) reads nothing from the device."""
         tiers = self.optimizer if hasattr(self.optimizer, "held_gradient_squares") else None
         held = tiers.held_gradient_squares() if tiers is not None else {}
         copies = self._runner.duplicate_copies() if self._runner is not None else set()  # tied across stages
@@ -234,7 +247,9 @@ class ParallelModel:
             isinstance(part, DistributedDataParallel) for part in self.model_parts) else None
         total = total_gradient_norm([(p, grad) for p, grad in grads if id(p) not in copies], held, self.device,
                                     self.mesh["pp"].get_group() if self.layout.pp > 1 else None, replicas)
-        scale = max_norm / (total + 1e-6)
+        if max_norm == float("inf"):
+            return total
+        scale = max_norm / (total.item() + 1e-6)
         if scale < 1.0:
             for _, grad in grads:
                 if grad is not None:
@@ -247,6 +262,11 @@ class ParallelModel:
     def last_bubble(self) -> float:
         """Share of the last step this rank sat idle in the pipeline (0 without pipeline parallel)."""
         return self._runner.last_bubble if self._runner is not None else 0.0
+
+    def bubble_reading(self) -> Callable[[], float]:
+        """`last_bubble` of the step just run, computed when called (on CUDA it waits for that
+        step's events, so a loop reads it once per optimizer step, not after every micro-step)."""
+        return self._runner.bubble_reading() if self._runner is not None else (lambda: 0.0)
 
     @property
     def stage_ids(self) -> list[int]:
@@ -499,14 +519,14 @@ def _apply_hf_kernels(model: nn.Module, kernels: str, layout: Layout, device: to
                       fuse: bool) -> bool:
     """Patch a Hugging Face decoder's modules with the kit's kernels; True when its loss is then
     the fused linear cross-entropy (the default loss, the vocabulary whole on this rank, no
-    pipeline stages)."""
-    from colab_par.models.hf_kernels import apply_kernels, fuse_loss_into_forward, supports_kernels
+    pipeline stages, and a model whose own loss it is: `fused_loss_mismatch`)."""
+    from colab_par.models.hf_kernels import apply_kernels, fuse_loss_into_forward, fused_loss_mismatch, supports_kernels
 
     on = kernels == "triton" or (kernels == "auto" and device.type == "cuda")
     if not on or not supports_kernels(model):
         return False
     apply_kernels(model, kernels)
-    if not fuse or layout.tp > 1 or layout.pp > 1:
+    if not fuse or layout.tp > 1 or layout.pp > 1 or fused_loss_mismatch(model) is not None:
         return False
     fuse_loss_into_forward(model)
     return True

@@ -27,7 +27,7 @@ from colab_par.compat import tree_flatten, tree_map
 from colab_par.models.hf import hf_token_loss, is_hf_model, shifts_labels
 
 __all__ = ["Batch", "BatchLossFn", "check_batch", "batch_size", "slice_batch", "batch_to", "call_model",
-           "default_batch_loss", "default_loss", "labels_of", "counted_labels", "LabelMean"]
+           "default_batch_loss", "default_loss", "labels_of", "counted_labels", "label_count", "LabelMean"]
 
 Batch = Any  # tuple/list (*inputs, target) or dict of tensors
 BatchLossFn = Callable[[Any, Batch], torch.Tensor]
@@ -100,7 +100,12 @@ def labels_of(batch: Batch) -> torch.Tensor | None:
 
 def counted_labels(labels: torch.Tensor, shifted: bool) -> int:
     """Labels a loss averages over: not -100 (ignored), after a causal LM's shift by one."""
-    return int(((labels[..., 1:] if shifted else labels) != -100).sum())
+    return int(label_count(labels, shifted))
+
+
+def label_count(labels: torch.Tensor, shifted: bool) -> torch.Tensor:
+    """`counted_labels` as a tensor where the labels are (not read: no wait for the device)."""
+    return ((labels[..., 1:] if shifted else labels) != -100).sum()
 
 
 def default_loss(model: nn.Module) -> BatchLossFn:
@@ -125,7 +130,7 @@ class LabelMean:
     def __init__(self, model: nn.Module):
         self.loss = hf_token_loss(model) or _summed_cross_entropy
         self.shifts = shifts_labels(model)
-        self.items: float | None = None
+        self.items: float | torch.Tensor | None = None  # a tensor on the device while training
 
     def __call__(self, outputs: Any, batch: Batch) -> torch.Tensor:
         labels = labels_of(batch)

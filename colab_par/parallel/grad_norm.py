@@ -24,8 +24,9 @@ __all__ = ["total_gradient_norm"]
 
 
 def total_gradient_norm(grads: list[tuple[nn.Parameter, "torch.Tensor | None"]], held: Mapping[int, float],
-                        device: torch.device, pp_group: Any = None, replicas: Any = None) -> float:
-    """The 2-norm of all gradients. `grads`: (parameter, its gradient, or None where `held` has
+                        device: torch.device, pp_group: Any = None, replicas: Any = None) -> torch.Tensor:
+    """The 2-norm of all gradients, a float64 scalar on `device` (not read: the caller reads it
+    where it needs the value). `grads`: (parameter, its gradient, or None where `held` has
     the sum of squares of this rank's piece of it); `pp_group`: where pipeline stages add theirs;
     `replicas`: a group whose ranks all hold the same plain gradients."""
     pieces: dict[Any, list[torch.Tensor]] = {}  # each kind's local gradients
@@ -63,7 +64,7 @@ def total_gradient_norm(grads: list[tuple[nn.Parameter, "torch.Tensor | None"]],
         total += torch.linalg.vector_norm(stand_in).full_tensor() ** 2
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
-    return total.sqrt().item()
+    return total.sqrt()
 
 
 def _kind(tensor: torch.Tensor) -> Any:

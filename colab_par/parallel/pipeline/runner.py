@@ -38,18 +38,18 @@ _MULTI_STAGE = ("interleaved", "zbv")
 class _BusyClock:
     """Adds up compute time inside stage chunks and the wall time of a step.
 
-    CUDA work is asynchronous, so on GPUs spans are CUDA events on the compute stream read once
-    after the step; on CPU they are perf_counter intervals.
+    CUDA work is asynchronous, so on GPUs spans are CUDA events on the compute stream, read only
+    when the step's idle share is asked for (telemetry asks once its step is read: no stall);
+    on CPU they are perf_counter intervals.
     """
 
     def __init__(self, device: torch.device):
-        self.device = device
         self.cuda = device.type == "cuda"
         self.reset()
 
     def reset(self) -> None:
-        self._seconds = {"busy": 0.0, "wall": 0.0}
-        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        """A new step: spans go into a fresh reading; earlier readings keep theirs."""
+        self.reading = _Reading()
 
     @contextmanager
     def span(self, kind: str) -> Iterator[None]:
@@ -58,20 +58,27 @@ class _BusyClock:
             start.record()
             yield
             end.record()
-            self._events.append((kind, start, end))
+            self.reading.events.append((kind, start, end))
         else:
             started = time.perf_counter()
             yield
-            self._seconds[kind] += time.perf_counter() - started
+            self.reading.seconds[kind] += time.perf_counter() - started
+
+
+class _Reading:
+    """One step's busy and wall seconds; CUDA events are resolved (waited for) when first read."""
+
+    def __init__(self) -> None:
+        self.seconds = {"busy": 0.0, "wall": 0.0}
+        self.events: list[tuple[str, Any, Any]] = []
 
     def idle_share(self) -> float:
-        if self._events:
-            torch.cuda.synchronize(self.device)
-            for kind, start, end in self._events:
-                self._seconds[kind] += start.elapsed_time(end) / 1000.0
-            self._events.clear()
-        wall = self._seconds["wall"]
-        return max(0.0, 1.0 - self._seconds["busy"] / wall) if wall > 0 else 0.0
+        for kind, start, end in self.events:
+            end.synchronize()
+            self.seconds[kind] += start.elapsed_time(end) / 1000.0
+        self.events.clear()
+        wall = self.seconds["wall"]
+        return max(0.0, 1.0 - self.seconds["busy"] / wall) if wall > 0 else 0.0
 
 
 class _TimedStage(PipelineStage):
@@ -139,7 +146,6 @@ class PipelineRunner:
         self.has_first = 0 in self.stage_ids
         self.has_last = self.n_stages - 1 in self.stage_ids
         self.device = torch.device(device)
-        self.last_bubble = 0.0
         self._loss_fn = loss_fn
         self._batch_loss_fn = batch_loss_fn or loss_fn
         self._score: Callable[[Any, torch.Tensor], torch.Tensor] = loss_fn
@@ -152,6 +158,16 @@ class PipelineRunner:
         self._stage_losses = stage_losses
         self._schedule = None
         self._built_for: tuple | None = None
+
+    @property
+    def last_bubble(self) -> float:
+        """The idle share of the last step (0.0 before one ran); see `bubble_reading`."""
+        return self.bubble_reading()()
+
+    def bubble_reading(self) -> Callable[[], float]:
+        """The last step's idle share, computed when called: on CUDA that waits for the step's
+        events, so a caller that reads once per optimizer step calls it then."""
+        return self._clock.reading.idle_share
 
     def tied_copies(self) -> list[list[tuple[int, nn.Parameter]]]:
         """Per tensor several stages use, this rank's copies of it with their stage ids."""
@@ -208,27 +224,33 @@ class PipelineRunner:
         self._schedule = schedule_cls(target, n_microbatches=self.layout.microbatches,
                                       loss_fn=self._stage_loss, scale_grads=False)
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float = 1.0) -> float:
-        """Forward + backward of this rank's dp slice; returns the batch mean loss on every pp rank."""
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float = 1.0,
+             on_device: bool = False) -> float | torch.Tensor:
+        """Forward + backward of this rank's dp slice; returns the batch mean loss on every pp rank
+        (`on_device`: as a float64 tensor on the device, not read: the caller reads it once per
+        optimizer step)."""
         if self._traced is not None:  # a traced model takes its tokens as a (tokens, targets) batch
-            return self.step_batch((inputs, targets), loss_scale=loss_scale,
+            return self.step_batch((inputs, targets), loss_scale=loss_scale, on_device=on_device,
                                    score=lambda outputs, rows: self._loss_fn(outputs, rows[-1]))
         self._check_step(inputs.shape[0], loss_scale)
-        return self._run(*self._token_inputs(inputs, targets, self._loss_fn), loss_scale)
+        loss = self._run(*self._token_inputs(inputs, targets, self._loss_fn), loss_scale)
+        return loss if on_device else loss.item()
 
     def step_batch(self, batch: Batch, *, loss_scale: float = 1.0,
-                   score: Callable[[Any, Batch], torch.Tensor] | None = None) -> float:
+                   score: Callable[[Any, Batch], torch.Tensor] | None = None,
+                   on_device: bool = False) -> float | torch.Tensor:
         """`step` for this rank's dp share of any batch in the kit's convention: a tuple
         ``(*inputs, target)`` or a dict (see `colab_par.parallel.batch`).
 
         The last stage scores each microbatch with ``batch_loss_fn(outputs, microbatch)``. torch's
         schedules split only a tensor target, so the target they carry is the batch's row index
         (arange), and the loss looks its microbatch up by those rows. Returns the batch mean loss
-        on every pp rank.
+        on every pp rank (`on_device`: as in `step`).
         """
         check_batch(batch)
         self._check_step(batch_size(batch), loss_scale)
-        return self._run(*self._batch_inputs(batch, score or self._batch_loss_fn), loss_scale)
+        loss = self._run(*self._batch_inputs(batch, score or self._batch_loss_fn), loss_scale)
+        return loss if on_device else loss.item()
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
                  score: Callable[[Any, torch.Tensor], torch.Tensor]) -> float:
@@ -285,7 +307,8 @@ class PipelineRunner:
                              "(e.g. 1/accumulation_steps)")
 
     def _run(self, key: tuple, args: tuple, kwargs: dict[str, Any], target: torch.Tensor | None,
-             loss_scale: float) -> float:
+             loss_scale: float) -> torch.Tensor:
+        """The step's loss as a float64 tensor of one element on the device, not read."""
         self._ensure_built(key)
         self._loss_weight = loss_scale / self.layout.microbatches
         losses: list[torch.Tensor] = []
@@ -295,14 +318,13 @@ class PipelineRunner:
         with self._clock.span("wall"):
             self._schedule.step(*args, target=target, losses=losses if self.has_last else None,
                                 return_outputs=False, **kwargs)
-        self.last_bubble = self._clock.idle_share()
         if self._stage_losses is None:
             return self._broadcast_mean_loss(losses, loss_scale)
         inside = torch.tensor(self._stage_losses.finish(), dtype=torch.float64, device=self.device)
         if self.has_last:
             inside += torch.stack([l.detach().double() for l in losses]).sum()
         dist.all_reduce(inside, group=self.pp_group)  # every stage's losses, on every pp rank
-        return inside.item() / loss_scale
+        return inside / loss_scale
 
     def _run_forward(self, key: tuple, args: tuple, kwargs: dict[str, Any],
                      target: torch.Tensor | None) -> float:
@@ -341,9 +363,9 @@ class PipelineRunner:
             self._build()
             self._built_for = key
 
-    def _broadcast_mean_loss(self, losses: list[torch.Tensor], loss_scale: float) -> float:
+    def _broadcast_mean_loss(self, losses: list[torch.Tensor], loss_scale: float) -> torch.Tensor:
         loss = (torch.stack([l.detach().float() for l in losses]).sum() / loss_scale) if self.has_last else None
-        return self._broadcast_from_last(loss).item()
+        return self._broadcast_from_last(loss)
 
     def _broadcast_from_last(self, value: torch.Tensor | None) -> torch.Tensor:
         """`value` of the rank holding the last stage, on every pp rank (a float scalar)."""
