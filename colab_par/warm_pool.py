@@ -19,7 +19,9 @@ Once it has served a first start, the engine zygote also imports what a first `p
 `from_pretrained` would (`_IDLE_IMPORTS`), so engines of every later start have it. That is seconds
 of CPU beside the user's first cells, so it yields to them (`_Yielding`): it begins only once the
 processes it serves (its owner, the notebook, and every engine it forked) have been quiet for
-`_QUIET_S`, and pauses, between modules and inside one, as soon as they use the CPU again. Lowering
+`_QUIET_S`, and pauses, between modules and inside one, as soon as they use the CPU again; each
+pause doubles the quiet it waits for next (up to `_QUIET_MAX_S`), so a user running cells every few
+seconds seldom meets an import that has just begun. Lowering
 its priority instead would not do: forked engines inherit a zygote's niceness and cannot raise it
 back without privileges.
 A zygote sleeps in `select` between requests: it costs no CPU while idle (until its idle imports are
@@ -93,6 +95,7 @@ _IDLE_IMPORTS = {"engine": ("colab_par.parallel", "transformers.modeling_utils",
                             "transformers.loss.loss_utils", "peft"),
                  "controller": ()}
 _QUIET_S = 2.0  # the processes a zygote serves quiet this long before its idle imports go on
+_QUIET_MAX_S = 16.0  # each pause doubles the quiet wanted next (a user at work gets longer), up to this
 _BUSY_SHARE = 0.03  # more CPU than this share of one core over `_WINDOW_S` is busy (2 idle engines:
 _WINDOW_S = 0.1  # ~1 %, at most 1.5 ms in any 0.1 s), so a cell is seen within its first few ms
 _CHECK_S = 0.002  # an idle import under way reads their CPU time (a few system calls) this often
@@ -265,7 +268,7 @@ def _serve(path: str, target: str) -> dict[str, Any] | None:
     while not stopping:
         waiting = bool(idle_imports) and served
         ready = selector.select(_WAIT_S if waiting else None)
-        if waiting and not ready and yielding.quiet_for() >= _QUIET_S:
+        if waiting and not ready and yielding.quiet_for() >= yielding.quiet_needed:
             # children that exit meanwhile are reaped at once: a cluster's stop waits on that
             signal.signal(signal.SIGCHLD, lambda *_: _reap(children, selector))
             _import_quietly(idle_imports.pop(0), yielding)
@@ -383,6 +386,7 @@ class _Yielding:
         self._history = collections.deque([(time.monotonic(), 0.0)])  # (when, spent), `_WINDOW_S` back
         self._busy_at = self._history[0][0]
         self._hurry = False  # a request waits: this import goes on without pauses
+        self.quiet_needed = _QUIET_S  # doubled by every pause: cells that come often are met less
         self._previous: Any = signal.SIG_DFL
 
     def busy(self) -> None:
@@ -416,10 +420,11 @@ class _Yielding:
     def _pause(self, *_: object) -> None:
         """SIGALRM's handler during an idle import: wait here while they are busy."""
         paused = False
-        while not self._stopping and not self._hurry and self.quiet_for() < _QUIET_S:
+        while not self._stopping and not self._hurry and self.quiet_for() < self.quiet_needed:
             if not paused:
                 signal.setitimer(signal.ITIMER_REAL, 0)  # no wake-ups while paused
                 paused = True
+                self.quiet_needed = min(2 * self.quiet_needed, _QUIET_MAX_S)
             readable, _, _ = select.select(self._interrupting, [], [], _WAIT_S)
             for ready in readable:
                 if ready is self._interrupting[0]:
