@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from colab_par import evaluation, recovery
-from colab_par.compat import compile_seconds, tree_map
+from colab_par.compat import compile_seconds
 from colab_par import telemetry as telem
 from colab_par.data import BatchList, TokenDataset
 from colab_par.data_sources import DataPlace, DataSource, data_source, dp_total
@@ -290,7 +290,7 @@ class Trainer:
             batch = self.data.global_batch(self.data_position)
         counted = _counts(batch, self.data)
         if not isinstance(self.data, BatchList):
-            batch = _to_device(batch, torch.device(pm.device))
+            batch = batch_to(batch, pm.device)
         self.data_position += 1
         return batch, counted
 
@@ -444,15 +444,6 @@ def read_step(losses: list[torch.Tensor], grad_norm: torch.Tensor | None) -> tup
     scalars = losses + ([grad_norm] if grad_norm is not None else [])
     values = torch.stack([value.reshape(()).double() for value in scalars]).tolist()
     return values[:len(losses)], values[len(losses)] if grad_norm is not None else None
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    """`batch` on `device`. Onto a GPU through pinned memory without waiting: a plain
-    ``.to("cuda")`` waits until the device has run everything queued before it."""
-    if device.type != "cuda":
-        return batch_to(batch, device)
-    return tree_map(lambda t: t.pin_memory().to(device, non_blocking=True)
-                    if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t, batch)
 
 
 def _counts(batch: Any, data: Any) -> tuple[int, int]:

@@ -226,17 +226,31 @@ def hf_causal_lm_loss(model: nn.Module, tokens: torch.Tensor, positions: torch.T
     cross-entropy over ``causal_lm_logits``. Under autocast the head runs in the autocast dtype, as
     ``lm_head`` would. A sharded (DTensor) lm_head is refused: compute logits and a loss instead.
     """
+    return _fused_loss(model, _fusable_head(model, "hf_causal_lm_loss"), tokens, positions, targets, ignore_index)
+
+
+def _fusable_head(model: nn.Module, caller: str) -> nn.Linear:
+    """The model's output head, after refusing a model whose own loss the fused one would not be
+    (`caller` names who asks, in the message)."""
     name = type(model).__name__
     if not supports_kernels(model):
-        raise ValueError(f"hf_causal_lm_loss: {name} is not one of the Hugging Face families {sorted(_FAMILIES)} "
+        raise ValueError(f"{caller}: {name} is not one of the Hugging Face families {sorted(_FAMILIES)} "
                          "whose logits are plain lm_head(hidden); use causal_lm_logits and a loss_fn")
     mismatch = fused_loss_mismatch(model)
     if mismatch is not None:
-        raise ValueError(f"hf_causal_lm_loss: {mismatch}; use causal_lm_logits and the model's own loss")
+        raise ValueError(f"{caller}: {mismatch}; use causal_lm_logits and the model's own loss")
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear) or head.bias is not None:
-        raise ValueError(f"hf_causal_lm_loss: {name}'s output head must be an nn.Linear without bias, got {head!r}; "
+        raise ValueError(f"{caller}: {name}'s output head must be an nn.Linear without bias, got {head!r}; "
                          "use causal_lm_logits and a loss_fn")
+    return head
+
+
+def _fused_loss(model: nn.Module, head: nn.Linear, tokens: torch.Tensor, positions: torch.Tensor,
+                targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """`hf_causal_lm_loss` for a model `_fusable_head` accepted: what can change between calls is
+    checked here (the head's weight sharded, the shapes)."""
+    name = type(model).__name__
     if is_dtensor(head.weight):
         raise ValueError(f"hf_causal_lm_loss: {name}.lm_head.weight is a DTensor (sharded by tensor parallel or "
                          "FSDP), and the fused loss needs the whole vocabulary on this rank; use "
@@ -281,13 +295,7 @@ def fuse_loss_into_forward(model: nn.Module) -> None:
     Going through the model's own call keeps whatever wraps it working: DDP's gradient hooks and
     FSDP's unsharding of the root (lm_head included) run around the fused loss as around logits.
     """
-    if not supports_kernels(model):
-        raise ValueError(f"{type(model).__name__} is not one of the Hugging Face families "
-                         f"{sorted(_FAMILIES)}; train it with kernels='torch'")
-    mismatch = fused_loss_mismatch(model)
-    if mismatch is not None:
-        raise ValueError(f"the fused loss would not be this model's own: {mismatch}; score its logits instead "
-                         "(parallelize does so for such a model)")
+    _fusable_head(model, "fuse_loss_into_forward")  # checked once here, not at every step
     model.forward = types.MethodType(_forward_with_fused_loss, model)
 
 
@@ -295,4 +303,5 @@ def _forward_with_fused_loss(self: nn.Module, *args: Any, colab_par_targets: tor
                              **kwargs: Any) -> Any:
     if colab_par_targets is None:
         return type(self).forward(self, *args, **kwargs)
-    return hf_causal_lm_loss(self, kwargs["input_ids"], kwargs["position_ids"][0], colab_par_targets)
+    return _fused_loss(self, self.get_output_embeddings(), kwargs["input_ids"], kwargs["position_ids"][0],
+                       colab_par_targets)

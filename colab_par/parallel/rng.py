@@ -52,8 +52,8 @@ class ModelStream:
 
     def __init__(self, mesh: Any | None, device: torch.device, seed: int):
         self.index = 0 if mesh is None else stream_index(mesh)
-        self._cuda = torch.device(device).type == "cuda"
         self._device = torch.device(device)
+        self._cuda = self._device.type == "cuda"
         self.seed(seed)
 
     def seed(self, seed: int) -> None:
@@ -66,12 +66,13 @@ class ModelStream:
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """Draw from this stream inside the block; the process's generators are as they were after."""
-        with self._outside():
-            self._write(self._states)
-            try:
-                yield
-            finally:
-                self._states = self._read()
+        outside = self._read()
+        self._write(self._states)
+        try:
+            yield
+        finally:
+            self._states = self._read()
+            self._write(outside)
 
     def state(self) -> dict[str, torch.Tensor]:
         """The stream's generator states by device kind ("cpu", and "cuda" on a GPU)."""
@@ -82,14 +83,6 @@ class ModelStream:
         if states.keys() != self._states.keys():
             raise ValueError(f"a stream saved for {sorted(states)} cannot continue one on {sorted(self._states)}")
         self._states = dict(states)
-
-    @contextlib.contextmanager
-    def _outside(self) -> Iterator[None]:
-        saved = self._read()
-        try:
-            yield
-        finally:
-            self._write(saved)
 
     def _read(self) -> dict[str, torch.Tensor]:
         states = {"cpu": torch.get_rng_state()}
