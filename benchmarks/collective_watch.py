@@ -1,4 +1,4 @@
-"""What watching a running cell for stuck collectives costs the engines (colab_par.task_watch).
+"""What watching a running cell for stuck collectives costs the engines (colab_par.cluster.task_watch).
 
 While a cell runs, the notebook asks every engine once a second where its main thread is; the
 engine answers from its control thread (`probe.where`). Two figures:
@@ -26,11 +26,12 @@ import concurrent.futures
 import math
 import statistics
 
-from colab_par import Cluster, compat, probe, task_watch
+from colab_par import Cluster, compat
+from colab_par.cluster import probe, task_watch
 
 CELL = """
 import time, threading, torch, torch.distributed as dist
-from colab_par import probe
+from colab_par.cluster import probe
 torch.manual_seed(0)
 _net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
 _x = torch.randn(64, 256)
@@ -55,7 +56,7 @@ def answer_cost(repeats: int = 2000) -> float:
     """µs per `probe.where` answer on this engine (its own main thread inspected)."""
     import time
 
-    from colab_par import probe
+    from colab_par.cluster import probe
 
     probe.where({})
     started = time.perf_counter()

@@ -1,5 +1,5 @@
-"""CPU engine costs that need a process group to measure, written to `colab_par/cpu_costs.json`,
-which the planner reads (`colab_par.devices.CPU_COSTS`).
+"""CPU engine costs that need a process group to measure, written to `colab_par/planning/cpu_costs.json`,
+which the planner reads (`colab_par.planning.devices.CPU_COSTS`).
 
 - `wrapper_cost`: the extra host time per layer pass of DTensor tensor parallelism (`tpN sp`),
   FSDP (`dpN zero3`) and ring context parallelism (`cpN`), in plain layer passes. Measured on a
@@ -43,7 +43,7 @@ import cloudpickle
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import this script
 
-PACKAGE_FILE = Path(__file__).resolve().parents[1] / "colab_par" / "cpu_costs.json"
+PACKAGE_FILE = Path(__file__).resolve().parents[1] / "colab_par" / "planning" / "cpu_costs.json"
 # layout of each wrapper over n engines, and the collective hops one forward + backward takes on
 # a GPT of L layers (besides the loss all-reduce every layout shares)
 WRAPPERS = {
@@ -62,7 +62,7 @@ def engine_costs(reps: int = 20, order: tuple[str, ...] = tuple(WRAPPERS)) -> di
     import torch
     import torch.distributed as dist
 
-    from colab_par.devices import cpu_compute_costs
+    from colab_par.planning.devices import cpu_compute_costs
 
     costs = cpu_compute_costs()
     n = dist.get_world_size()

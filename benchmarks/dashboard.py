@@ -25,8 +25,8 @@ from IPython.core.displaypub import CapturingDisplayPublisher
 from IPython.core.interactiveshell import InteractiveShell
 
 from colab_par import Cluster
-from colab_par.dashboard import LiveDashboard
-from colab_par.telemetry import metrics_data
+from colab_par.views.dashboard import LiveDashboard
+from colab_par.training.telemetry import metrics_data
 
 MODEL = dict(vocab_size=256, seq_len=64, n_layer=2, n_head=4, d_model=64, kernels="torch")
 

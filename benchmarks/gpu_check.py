@@ -8,7 +8,7 @@ Without a CUDA GPU it prints one line saying so and exits 0. With one (one GPU i
    eager);
 3. a 1.3 B GPT in bf16 on the GPU (the engine's), eager and with the layout option `compile`:
    tokens/s and MFU from the Trainer's telemetry (the card's exact datasheet peak, found by its
-   product name in `colab_par.devices`), the compile seconds of the first step, and the planner's
+   product name in `colab_par.planning.devices`), the compile seconds of the first step, and the planner's
    predicted step time, tokens/s and memory beside each; then the Trainer's waits for the GPU
    (`trainer_syncs`, torch's sync debug mode): none in a step without a row, and as many in a
    logged step with 4 micro-steps as with 1;
@@ -163,9 +163,9 @@ def training_section(model: dict, steps: int, card: str) -> tuple[str, list[str]
     import statistics
 
     from colab_par import Cluster
-    from colab_par.devices import device_for_product
+    from colab_par.planning.devices import device_for_product
     from colab_par.models import GPTConfig
-    from colab_par.planner import estimate
+    from colab_par.planning.planner import estimate
 
     cluster = Cluster(n=1, backend="nccl", dashboard=False)
     cluster.start()
@@ -327,9 +327,9 @@ def tiers_section(card: str, steps: int = 8, runs: dict | None = None) -> tuple[
     the planner beside; a float32 tiered layout must move the bytes `expected_moved` computes.
     `runs`: `tier_measurements`' result when already taken (tests, on a CPU engine)."""
     from colab_par import Cluster
-    from colab_par.devices import device_for_product
+    from colab_par.planning.devices import device_for_product
     from colab_par.models import GPTConfig
-    from colab_par.planner import estimate
+    from colab_par.planning.planner import estimate
 
     if runs is None:
         cluster = Cluster(n=1, backend="nccl", dashboard=False)

@@ -1,5 +1,5 @@
 """glibc's heap under a training step: its default (dynamic mmap threshold) against the fixed
-1 MiB threshold memory tiers switch to where a budget binds (`colab_par/host_heap.py`), and the
+1 MiB threshold memory tiers switch to where a budget binds (`colab_par/memory_tiers/host_heap.py`), and the
 32 MiB threshold they leave behind when the optimizer goes.
 
 Each sample is a fresh 2-engine gloo cluster (one torch thread per engine) training the reference
@@ -9,7 +9,7 @@ over steps of the slowest rank) and the training peak above what the rank held b
 steps (VmHWM after clear_refs: activations, gathered parameters, allocator retention). Arms are
 alternated round by round; median and range over rounds.
 
-The planner reads what a binding budget costs from `colab_par/host_heap.json`, which this script
+The planner reads what a binding budget costs from `colab_par/planning/host_heap.json`, which this script
 writes: the tight threshold's step time over the default's (`tight_step_ratio`, per round, the
 two arms side by side) and the default's working memory over the tight one's
 (`default_working_ratio`: how much more a step holds before the runtime tightens the heap).
@@ -34,7 +34,7 @@ import scale  # noqa: E402  (peak probes and the GPT family)
 from cpu_costs import machine  # noqa: E402
 
 cloudpickle.register_pickle_by_value(scale)
-PACKAGE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "colab_par", "host_heap.json")
+PACKAGE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "colab_par", "planning", "host_heap.json")
 ARMS = {"glibc default": 0, "fixed 1 MiB (tiers, budget binds)": 2 ** 20, "fixed 32 MiB (after tiers)": 32 * 2 ** 20}
 
 
@@ -46,7 +46,7 @@ def train(sizes: dict[str, Any], layout: str, steps: int, threshold: int) -> dic
     import torch
 
     from colab_par import parallelize
-    from colab_par.host_heap import M_MMAP_THRESHOLD
+    from colab_par.memory_tiers.host_heap import M_MMAP_THRESHOLD
     from colab_par.models.gpt import GPT, GPTConfig
 
     if threshold:

@@ -67,7 +67,7 @@ def run_arms(arms: list[tuple[str, int]], rounds: int, steps: int) -> list[dict]
 def _predicted(layout: str, experts: int):
     """The planner's resting model state per rank for the arm (fp32 Adam on CPU)."""
     from colab_par.models import GPTConfig
-    from colab_par.planner import estimate
+    from colab_par.planning.planner import estimate
 
     return estimate(GPTConfig(**SIZES, n_experts=experts), layout, device="cpu", global_batch=BATCH,
                     seq_len=SIZES["seq_len"]).resting

@@ -31,10 +31,10 @@ import cloudpickle
 
 # the planner is loaded before a run of many minutes starts, so an edit of the tree meanwhile
 # cannot break the report at its end
-from colab_par.devices import measure_cpu_device
-from colab_par.largest_model import gpt_ladder, largest_under_budget
-from colab_par.planner import ModelSpec, estimate
-from colab_par.tier_options import parse_bytes
+from colab_par.planning.devices import measure_cpu_device
+from colab_par.planning.largest_model import gpt_ladder, largest_under_budget
+from colab_par.planning.planner import ModelSpec, estimate
+from colab_par.layout.tier_options import parse_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import scale  # noqa: E402  (the peak probes and the GPT family of the in-memory search)
@@ -251,7 +251,7 @@ def checkpoint_round(sizes: dict[str, Any], layout: str, folder: str) -> dict[st
     import torch
 
     from colab_par import load, parallelize, save
-    from colab_par.host_heap import trim_host_heap
+    from colab_par.memory_tiers.host_heap import trim_host_heap
     from colab_par.models.gpt import GPT, GPTConfig
 
     torch.set_num_threads(1)

@@ -39,7 +39,7 @@ def train(layout: str, trim: bool, steps: int = 5) -> dict:
     import colab_par.memory_tiers.chunks as chunks
     import colab_par.memory_tiers.param_pages as pages
     from colab_par import parallelize
-    from colab_par.host_heap import trim_host_heap
+    from colab_par.memory_tiers.host_heap import trim_host_heap
     from colab_par.memory_tiers.measure import PeakWindow, resident_bytes
     from colab_par.models import GPT, GPTConfig
 

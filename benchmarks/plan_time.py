@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from colab_par.planner import plan
+from colab_par.planning.planner import plan
 
 LLAMA3_70B = {"n_layer": 80, "d_model": 8192, "n_head": 64, "n_kv_head": 8, "ffn_hidden": 28672,
               "vocab_size": 128256, "seq_len": 8192}

@@ -54,7 +54,7 @@ PUBLISHED = [
 
 def published() -> None:
     """Planner predictions next to published large-scale results (see docs/planner.md)."""
-    from colab_par.planner import GiB, ModelSpec, estimate, get_device
+    from colab_par.planning.planner import GiB, ModelSpec, estimate, get_device
 
     for name, model, layout, device, batch, seq, tokens, tflops, memory, not_buildable in PUBLISHED:
         e = estimate(model, layout, device=device, global_batch=batch, seq_len=seq,
@@ -151,7 +151,7 @@ def calibrated_device(cluster: Any, engines: int) -> Any:
     """The measured CPU device with the engines' own concurrent measurements (medians over ranks)."""
     import dataclasses
 
-    from colab_par.planner import measure_cpu_device
+    from colab_par.planning.planner import measure_cpu_device
 
     results = cluster.run(engine_costs)
     median = {key: statistics.median(r[key] for r in results) for key in results[0]}
@@ -200,7 +200,7 @@ def main() -> None:
 
     from colab_par import Cluster
     from colab_par.models.gpt import GPTConfig
-    from colab_par.planner import estimate, measure_cpu_device
+    from colab_par.planning.planner import estimate, measure_cpu_device
 
     client_device = measure_cpu_device(args.engines)
     config = GPTConfig(**SIZES)

@@ -153,7 +153,7 @@ def _available() -> int:
 def engines_and_device(kind: str, gpus: Any = None) -> tuple[int, Any, str]:
     """How many engines, the planner's DeviceSpec and the backend: every GPU (nccl) on a CUDA
     machine (`gpus`: `cuda_probe.probe()`'s answer), else 2 CPU engines (gloo)."""
-    from colab_par.devices import PRODUCTS, device_for_product, measure_cpu_device
+    from colab_par.planning.devices import PRODUCTS, device_for_product, measure_cpu_device
 
     if kind == "cpu":
         return 2, measure_cpu_device(2), "gloo"
@@ -188,7 +188,7 @@ def run_candidate(sizes: dict[str, Any], layout: str, build: str, steps: int,
 
 def predict(sizes: dict[str, Any], layout: str, build: str, global_batch: int, device: Any) -> Any:
     """The planner's Plan for one candidate (its memory: init, training and peak per rank)."""
-    from colab_par.planner import estimate
+    from colab_par.planning.planner import estimate
 
     return estimate(sizes, layout, device=device, global_batch=global_batch, seq_len=sizes["seq_len"],
                     init=build)

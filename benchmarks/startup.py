@@ -36,7 +36,7 @@ Idle cost (`--idle`): a started 2-engine cluster left alone for 15 s, the CPU ti
 and every process below it (controller, engines, zygotes) read from /proc before and after.
 
 Edit-run in the first seconds after a start (`--first-seconds`): colab_par with the warm pool (whose
-engine zygote makes its idle imports after serving a first start, see `colab_par/warm_pool.py`),
+engine zygote makes its idle imports after serving a first start, see `colab_par/cluster/warm_pool.py`),
 without it (`COLAB_PAR_WARM_POOL=0`) and Monarch, arms alternated, each sample a fresh process: from
 the moment the start returns, an edit-run every `QUICK_S` for `EDIT_WINDOW_S` (what the pool did
 before yielding: it imported 2 s after its last request, beside these cells), then a longer look
@@ -98,7 +98,7 @@ def noop() -> int:
 
 
 def forked_from() -> str | None:
-    """The warm pool's zygote this engine was forked from, if it was (`colab_par.warm_pool`)."""
+    """The warm pool's zygote this engine was forked from, if it was (`colab_par.cluster.warm_pool`)."""
     import os
 
     return os.environ.get("COLAB_PAR_FORKED_FROM")
@@ -211,7 +211,8 @@ def first_seconds(rounds: int) -> None:
 # ---- arms, each run in a fresh process: `python startup.py --arm NAME` prints one JSON line -----
 def arm_colab_par(notebook: bool) -> dict[str, float]:
     stamps = {"process": time.time()}
-    from colab_par import Cluster, warm_pool
+    from colab_par import Cluster
+    from colab_par.cluster import warm_pool
     assert warm_pool.FORKED_ENV == "COLAB_PAR_FORKED_FROM"
 
     stamps["imported"] = time.time()
@@ -324,7 +325,8 @@ def arm_phases() -> dict[str, float]:
     """One script cold start, with the time each phase ended (see the module's docstring)."""
     import threading
 
-    from colab_par import Cluster, warm_pool
+    from colab_par import Cluster
+    from colab_par.cluster import warm_pool
 
     imported = time.time()
     stamps: dict[str, float] = {}

@@ -9,7 +9,7 @@ nccl on GPUs), each layout on the same GPT and batches:
 - comm: the bytes of every collective one training step issues (`CollectiveBytes`: an
   all-reduce's buffer, an all-gather's output, a reduce-scatter's input);
 all three by `colab_par.parallel.step_costs.measure_step_costs`.
-Rank 0's figures, and in brackets measured / predicted by `colab_par.tensor_costs` (what the
+Rank 0's figures, and in brackets measured / predicted by `colab_par.planning.tensor_costs` (what the
 planner uses for the grid modes; 1d counted the same way). Memory and bytes are deterministic, so
 one sample each. The second table predicts one Llama-70B-sized layer (hidden 8192, 64 heads, FFN
 28672, seq 4096, microbatch 8, bf16) on the same basis: where each mode wins. Its weights and the
@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 
 from colab_par import Cluster, Layout
-from colab_par.planner import ModelSpec, estimate
-from colab_par.tensor_costs import grid_local_params, kept_activation_bytes, tensor_comm_bytes
+from colab_par.planning.planner import ModelSpec, estimate
+from colab_par.planning.tensor_costs import grid_local_params, kept_activation_bytes, tensor_comm_bytes
 
 SIZES = dict(vocab_size=256, seq_len=64, n_layer=2, n_head=8, d_model=128, kernels="torch")
 BATCH = 16

@@ -1,5 +1,5 @@
-"""The rates the planner's memory-tier model reads, written to `colab_par/tier_costs.json`
-(`colab_par.tier_costs.TIER_RATES`).
+"""The rates the planner's memory-tier model reads, written to `colab_par/planning/tier_costs.json`
+(`colab_par.planning.tier_costs.TIER_RATES`).
 
 - `disk_write` / `disk_read`: bytes/s of the runtime's own disk store in a folder (`--folder`,
   default the system's temporary folder, where the disk tier writes by default), chunk by chunk
@@ -38,7 +38,7 @@ from colab_par.memory_tiers.chunks import CHUNK_BYTES
 from colab_par.memory_tiers.host_adam import AdamWHyper, adamw_chunk_step
 from colab_par.memory_tiers.stores import DiskStore
 
-PACKAGE_FILE = Path(__file__).resolve().parents[1] / "colab_par" / "tier_costs.json"
+PACKAGE_FILE = Path(__file__).resolve().parents[1] / "colab_par" / "planning" / "tier_costs.json"
 MiB = 2 ** 20
 
 

@@ -117,7 +117,8 @@ def own_work_on_engine(model: dict, batch: int, steps: int, warmup: int,
     in it ("model") and of the Trainer's own work ("own", and its parts)."""
     import torch
 
-    from colab_par import Trainer, parallelize, telemetry
+    from colab_par import Trainer, parallelize
+    from colab_par.training import telemetry
     from colab_par.data import SyntheticDataset
     from colab_par.models import GPT, GPTConfig
 
@@ -235,7 +236,8 @@ def main() -> None:
     from IPython.core.displaypub import CapturingDisplayPublisher
     from IPython.core.interactiveshell import InteractiveShell
 
-    from colab_par import Cluster, magics
+    from colab_par import Cluster
+    from colab_par.notebook import magics
 
     shell = InteractiveShell.instance()  # a notebook-like shell: the dashboard draws frames
     shell.display_pub = CapturingDisplayPublisher()  # the dashboard draws its frames as in a notebook

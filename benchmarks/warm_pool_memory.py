@@ -1,4 +1,4 @@
-"""What the warm pool (`colab_par/warm_pool.py`) costs in memory: its zygotes' resident (RSS) and
+"""What the warm pool (`colab_par/cluster/warm_pool.py`) costs in memory: its zygotes' resident (RSS) and
 unique (USS: freed if the pool stopped) memory, ready and then after the idle imports it makes once
 it has served a first start. Forked engines share the zygotes' pages copy-on-write, so USS is what
 the pool itself adds to the host. Run: python benchmarks/warm_pool_memory.py (about 30 s)."""
@@ -9,7 +9,7 @@ import time
 import psutil
 
 from colab_par.cluster import Cluster
-from colab_par.warm_pool import pool_pids, shared_pool, stop_shared_pool
+from colab_par.cluster.warm_pool import pool_pids, shared_pool, stop_shared_pool
 
 
 def footprint() -> dict[str, tuple[float, float]]:

@@ -8,28 +8,31 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from colab_par import moved
+
 __version__ = "0.1.0"
+moved.install()  # the flat tree's module paths still import, with a warning (colab_par/moved.py)
 
 _EXPORTS = {
     "Cluster": "colab_par.cluster",
     "EngineError": "colab_par.cluster",
-    "running_clusters": "colab_par.persist",
-    "Slurm": "colab_par.launchers",
-    "SSH": "colab_par.launchers",
-    "LauncherError": "colab_par.launchers",
+    "running_clusters": "colab_par.cluster.persist",
+    "Slurm": "colab_par.cluster.launchers",
+    "SSH": "colab_par.cluster.launchers",
+    "LauncherError": "colab_par.cluster.launchers",
     "Layout": "colab_par.layout",
     "LayoutError": "colab_par.layout",
     "parallelize": "colab_par.parallel",
     "memory_report": "colab_par.parallel",
     "ParallelModel": "colab_par.parallel",
-    "plan": "colab_par.planner",
-    "Plan": "colab_par.planner",
-    "LayoutPicker": "colab_par.widgets",
-    "Trainer": "colab_par.train",
-    "save": "colab_par.checkpoint",
+    "plan": "colab_par.planning.planner",
+    "Plan": "colab_par.planning.planner",
+    "LayoutPicker": "colab_par.notebook.picker",
+    "Trainer": "colab_par.training.trainer",
+    "save": "colab_par.training.checkpoint",
     "from_pretrained": "colab_par.hf_io",
     "save_pretrained": "colab_par.hf_io",
-    "load": "colab_par.checkpoint",
+    "load": "colab_par.training.checkpoint",
     "Trial": "colab_par.selection",
     "grid": "colab_par.selection",
     "select": "colab_par.selection",
@@ -54,16 +57,16 @@ def __getattr__(name: str) -> Any:
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext colab_par`` registers ``%colossal`` and ``%%colossal``, and starts the warm pool
     in the background, so that ``%colossal start`` forks engines whose imports are already done."""
-    from colab_par import warm_pool
-    from colab_par.magics import ColossalMagics
+    from colab_par.cluster import warm_pool
+    from colab_par.notebook.magics import ColossalMagics
 
     ipython.register_magics(ColossalMagics(ipython))
     warm_pool.prestart()
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    from colab_par import warm_pool
-    from colab_par.magics import shutdown_default_cluster
+    from colab_par.cluster import warm_pool
+    from colab_par.notebook.magics import shutdown_default_cluster
 
     shutdown_default_cluster()
     warm_pool.stop_shared_pool()

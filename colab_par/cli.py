@@ -1,5 +1,5 @@
 """`colab-par demo`: the whole kit in one command, from engines to a summary table; and
-`colab-par export`: a notebook as a torchrun script (`colab_par/export.py`).
+`colab-par export`: a notebook as a torchrun script (`colab_par/notebook/export.py`).
 
 Starts engines (one per GPU, or 2 CPU engines on gloo), asks the planner for the best layout of the
 reference GPT on this machine, trains it on real text (the Python standard library's sources),
@@ -56,7 +56,7 @@ def demo_settings(engines: int | None, steps: int | None) -> DemoSettings:
 def choose_layout(settings: DemoSettings, requested: str | None) -> Any:
     """The requested layout validated for this world and model, or the planner's best plan."""
     from colab_par.layout import Layout
-    from colab_par.planner import plan
+    from colab_par.planning.planner import plan
 
     config = settings.model_config()
     if requested is not None:
@@ -73,7 +73,7 @@ def train_on_engine(settings: DemoSettings, layout: str) -> dict:
     import colab_par
     from colab_par.data import TextDataset
     from colab_par.models import GPT
-    from colab_par.train import WarmupCosine
+    from colab_par.training.trainer import WarmupCosine
 
     torch.manual_seed(0)
     pm = colab_par.parallelize(GPT(settings.model_config()), layout,
@@ -118,8 +118,8 @@ def write_csv(results: list[dict], path: Path) -> None:
 
 def dashboard_png(results: list[dict], steps: int) -> bytes:
     """The live dashboard's final frame, drawn from the rows the engines returned."""
-    from colab_par.dashboard import LiveDashboard
-    from colab_par.telemetry import metrics_data
+    from colab_par.views.dashboard import LiveDashboard
+    from colab_par.training.telemetry import metrics_data
 
     dashboard = LiveDashboard(mode="text", stream=io.StringIO())
     dashboard.update([metrics_data({"rank": rank, "total_steps": steps, "done": True}, result["rows"])
@@ -219,8 +219,8 @@ def run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Notebook -> script (and sbatch file); every unsupported line named, with its cell and line."""
-    from colab_par.export import ExportError, export_notebook, sbatch_script
-    from colab_par.launchers import Slurm
+    from colab_par.notebook.export import ExportError, export_notebook, sbatch_script
+    from colab_par.cluster.launchers import Slurm
 
     if not args.notebook.is_file():
         parser.error(f"{str(args.notebook)!r} is not a notebook file")
@@ -269,7 +269,7 @@ def _catalogue_name() -> str:
     catalogue does not list, its product name (the planner refuses it: --layout is then needed)."""
     import torch
 
-    from colab_par.devices import device_for_product
+    from colab_par.planning.devices import device_for_product
 
     product = torch.cuda.get_device_name(0)
     entry = device_for_product(product)

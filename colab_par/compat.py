@@ -203,7 +203,7 @@ def run_controller() -> None:
 
 def task_futures(result: Any) -> list[Any]:
     """One future per engine of an AsyncResult (`AsyncResult._children`, undocumented), or of a
-    lean direct call (`colab_par.direct_call.DirectCall.rank_futures`).
+    lean direct call (`colab_par.cluster.direct_call.DirectCall.rank_futures`).
 
     The public API reports a task only once every engine is done; a rank that failed while another
     still waits in a collective is visible only here.
@@ -246,7 +246,7 @@ def engine_kernel() -> Any:
 
 
 def engine_shell(kernel: Any) -> tuple[Any, Callable[[Any, list], Any]] | None:
-    """An engine's shell lock and dispatch for requests from another socket (`colab_par.direct`),
+    """An engine's shell lock and dispatch for requests from another socket (`colab_par.cluster.direct`),
     or None where this ipykernel lacks what they need (before 7.0, or a kernel with subshells): a
     documented fallback, the client then keeps ipyparallel's route (slower, not wrong).
 
@@ -674,7 +674,7 @@ def hf_token_losses() -> dict[str, Callable]:
     return losses
 
 
-# ---- the engines' control channel and process-group internals (colab_par.probe) --------------------
+# ---- the engines' control channel and process-group internals (colab_par.cluster.probe) --------------------
 def answer_control_requests(answers: dict[str, Callable[[dict], dict]]) -> None:
     """On an engine: answer each control-channel request type with ``answers[type](content)``.
 

@@ -99,7 +99,7 @@ def shell():
 @pytest.fixture
 def on_cluster(shell, cluster2):
     """The shell's magics talking to the shared two-engine cluster; its last errors cleared after."""
-    from colab_par import magics
+    from colab_par.notebook import magics
 
     magics.use_cluster(cluster2)
     yield shell

@@ -15,8 +15,8 @@ import numpy as np
 from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
-from colab_par.dashboard import PANELS, LiveDashboard
-from colab_par.svg_plot import heat_colour
+from colab_par.views.dashboard import PANELS, LiveDashboard
+from colab_par.views.svg_plot import heat_colour
 
 TOLERANCE = 0.08  # per RGB channel: the line's core pixels, not its anti-aliased edges
 INSET = 3  # pixels kept clear of the axes' spines and ticks

@@ -204,8 +204,8 @@ def _measured(layout: str, kind: str = LLAMA_LORA) -> dict:
 
 @pytest.mark.parametrize("layout", ["dp2", "dp2 zero3"])
 def test_planner_counts_gradients_and_optimizer_state_for_trainable_parameters_only(cluster2, layout) -> None:
-    from colab_par.module_spec import ModuleSpec
-    from colab_par.planner import ModelSpec, estimate
+    from colab_par.planning.module_spec import ModuleSpec
+    from colab_par.planning.planner import ModelSpec, estimate
 
     model = build_model(LLAMA_LORA, SEED)
     total = sum(p.numel() for p in model.parameters())
@@ -224,7 +224,7 @@ def test_planner_counts_gradients_and_optimizer_state_for_trainable_parameters_o
 def test_planner_counts_whole_adapters_on_every_rank_of_a_tensor_grid(cluster4) -> None:
     """The grid splits the base four ways and keeps the adapters whole: the planner's gradients and
     optimizer state are the adapters' own, as each rank holds them."""
-    from colab_par.planner import ModelSpec, estimate
+    from colab_par.planning.planner import ModelSpec, estimate
 
     model = build_model("gpt+lora", SEED)
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -392,7 +392,7 @@ def _resume_and_relayout(folder: str) -> dict:
     import torch.distributed as dist
 
     from colab_par import load, parallelize, save
-    from colab_par.checkpoint import relayout
+    from colab_par.training.checkpoint import relayout
 
     data = training_batches(LLAMA_LORA, 6)
     pm = parallelize(build_model(LLAMA_LORA, SEED + dist.get_rank()), "dp2 zero3", optimizer_fn=_adamw)

@@ -13,8 +13,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from colab_par.checkpoint import COMMIT_MARKER, LATEST, CheckpointError, latest_checkpoint, load
-from colab_par.checkpoint_format import TensorOnlyReader
+from colab_par.training.checkpoint import COMMIT_MARKER, LATEST, CheckpointError, latest_checkpoint, load
+from colab_par.training.checkpoint_format import TensorOnlyReader
 from colab_par.cluster import EngineError
 from colab_par.layout import Layout
 from test_train import CONFIG, DATA, MODEL_SEED, build_trainer
@@ -40,7 +40,7 @@ def resume(layout: str, ckpt_dir: str) -> dict:
 
 
 def relayout_midway(first: str, second: str) -> dict:
-    from colab_par.checkpoint import relayout
+    from colab_par.training.checkpoint import relayout
 
     trainer = build_trainer(first, STEPS)
     trainer.fit(stop_at=SAVE_AT)
@@ -155,7 +155,8 @@ def save_then_plant(layout: str, root: str, marker: str) -> None:
     included), every optimizer lr a payload that creates `marker`."""
     import torch.distributed.checkpoint as dcp
 
-    from colab_par import checkpoint, save
+    from colab_par.training import checkpoint
+    from colab_par import save
 
     pm = build_trainer(layout, STEPS).pm
     version = save(pm, root)
@@ -222,7 +223,7 @@ def _build_with_settings(layout: str):
     from colab_par import parallelize
     from colab_par.data import SyntheticDataset
     from colab_par.models.gpt import GPT, GPTConfig
-    from colab_par.train import Trainer, WarmupCosine
+    from colab_par.training.trainer import Trainer, WarmupCosine
 
     torch.manual_seed(MODEL_SEED)
     pm = parallelize(GPT(GPTConfig(**CONFIG)), layout, optimizer_fn=optimizer_with_settings)

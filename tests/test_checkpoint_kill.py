@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from colab_par import Cluster
-from colab_par.checkpoint import COMMIT_MARKER, latest_checkpoint
+from colab_par.training.checkpoint import COMMIT_MARKER, latest_checkpoint
 
 # Big enough that writing the checkpoint takes a while (≈110 MB per rank), small enough for 2 cores.
 BIG = dict(vocab_size=256, seq_len=16, n_layer=6, n_head=8, d_model=512, kernels="torch")

@@ -10,7 +10,7 @@ import cloudpickle
 import pytest
 import torch
 
-from colab_par.planner import plan
+from colab_par.planning.planner import plan
 
 # Engines cannot import test modules: ship this one by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -41,7 +41,7 @@ def build_trainer(kind: str, layout: str):
     its Trainer on byte-level text, which a few steps already learn."""
     import colab_par
     from colab_par.data import TextDataset
-    from colab_par.train import Trainer
+    from colab_par.training.trainer import Trainer
 
     def model():
         torch.manual_seed(3)
@@ -83,7 +83,7 @@ def resume(kind: str, layout: str, root: str) -> list[float]:
 
 
 def relayout_midway(kind: str, first: str, second: str) -> list[float]:
-    from colab_par.checkpoint import relayout
+    from colab_par.training.checkpoint import relayout
 
     trainer = build_trainer(kind, first)
     trainer.fit(stop_at=SAVE_AT)

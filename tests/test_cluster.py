@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from colab_par import SSH, Cluster, Slurm, warm_pool
-from colab_par.backend import choose_backend, device_problems
+from colab_par import SSH, Cluster, Slurm
+from colab_par.cluster import warm_pool
+from colab_par.cluster.backend import choose_backend, device_problems
 from colab_par.cluster import descendant_pids
 
 

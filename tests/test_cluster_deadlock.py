@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from colab_par.deadlock import Wait, Watch
-from colab_par.output import CollectiveDeadlockError
+from colab_par.cluster.deadlock import Wait, Watch
+from colab_par.cluster.output import CollectiveDeadlockError
 
 FAIL_WITHIN_S = 10.0
 SETUP = ("import time, torch, torch.distributed as dist\n"
@@ -158,7 +158,7 @@ def test_long_legitimate_collective_work_is_not_failed(world, cell):
 
 
 def where_answers() -> int:
-    from colab_par import probe
+    from colab_par.cluster import probe
 
     return probe.ANSWERED["where"]
 

@@ -13,7 +13,7 @@ from colab_par.cluster.health import crash_of
 from colab_par.cluster.processes import descendant_pids, pid_alive, reap
 from colab_par.cluster.state import ClusterState
 from colab_par.cluster.world import _ranked_by_host
-from colab_par.launchers import launcher_from
+from colab_par.cluster.launchers import launcher_from
 
 HERE = socket.gethostname()
 

@@ -17,9 +17,9 @@ from IPython.core.interactiveshell import InteractiveShell
 from picture import (SVG, assert_shows_data, assert_svg_shows_data, blank_frame, empty_plots,
                      svg_empty_plots)
 
-from colab_par.dashboard import PANELS, LiveDashboard, progress_line
-from colab_par.svg_plot import MAX_POINTS
-from colab_par.telemetry import CHUNK, METRICS_KEY, ROWS_KEY, Publisher, metrics_data
+from colab_par.views.dashboard import PANELS, LiveDashboard, progress_line
+from colab_par.views.svg_plot import MAX_POINTS
+from colab_par.training.telemetry import CHUNK, METRICS_KEY, ROWS_KEY, Publisher, metrics_data
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # The requirement: while training a new frame at least every 2 s, within 1 % of the machine's CPU.

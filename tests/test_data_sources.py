@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from colab_par.data_sources import DataPlace, IterableSource, MapSource, data_source, stack_rows
+from colab_par.data.sources import DataPlace, IterableSource, MapSource, data_source, stack_rows
 
 datasets = pytest.importorskip("datasets")
 
@@ -181,7 +181,7 @@ def resume_run(kind: str, layout: str, *, ckpt: str | None = None, stop_at: int 
     checkpoint, or from `resume_from`, or moving to `relayout_to` live at SAVE_AT. Returns the
     losses and, per layout trained under, the row ids of the batches the trainer fed the model."""
     from colab_par import Trainer, load, parallelize
-    from colab_par.checkpoint import relayout
+    from colab_par.training.checkpoint import relayout
     from colab_par.models.gpt import GPT, GPTConfig
 
     ids = {tuple(window(i)[1:].tolist()): i for i in range(ROWS)}
@@ -254,7 +254,7 @@ def test_a_resumed_run_trains_on_exactly_the_rows_of_an_uninterrupted_one(cluste
 
 def resume_with_other_data(ckpt: str) -> str:
     from colab_par import Trainer, load, parallelize
-    from colab_par.checkpoint import CheckpointError
+    from colab_par.training.checkpoint import CheckpointError
     from colab_par.models.gpt import GPT, GPTConfig
 
     pm = parallelize(GPT(GPTConfig(**GPT_SIZES)), "dp2")

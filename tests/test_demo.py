@@ -11,7 +11,7 @@ import pytest
 from picture import assert_shows_data, empty_plots
 
 from colab_par.cli import dashboard_png
-from colab_par.dashboard import PANELS
+from colab_par.views.dashboard import PANELS
 
 SCRIPT = Path(sys.executable).with_name("colab-par")
 

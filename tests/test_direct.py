@@ -1,4 +1,4 @@
-"""The direct channel (`colab_par.direct`): `Cluster.run` and cells reach the engines without the
+"""The direct channel (`colab_par.cluster.direct`): `Cluster.run` and cells reach the engines without the
 controller's queue, and behave as through it (same namespace, errors, output, interrupts)."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from colab_par import EngineError, engine
+from colab_par import EngineError
+from colab_par.cluster import engine
 
 
 def _hub_completed(cluster) -> int:
@@ -172,7 +173,7 @@ def test_output_is_detected_on_the_engine(cluster2):
 def _request(auth, msg_id: str, session: str, fn, *args) -> list:
     from ipyparallel.serialize import pack_apply_message
 
-    from colab_par import lean_wire
+    from colab_par.cluster import lean_wire
 
     return lean_wire.frames(auth, [msg_id, session, lean_wire.APPLY], pack_apply_message(fn, args, {}))
 
@@ -186,7 +187,7 @@ def test_requests_without_the_key_or_sent_twice_are_refused(cluster2):
     import zmq
     from ipyparallel.serialize import deserialize_object
 
-    from colab_par import direct, lean_wire
+    from colab_par.cluster import direct, lean_wire
 
     url = cluster2._client[[cluster2._state.engine_ids[0]]].apply_sync(direct.serve, "127.0.0.1")[0]
     auth, session = cluster2._client.session.auth, cluster2._client.session.session
@@ -213,7 +214,7 @@ def test_requests_without_the_key_or_sent_twice_are_refused(cluster2):
 
 def test_calls_from_several_threads_get_their_own_replies(cluster2):
     """Whichever thread waits files every reply that came, each into its own call."""
-    from colab_par.ship import ship_by_value
+    from colab_par.cluster.ship import ship_by_value
 
     ship_by_value(_engine_global_plus)  # as Cluster.run does: this file is not on the engines' path
     results: dict[int, list] = {}

@@ -188,7 +188,7 @@ def fit_trainer(layout: str, held_out_as: str | None, folder: str, state: dict) 
 
     from colab_par import parallelize
     from colab_par.data import SyntheticDataset
-    from colab_par.train import Trainer
+    from colab_par.training.trainer import Trainer
 
     model = build("gpt")
     model.load_state_dict(state)
@@ -204,7 +204,7 @@ def fit_trainer(layout: str, held_out_as: str | None, folder: str, state: dict) 
 
 
 def engine_fit(layout: str, held_out_as: str | None, folder: str, state: dict) -> dict:
-    from colab_par.checkpoint import saved_history
+    from colab_par.training.checkpoint import saved_history
 
     trainer, pm, held_out = fit_trainer(layout, held_out_as, folder, state)
     trainer.fit()
@@ -259,8 +259,8 @@ def test_eval_rows_survive_a_checkpoint_and_resume(cluster2, tmp_path) -> None:
 
 def test_dashboard_takes_histories_with_eval_rows() -> None:
     """The dashboard keeps drawing the training rows; an eval row at the same step replaces none."""
-    from colab_par.dashboard import LiveDashboard
-    from colab_par.telemetry import metrics_data
+    from colab_par.views.dashboard import LiveDashboard
+    from colab_par.training.telemetry import metrics_data
 
     rows = [{"step": 1, "rank": 0, "loss": 3.0, "lr": 1e-3}, {"step": 2, "rank": 0, "loss": 2.5, "lr": 1e-3},
             {"step": 2, "rank": 0, "kind": "eval", "eval_loss": 2.7, "eval_perplexity": 14.9,
@@ -273,8 +273,8 @@ def test_dashboard_takes_histories_with_eval_rows() -> None:
 
 
 def dashboard_of(rows: list[dict]):
-    from colab_par.dashboard import LiveDashboard
-    from colab_par.telemetry import metrics_data
+    from colab_par.views.dashboard import LiveDashboard
+    from colab_par.training.telemetry import metrics_data
 
     dashboard = LiveDashboard(mode="text", stream=io.StringIO())
     for _ in range(2):  # the same chunks published twice: nothing may be drawn twice
@@ -291,7 +291,7 @@ def test_dashboard_draws_validation_loss_beside_training_loss() -> None:
     from matplotlib.colors import to_rgb
     from matplotlib.image import imread
 
-    from colab_par.dashboard import ORANGE
+    from colab_par.views.dashboard import ORANGE
 
     train = [{"step": s, "rank": 0, "loss": 3.0 / s, "lr": 1e-3} for s in range(1, 11)]
     evals = [{"step": s, "rank": 0, "kind": "eval", "eval_loss": 4.0 / s, "eval_perplexity": math.exp(4.0 / s),
@@ -324,7 +324,7 @@ def test_dashboard_draws_validation_loss_beside_training_loss() -> None:
 
 def test_bad_eval_arguments_fail_before_any_work() -> None:
     from colab_par.data import SyntheticDataset
-    from colab_par.train import _check_eval
+    from colab_par.training.trainer import _check_eval
 
     held_out = SyntheticDataset(vocab_size=VOCAB, seq_len=SEQ)
     for args, message in [((held_out, 2, None), "num_batches"), ((None, 2, None), "eval_data"),
@@ -337,7 +337,7 @@ def test_bad_eval_arguments_fail_before_any_work() -> None:
 def test_held_out_rows_that_cannot_be_read_whole_are_refused() -> None:
     from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-    from colab_par.evaluation import eval_data
+    from colab_par.parallel.inference.evaluation import eval_data
 
     class Stream(IterableDataset):
         def __iter__(self):

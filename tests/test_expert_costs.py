@@ -20,11 +20,11 @@ import torch
 from parity import LR, MOE_SIZES, _vocab_seq, batches, build_model, engine_model
 
 from colab_par import compat
-from colab_par.expert_costs import all_to_all_bytes, ep_load, local_expert_params, packed_regroup_bytes
-from colab_par.flops import ModelSpec
+from colab_par.planning.expert_costs import all_to_all_bytes, ep_load, local_expert_params, packed_regroup_bytes
+from colab_par.planning.flops import ModelSpec
 from colab_par.layout import Layout
 from colab_par.models import GPTConfig
-from colab_par.planner import estimate, plan
+from colab_par.planning.planner import estimate, plan
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 
@@ -173,7 +173,7 @@ def test_ep_load_is_the_busiest_ranks_share_of_a_layers_tokens() -> None:
 
 
 def test_the_picker_offers_ep_for_a_moe_model_only() -> None:
-    from colab_par.widgets import LayoutPicker
+    from colab_par.notebook.picker import LayoutPicker
 
     moe = LayoutPicker(4, model=GPTConfig(**{**MOE_SIZES, "n_experts": 8}), device="cpu",
                        global_batch=8, seq_len=16)

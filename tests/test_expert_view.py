@@ -14,8 +14,8 @@ from parity import LR, MOE_SIZES, SEED, build_model, engine_model
 from picture import SVG, assert_png_heat_map, heat_cells
 from test_dashboard import PNG_MAGIC, display_ids, published, row
 
-from colab_par.dashboard import PANELS, LiveDashboard
-from colab_par.telemetry import expert_counts, expert_row_key, metrics_data
+from colab_par.views.dashboard import PANELS, LiveDashboard
+from colab_par.training.telemetry import expert_counts, expert_row_key, metrics_data
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 
@@ -69,7 +69,7 @@ DATA = dict(vocab_size=MOE_SIZES["vocab_size"], seq_len=MOE_SIZES["seq_len"], ba
 def _train_rows(layout: str) -> list[dict]:
     from colab_par import parallelize
     from colab_par.data import SyntheticDataset
-    from colab_par.train import Trainer
+    from colab_par.training.trainer import Trainer
 
     pm = parallelize(engine_model("gpt-moe-aux", "module"), layout,
                      optimizer_fn=lambda p: torch.optim.AdamW(p, lr=LR))

@@ -17,7 +17,7 @@ import torch
 
 from colab_par.layout import Layout, LayoutError, valid_layouts
 from colab_par.models import GPTConfig
-from colab_par.telemetry import expert_row_key
+from colab_par.training.telemetry import expert_row_key
 from parity import (GPT_SIZES, LR, MOE_SIZES, SEED, assert_parity, batches, build_model, engine_model,
                     _parallelized, _plain_loss, engine_run, hf_moe_model, reference_run, training_batches)
 
@@ -202,7 +202,7 @@ DATA = dict(vocab_size=MOE_SIZES["vocab_size"], seq_len=MOE_SIZES["seq_len"], ba
 def _trainer_rows(layout: str, kind: str) -> list[dict]:
     from colab_par import parallelize
     from colab_par.data import SyntheticDataset
-    from colab_par.train import Trainer
+    from colab_par.training.trainer import Trainer
 
     pm = parallelize(engine_model(kind, "module"), layout,
                      optimizer_fn=lambda p: torch.optim.AdamW(p, lr=LR))
@@ -335,7 +335,7 @@ def test_flops_per_token_count_the_experts_a_token_runs() -> None:
     formula for _grouped_mm), attention's 12·layers·d·seq aside (SDPA, which it does not count here)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from colab_par.telemetry import model_flops_per_token
+    from colab_par.training.telemetry import model_flops_per_token
 
     model = build_model("gpt-moe", SEED).double()
     inputs, targets = batches(MOE_SIZES["vocab_size"], MOE_SIZES["seq_len"], 1)[0]

@@ -12,7 +12,7 @@ import pytest
 from notebook_run import losses_in, printed_losses, with_losses_printed
 
 from colab_par.cli import main
-from colab_par.export import ExportError, export_notebook
+from colab_par.notebook.export import ExportError, export_notebook
 
 @pytest.mark.parametrize("name", ["01_quickstart", "03_checkpoint_relayout"])
 def test_the_exported_script_trains_as_the_notebook_did(name, kernel_path, executed_notebooks,
@@ -45,7 +45,7 @@ def test_what_only_a_notebook_runs_is_named_by_cell_and_line(tmp_path) -> None:
     nbformat.write(notebook_of(
         "%load_ext colab_par\n%colossal start -n 2",
         "import torch\n%matplotlib inline\nsize = 8\n!nvidia-smi",
-        "from colab_par.widgets import LayoutPicker\npicker = LayoutPicker(world_size=2)",
+        "from colab_par.notebook.picker import LayoutPicker\npicker = LayoutPicker(world_size=2)",
         "%%time\nsize * 2",
         "%%colossal\nx = torch.ones(size)\n%colossal status",
         "%colossal stop"), str(path))

@@ -293,7 +293,7 @@ def test_generate_and_evaluate_leave_training_untouched(cluster2, layout: str) -
 
 # ---- refusals ---------------------------------------------------------------------------------------
 def test_bad_sampling_arguments_are_refused() -> None:
-    from colab_par.sampling import Sampling
+    from colab_par.parallel.inference.sampling import Sampling
 
     for kwargs, message in [({"temperature": 0.7}, "do_sample=True"), ({"do_sample": True, "temperature": 0},
                             "temperature"), ({"do_sample": True, "top_k": 0}, "top_k"),
@@ -303,7 +303,7 @@ def test_bad_sampling_arguments_are_refused() -> None:
 
 
 def test_sampling_procedure_matches_its_written_out_reference() -> None:
-    from colab_par.sampling import Sampling
+    from colab_par.parallel.inference.sampling import Sampling
 
     logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
     sampling = Sampling(do_sample=True, temperature=0.8, top_k=12, top_p=0.9)

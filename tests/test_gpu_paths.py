@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 from traitlets.config import Config
 
-from colab_par import Slurm, engine
-from colab_par.backend import choose_backend, expected_devices
+from colab_par import Slurm
+from colab_par.cluster import engine
+from colab_par.cluster.backend import choose_backend, expected_devices
 
 
 def test_nccl_errors_abort_the_communicators_and_leave_the_engine_alive() -> None:
@@ -74,7 +75,8 @@ def test_the_gpus_an_engine_reports_follow_cuda_visible_devices() -> None:
 
 RANK = textwrap.dedent('''
     import os, sys, time, torch, torch.distributed as dist
-    from colab_par import compat, probe
+    from colab_par import compat
+    from colab_par.cluster import probe
     rank = int(sys.argv[1])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], TORCH_FR_BUFFER_SIZE="100")
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -135,7 +137,7 @@ def test_after_an_out_of_memory_error_the_failed_frames_hold_no_tensor() -> None
     variables (a retry needs their memory); any other error keeps them for inspection."""
     from IPython.core.interactiveshell import InteractiveShell
 
-    from colab_par import postmortem
+    from colab_par.cluster import postmortem
 
     shell = InteractiveShell.instance()
     postmortem.install()

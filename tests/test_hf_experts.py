@@ -19,7 +19,7 @@ import torch
 
 from colab_par import compat
 from colab_par.layout import Layout, LayoutError
-from colab_par.telemetry import expert_row_key
+from colab_par.training.telemetry import expert_row_key
 from parity import (LR, SEED, assert_close_to_fp32, assert_parity, bf16_engine_run, build_model, engine_model,
                     engine_run, engine_run_moved, reference_run, training_batches)
 
@@ -195,7 +195,7 @@ COUNT_STEPS = 2
 def _trainer_rows(kind: str, layout: str) -> list[dict]:
     from colab_par import parallelize
     from colab_par.data import SyntheticDataset
-    from colab_par.train import Trainer
+    from colab_par.training.trainer import Trainer
 
     pm = parallelize(engine_model(kind, "module"), layout, optimizer_fn=lambda p: torch.optim.AdamW(p, lr=LR))
     trainer = Trainer(pm, SyntheticDataset(vocab_size=64, seq_len=16, batch_size=4, seed=5), steps=COUNT_STEPS)
@@ -316,7 +316,7 @@ def test_family_files_read_a_block_from_the_experts_it_covers_only(tmp_path) -> 
     from transformers' per-expert Mixtral files equals that block of the model's tensor, and only
     those two experts' tensors are read."""
     from colab_par.hf_io.family_files import FamilyWeights
-    from colab_par.hf_io.weights import SafetensorsWeights
+    from colab_par.models.hf_weights import SafetensorsWeights
 
     class Recorded(SafetensorsWeights):
         read_names: list[str] = []

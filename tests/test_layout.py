@@ -10,7 +10,7 @@ from colab_par.layout import (CHECKPOINTING, CP_MODES, FIELDS, PP_SCHEDULES, PRE
                               ZERO_LEVELS, Layout, LayoutError, field_options, grid_batch_chunks,
                               tensor_grid, valid_layouts)
 from colab_par.models.gpt import GPTConfig
-from colab_par.tier_options import MemoryTiers
+from colab_par.layout.tier_options import MemoryTiers
 
 CONFIG = GPTConfig(vocab_size=128, seq_len=64, n_layer=4, n_head=8, n_kv_head=4, d_model=64,
                    ffn_hidden=192)

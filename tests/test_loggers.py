@@ -13,7 +13,7 @@ pytest.importorskip("tensorboard")
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-from colab_par.loggers import TensorBoardLogger, scalar_tags  # noqa: E402
+from colab_par.training.loggers import TensorBoardLogger, scalar_tags  # noqa: E402
 from test_data_sources import BATCH, GPT_SIZES, Windows  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -146,7 +146,7 @@ def test_logs_rank_0_cannot_open_fail_every_rank_before_any_step(cluster2, tmp_p
 
 
 def test_a_logger_without_log_is_refused():
-    from colab_par.loggers import RunLogs
+    from colab_par.training.loggers import RunLogs
 
     with pytest.raises(TypeError, match="str is not a logger: a logger has log"):
         RunLogs.build(None, ["runs/"], rank=0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from IPython.core.error import UsageError
 
-from colab_par import magics
+from colab_par.notebook import magics
 from colab_par.cluster import EngineError
 
 

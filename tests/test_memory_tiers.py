@@ -39,7 +39,7 @@ def _released() -> None:
     """Hand the memory of a dropped ParallelModel back before the next run on the same engine."""
     import gc
 
-    from colab_par.host_heap import trim_host_heap
+    from colab_par.memory_tiers.host_heap import trim_host_heap
 
     gc.collect()
     trim_host_heap()
@@ -48,7 +48,7 @@ def _released() -> None:
 def _peak_run(layout: str, steps: int = 4) -> dict:
     """Engine side: the training peak (VmHWM) of the big GPT above the RSS before parallelize."""
     import colab_par.memory_tiers.chunks as chunks
-    from colab_par import host_heap
+    from colab_par.memory_tiers import host_heap
     from colab_par import parallelize
     from colab_par.models import GPT, GPTConfig
     from colab_par.parallel import memory_report
@@ -494,7 +494,7 @@ def _reports(layout: str) -> dict:
     import colab_par.memory_tiers.chunks as chunks
     from colab_par.memory_tiers.chunks import local
     from colab_par.parallel import memory_report
-    from colab_par.telemetry import memory_sample
+    from colab_par.training.telemetry import memory_sample
 
     chunks.CHUNK_BYTES = SMALL_CHUNK
     pm = _parallelized(engine_model("gpt", "module"), layout)
@@ -641,7 +641,7 @@ def test_bf16_parameters_update_through_a_float32_master_in_the_chunk(tmp_path, 
     on disk steps with torch's fused kernel (the fast host step), state in memory with the user's
     AdamW as built: the reference is the same AdamW implementation."""
     from colab_par.memory_tiers.optimizer import TieredAdamW
-    from colab_par.tier_options import MemoryTiers
+    from colab_par.layout.tier_options import MemoryTiers
 
     torch.manual_seed(SEED)
     reference = torch.nn.Linear(48, 40)
@@ -677,7 +677,7 @@ def test_bf16_parameters_update_through_a_float32_master_in_the_chunk(tmp_path, 
 def _tiered_linear(tmp_path, tier: str, dtype: torch.dtype = torch.float32, **options) -> tuple:
     """An in-process TieredAdamW over a small Linear (several chunks), state in `tier`."""
     from colab_par.memory_tiers.optimizer import TieredAdamW
-    from colab_par.tier_options import MemoryTiers
+    from colab_par.layout.tier_options import MemoryTiers
 
     torch.manual_seed(SEED)
     model = torch.nn.Linear(48, 40).to(dtype)

@@ -15,8 +15,8 @@ from parity import assert_parity, engine_run, reference_run
 from two_hosts import CONTROLLER, HOSTS, CannotMakeHosts, TwoHosts
 
 from colab_par import SSH, Cluster
-from colab_par.engine import stack_file
-from colab_par.output import CollectiveDeadlockError, DeadEngineError
+from colab_par.cluster.engine import stack_file
+from colab_par.cluster.output import CollectiveDeadlockError, DeadEngineError
 
 A, B = HOSTS.values()
 
@@ -125,7 +125,7 @@ def relayout_across_hosts(shared: str) -> dict:
     import torch
 
     from colab_par import parallelize
-    from colab_par.checkpoint import CheckpointError, relayout
+    from colab_par.training.checkpoint import CheckpointError, relayout
     from colab_par.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)

@@ -245,8 +245,8 @@ def test_08_moe(kernel_path, tmp_path):
     and the planner prices the measured load."""
     from picture import assert_png_heat_map
 
-    from colab_par.dashboard import LiveDashboard
-    from colab_par.telemetry import expert_row_key, metrics_data
+    from colab_par.views.dashboard import LiveDashboard
+    from colab_par.training.telemetry import expert_row_key, metrics_data
 
     notebook = execute("08_moe", tmp_path)
     planned = dict(re.findall(r"^(dp2(?: ep2)?)\s+model state per rank ([\d.]+) MiB",

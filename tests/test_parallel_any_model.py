@@ -41,7 +41,7 @@ def test_parity_rejects_a_wrong_run_of_a_notebook_model(cluster2) -> None:
 
 
 def test_checkpointing_without_blocks_is_refused_before_work(cluster2) -> None:
-    from colab_par.output import EngineError
+    from colab_par.cluster.output import EngineError
 
     with pytest.raises(EngineError, match="has none.*blocks=\\[...\\]"):
         cluster2.run(engine_run, "dp2 zero3 ac-full", "mlp")

@@ -188,7 +188,7 @@ def test_parallelizing_again_opens_no_new_process_groups(cluster2) -> None:
 def test_a_model_not_of_transformers_never_imports_it() -> None:
     """Its default loss is decided without transformers (seconds of import on every engine)."""
     code = ("import sys, colab_par.parallel; from colab_par.models import GPT, GPTConfig; "
-            "from colab_par.parallel.batch import default_loss; "
+            "from colab_par.data.batch import default_loss; "
             "default_loss(GPT(GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, d_model=8))); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'peft')))")
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

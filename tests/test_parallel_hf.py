@@ -108,7 +108,7 @@ def _all_to_all_bytes(layout: str) -> int:
 def test_the_planner_counts_the_regroup_of_gpt2s_packed_qkv(cluster2, layout: str, forwards: int) -> None:
     """GPT-2's q|k|v weight and bias are regrouped over tp by an all-to-all each forward (twice with
     full recompute) and their gradients once: exactly the bytes the planner now counts."""
-    from colab_par.planner import ModelSpec, estimate, packed_attention_bytes
+    from colab_par.planning.planner import ModelSpec, estimate, packed_attention_bytes
 
     spec = ModelSpec.of(causal_lm("gpt2").config)
     assert spec.packed_attention == 3 and ModelSpec.of(causal_lm("llama").config).packed_attention == 0

@@ -23,7 +23,7 @@ from parity import LR, SEED, STEPS, assert_parity, build_model, reference_run, t
 from torch import nn
 
 from colab_par.layout import Layout
-from colab_par.parallel.batch import slice_batch
+from colab_par.data.batch import slice_batch
 from colab_par.parallel.pipeline import auto_split_points, split_model, stage_ids
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -49,7 +49,7 @@ def train_pipelined(kind: str, layout: str, split_points=None, loss_fn=None, ste
     import torch
     import torch.distributed as dist
 
-    from colab_par.parallel.batch import default_batch_loss
+    from colab_par.data.batch import default_batch_loss
     from colab_par.parallel.pipeline import PipelineRunner, split_model
 
     model = build_model(kind, SEED)

@@ -13,8 +13,8 @@ from parity import (GPT_SIZES, SEED, assert_close_to_fp32, assert_parity, batche
                     build_model, engine_run, reference_run)
 from colab_par.layout import Layout
 from colab_par.models import GPTConfig
-from colab_par.planner import ModelSpec, estimate
-from colab_par.tensor_costs import grid_local_params, kept_activation_bytes, tensor_comm_bytes
+from colab_par.planning.planner import ModelSpec, estimate
+from colab_par.planning.tensor_costs import grid_local_params, kept_activation_bytes, tensor_comm_bytes
 from test_checkpoint import SAVE_AT, relayout_midway, resume, train_and_save
 from test_generation import GPT_CALLS, check_gpt_generation, engine_generate
 from trained_models import trained_state
@@ -155,7 +155,7 @@ def test_the_planner_weighs_grid_modes() -> None:
     per_layer, outside = kept_activation_bytes(LARGE, plan.layout, 16, 4096, 2)
     assert plan.memory.activations == pytest.approx(8 * per_layer + outside + 16 * 4096 * 32000 * 2)
     assert plan.times["tp"] > 0
-    from colab_par.planner import candidate_layouts
+    from colab_par.planning.planner import candidate_layouts
     modes = {layout.tp_mode for layout in candidate_layouts(LARGE, 64, global_batch=64, seq_len=4096,
                                                             bf16=True)}
     assert modes == {"1d", "2d", "2.5d", "3d"}

@@ -41,7 +41,7 @@ def cell(source):
 '''
 FIRST_KERNEL = PRELUDE + '''
 from colab_par import Cluster
-from colab_par.magics import default_cluster
+from colab_par.notebook.magics import default_cluster
 ip.run_line_magic("colossal", "start -n 2 --persist")
 cell("%%%%colossal\\n" + %r + "trainer.fit(4)\\n" + %r)
 doomed = Cluster(n=1, backend="gloo", dashboard=False, persist=True).start()

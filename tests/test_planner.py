@@ -13,13 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from colab_par.devices import (CPU_COSTS_FILE, CPU_PROCESS_BYTES, CPU_WRAPPER_COST, DeviceSpec, GiB, cpu_device,
+from colab_par.planning.devices import (CPU_COSTS_FILE, CPU_PROCESS_BYTES, CPU_WRAPPER_COST, DeviceSpec, GiB, cpu_device,
                                device_for_product, load_cpu_costs)
 from colab_par.layout import (CHECKPOINTING, CP_MODES, FIELDS, PP_SCHEDULES, PRECISIONS, TP_MODES,
                               ZERO_LEVELS, Layout, LayoutError, default_microbatches)
 from colab_par.models.gpt import GPT, GPTConfig
-from colab_par.tier_options import MemoryTiers
-from colab_par.planner import (DEVICES, ModelSpec, Plan, activation_bytes_per_layer, candidate_layouts,
+from colab_par.layout.tier_options import MemoryTiers
+from colab_par.planning.planner import (DEVICES, ModelSpec, Plan, activation_bytes_per_layer, candidate_layouts,
                                estimate, get_device, measure_cpu_device, model_state_bytes,
                                pipeline_bubble, plan, preferred, search_space)
 

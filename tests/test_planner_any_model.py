@@ -9,8 +9,8 @@ from any_models import build, make_batches
 
 from colab_par import LayoutPicker
 from colab_par.layout import Layout, LayoutError, valid_layouts
-from colab_par.module_spec import ModuleSpec
-from colab_par.planner import estimate
+from colab_par.planning.module_spec import ModuleSpec
+from colab_par.planning.planner import estimate
 
 
 def _spec(kind: str, **options) -> ModuleSpec:

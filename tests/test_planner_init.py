@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from colab_par.models.gpt import GPT, GPTConfig
-from colab_par.planner import (CPU_PROCESS_BYTES, DEVICES, GiB, DeviceSpec, cpu_device, estimate,
+from colab_par.planning.planner import (CPU_PROCESS_BYTES, DEVICES, GiB, DeviceSpec, cpu_device, estimate,
                                init_peak_bytes, plan)
-from colab_par.widgets import LayoutPicker
+from colab_par.notebook.picker import LayoutPicker
 
 LLAMA_70B = dict(n_layer=80, d_model=8192, n_head=64, n_kv_head=8, ffn_hidden=28672, vocab_size=128256)
 # a vocabulary so large that its embedding dwarfs the layers: its largest tensor sets the init peak

@@ -13,8 +13,9 @@ import time
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
-from colab_par import Cluster, magics
-from colab_par.output import CollectiveDeadlockError, RankFailureError
+from colab_par import Cluster
+from colab_par.notebook import magics
+from colab_par.cluster.output import CollectiveDeadlockError, RankFailureError
 
 FAIL_WITHIN_S = 10.0
 RAW_TRANSPORT = ("gloo", "Connection closed", "Timed out waiting", "DistBackendError", "RuntimeError")

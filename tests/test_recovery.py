@@ -11,14 +11,14 @@ import pytest
 
 from colab_par import Cluster
 from colab_par.models import GPTConfig
-from colab_par.output import RecoveryError
+from colab_par.cluster.output import RecoveryError
 
 # Rank 1 kills itself once (the marker file is removed first), in the step or in the save named by
 # KILL_IN; then every step's loss is printed from rank 0.
 CELL = '''
 import json, os, signal
 import colab_par
-import colab_par.checkpoint as checkpoint
+import colab_par.training.checkpoint as checkpoint
 from colab_par.data import SyntheticDataset
 from colab_par.models import GPT
 
@@ -101,7 +101,7 @@ def test_a_cell_that_keeps_losing_engines_stops_with_its_story(cluster, tmp_path
 
 
 def test_restart_needs_a_checkpoint_folder_and_cadence() -> None:
-    from colab_par.train import Trainer
+    from colab_par.training.trainer import Trainer
 
     with pytest.raises(ValueError, match="pass ckpt_dir= .* and ckpt_every="):
         Trainer(None, [], steps=1, on_failure="restart", ckpt_dir="somewhere")

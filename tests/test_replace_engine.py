@@ -12,9 +12,10 @@ import cloudpickle
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
-from colab_par import Cluster, magics
+from colab_par import Cluster
+from colab_par.notebook import magics
 from colab_par.cluster import DeadEngineError, descendant_pids
-from colab_par.engine import stack_file
+from colab_par.cluster.engine import stack_file
 from parity import assert_parity, engine_run, reference_run
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -20,7 +20,8 @@ from notebook_run import losses_in, printed_losses, with_losses_printed
 from parity import assert_parity, engine_run, reference_run
 from slurm_site import ACCOUNT, NODE, PARTITION, SlurmSite
 
-from colab_par import Cluster, LauncherError, Slurm, magics
+from colab_par import Cluster, LauncherError, Slurm
+from colab_par.notebook import magics
 from colab_par.cli import main
 
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from colab_par.largest_model import gpt_ladder, largest_model, largest_under_budget
+from colab_par.planning.largest_model import gpt_ladder, largest_model, largest_under_budget
 from colab_par.models.gpt import GPT, GPTConfig
-from colab_par.planner import estimate
-from colab_par.tier_costs import (HEAP_COSTS, HOST_HEAP_FILE, TIER_COSTS_FILE, HeapCosts, TierRates,
+from colab_par.planning.planner import estimate
+from colab_par.planning.tier_costs import (HEAP_COSTS, HOST_HEAP_FILE, TIER_COSTS_FILE, HeapCosts, TierRates,
                                   disk_free_bytes, load_heap_costs, load_tier_rates, place_state, tier_plan)
-from colab_par.tier_options import SLACK, MemoryTiers
+from colab_par.layout.tier_options import SLACK, MemoryTiers
 
 STATE = {"params": 100.0, "grads": 100.0, "optimizer": 400.0}
 RATES = TierRates(disk_read=100.0, disk_write=50.0, host_device=20.0, host_adam=8.0, chunk_bytes=10,
@@ -192,7 +192,7 @@ def test_zero1_counts_a_ranks_share_of_the_optimizer_state() -> None:
     """dp2 zero1, optimizer on disk: a rank holds the whole parameters and gradients (4 + 4 bytes
     per parameter) but only its half of the AdamW state (8 / 2), on disk, read and written once per
     step: half of what dp2 zero0 puts and moves there."""
-    from colab_par.tier_costs import TIER_RATES
+    from colab_par.planning.tier_costs import TIER_RATES
 
     n = sum(p.numel() for p in GPT(SMALL).parameters())
     options = dict(device="cpu", global_batch=4, seq_len=64)
@@ -249,7 +249,7 @@ def test_a_disk_tier_trains_a_larger_model_under_the_same_budget() -> None:
 
 
 def test_plan_under_a_budget_puts_every_candidate_in_tiers_and_within_it() -> None:
-    from colab_par.planner import plan
+    from colab_par.planning.planner import plan
 
     config = dict(vocab_size=8192, n_layer=24, d_model=2048, n_head=16)
     budget = 3 * 2 ** 30

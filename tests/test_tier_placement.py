@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from colab_par.memory_tiers.placement import FAST, Measured, TierBudgetError, place
-from colab_par.tier_options import SLACK, MemoryTiers
+from colab_par.layout.tier_options import SLACK, MemoryTiers
 
 MiB = 2 ** 20
 CHUNKS = [{"exp_avg": 10 * MiB, "exp_avg_sq": 10 * MiB} for _ in range(4)]  # 80 MiB of AdamW state

@@ -14,8 +14,8 @@ from matplotlib.image import imread
 from picture import SVG
 from test_dashboard import PNG_MAGIC, published, row
 
-from colab_par.dashboard import PANELS, TIER_PANEL, LiveDashboard, progress_line
-from colab_par.telemetry import metrics_data
+from colab_par.views.dashboard import PANELS, TIER_PANEL, LiveDashboard, progress_line
+from colab_par.training.telemetry import metrics_data
 
 MiB = 2 ** 20
 # per rank: (working, device, host, disk, moved) MiB; rank 1 holds more on disk and moves more

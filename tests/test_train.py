@@ -18,7 +18,7 @@ import torch
 
 from colab_par.data import SyntheticDataset
 from colab_par.models.gpt import GPT, GPTConfig
-from colab_par.train import Trainer, WarmupCosine
+from colab_par.training.trainer import Trainer, WarmupCosine
 
 CONFIG = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, kernels="torch")
 DATA = dict(vocab_size=64, seq_len=16, batch_size=4, seed=5)
@@ -224,7 +224,7 @@ class DeviceReads(torch.overrides.TorchFunctionMode):
         super().__init__()
         import colab_par
         self.package = os.path.dirname(colab_par.__file__)
-        self.host_side = {os.path.join(self.package, name) for name in ("data.py", "data_sources.py")}
+        self.host_side = {os.path.join(self.package, "data", name) for name in ("tokens.py", "sources.py")}
         self.counts: dict[str, int] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

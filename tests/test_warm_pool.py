@@ -1,4 +1,4 @@
-"""The warm pool (`colab_par.warm_pool`): engines and controller come forked from zygotes that
+"""The warm pool (`colab_par.cluster.warm_pool`): engines and controller come forked from zygotes that
 already imported torch and ipyparallel, the zygotes outlive every cluster, nothing a cluster
 started outlives its stop, and a pool that no longer matches the environment is renewed first."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ import subprocess
 import sys
 import time
 
-from colab_par import Cluster, warm_pool
+from colab_par import Cluster
+from colab_par.cluster import warm_pool
 from colab_par.cluster import descendant_pids
 
 
@@ -106,7 +107,8 @@ import json, os
 os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
 from IPython.core.interactiveshell import InteractiveShell
 InteractiveShell.instance().run_line_magic("load_ext", "colab_par")
-from colab_par import Cluster, warm_pool
+from colab_par import Cluster
+from colab_par.cluster import warm_pool
 pool = warm_pool.shared_pool()
 assert pool.wait_ready()
 zygotes = pool.pids

@@ -1,4 +1,4 @@
-"""The engine zygote's idle imports yield to the user's cells (`colab_par.warm_pool._Yielding`):
+"""The engine zygote's idle imports yield to the user's cells (`colab_par.cluster.warm_pool._Yielding`):
 they wait while a process it forked is busy, pause inside an import as soon as it is busy again,
 and are all made once it is quiet, leaving no timer or handler to the processes it forks after
 them. A real zygote (`warm_pool._serve`, with a light target and a package of slow modules standing
@@ -13,7 +13,7 @@ import threading
 import time
 
 from colab_par.cluster import descendant_pids
-from colab_par.warm_pool import _cpu_seconds
+from colab_par.cluster.warm_pool import _cpu_seconds
 
 MODULES, MODULE_S = 20, 0.1  # the stand-in idle import: 20 modules of 0.1 s of CPU each
 QUIET_S = 0.5  # the zygote's `_QUIET_S` in this test
@@ -45,7 +45,7 @@ while True:
 """
 ZYGOTE = """
 import sys
-from colab_par import warm_pool
+from colab_par.cluster import warm_pool
 path, package = sys.argv[1], sys.argv[2]
 sys.path.insert(0, package)
 warm_pool._TARGETS["busy"] = ("pass", {child!r})
@@ -101,7 +101,7 @@ def test_idle_imports_wait_while_a_forked_child_is_busy_and_are_made_once_it_is_
     try:
         _wait_for(lambda: os.path.exists(path), 60, "the zygote to serve")
         def launch(*burns: float) -> None:
-            proxies.append(subprocess.Popen([sys.executable, "-m", "colab_par.warm_pool", "launch", path,
+            proxies.append(subprocess.Popen([sys.executable, "-m", "colab_par.cluster.warm_pool", "launch", path,
                                              str(zygote.pid), "busy", str(log), *map(str, burns)]))
 
         launch(FIRST_BURN_S, SECOND_BURN_S)

@@ -6,9 +6,9 @@ import ipywidgets as w
 import pytest
 
 from colab_par.layout import FIELDS, Layout, LayoutError, field_options, valid_layouts
-from colab_par.planner import estimate, plan
-from colab_par.tier_options import MemoryTiers
-from colab_par.widgets import LayoutPicker
+from colab_par.planning.planner import estimate, plan
+from colab_par.layout.tier_options import MemoryTiers
+from colab_par.notebook.picker import LayoutPicker
 
 LLAMA_8B = {"n_layer": 32, "d_model": 4096, "n_head": 32, "n_kv_head": 8, "ffn_hidden": 14336,
             "vocab_size": 128256}

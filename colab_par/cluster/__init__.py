@@ -14,9 +14,30 @@ each, sharing one `ClusterState` (state.py):
   faults.py       recovery: replacing dead engines, freeing stuck ranks, re-forming the world
   execution.py    running functions and cells, the wait that never hangs, interrupts
   inspection.py   status, names, devices, post-mortem debugging, pulling variables
-"""
-from colab_par.cluster.facade import Cluster
-from colab_par.cluster.processes import descendant_pids
-from colab_par.output import DeadEngineError, EngineError, RecoveryError
 
-__all__ = ["Cluster", "EngineError", "DeadEngineError", "RecoveryError", "descendant_pids"]
+and the rooms both sides of the wire use:
+
+  engine.py engine_setup.py backend.py probe.py   what runs on each engine to bind, seed and join
+  launchers.py warm_pool.py                       how engines start (local, SSH, Slurm, MPI; pre-forked)
+  ship.py direct.py direct_call.py lean_wire.py   names shipped by value; the direct channel
+  deadlock.py task_watch.py                       divergent ranks caught in seconds
+  output.py ranks.py script.py persist.py         engines' output and errors, rank lists, torchrun
+                                                  scripts, the record a later kernel attaches by
+  debugger.py postmortem.py pull.py               a rank debugged in place, variables pulled
+"""
+import importlib
+from typing import Any
+
+_EXPORTS = {"Cluster": "colab_par.cluster.facade", "descendant_pids": "colab_par.cluster.processes",
+            "EngineError": "colab_par.cluster.output", "DeadEngineError": "colab_par.cluster.output",
+            "RecoveryError": "colab_par.cluster.output"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """Lazily, so that an engine importing one room (`cluster.engine`) does not load the client."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'colab_par.cluster' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

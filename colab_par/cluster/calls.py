@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Sequence
 from colab_par import compat
 from colab_par.cluster.health import dead_ranks, live_ranks, raise_if_dead
 from colab_par.cluster.state import ClusterState
-from colab_par.output import ranks_text
+from colab_par.cluster.output import ranks_text
 
 
 class Calls:
@@ -37,7 +37,7 @@ class Calls:
 
     def apply(self, ranks: list[int], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Start ``fn(*args, **kwargs)`` on `ranks` (direct channel where there is one,
-        `colab_par.direct`); an ipyparallel AsyncResult with one result per rank."""
+        `colab_par.cluster.direct`); an ipyparallel AsyncResult with one result per rank."""
         return self.state.direct.apply([self.state.engine_ids[r] for r in ranks], fn, args, kwargs)
 
     def request(self, ranks: Iterable[int], request: str, content: dict | None = None) -> dict[int, Any]:

@@ -10,16 +10,17 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-from colab_par import engine, probe, recovery
+from colab_par.cluster import engine, probe
+from colab_par.training import recovery
 from colab_par.cluster.calls import Calls
 from colab_par.cluster.faults import Faults
 from colab_par.cluster.health import dead_ranks, raise_if_dead
 from colab_par.cluster.lifecycle import Lifecycle
 from colab_par.cluster.state import ClusterState
-from colab_par.output import (EngineError, RecoveryError, TaskOutput, per_rank_data, rank_errors, ranks_text,
+from colab_par.cluster.output import (EngineError, RecoveryError, TaskOutput, per_rank_data, rank_errors, ranks_text,
                               values)
-from colab_par.ship import payload, ship_by_value
-from colab_par.task_watch import TaskWatch
+from colab_par.cluster.ship import payload, ship_by_value
+from colab_par.cluster.task_watch import TaskWatch
 
 _POLL_MAX_S = 0.25
 # A task where some ranks failed while others still run: after this long, the others are taken to

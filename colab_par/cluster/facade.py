@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Iterable, Sequence
 
-from colab_par.backend import BACKENDS
+from colab_par.cluster.backend import BACKENDS
 from colab_par.cluster.calls import Calls
 from colab_par.cluster.execution import Execution
 from colab_par.cluster.faults import Faults
@@ -19,7 +19,7 @@ from colab_par.cluster.lifecycle import Lifecycle
 from colab_par.cluster.persistence import find_record, options_of, restore
 from colab_par.cluster.state import ClusterState
 from colab_par.cluster.world import World
-from colab_par.launchers import Launcher, launcher_from
+from colab_par.cluster.launchers import Launcher, launcher_from
 
 
 class _Shared:
@@ -43,7 +43,7 @@ class Cluster:
 
     ``n=None`` starts one engine per GPU of this host (2 on a host without one), one per SSH host
     slot, or gpus_per_node × nodes of a Slurm job. ``backend=None`` picks nccl when every engine
-    reports a GPU of its own on its host, else gloo, which computes on the CPU (`colab_par.backend`);
+    reports a GPU of its own on its host, else gloo, which computes on the CPU (`colab_par.cluster.backend`);
     an explicit "nccl" that some engine's host cannot serve is refused before the world forms.
     ``timeout`` bounds every collective (the process group's timeout) and engine start-up, so
     nothing waits forever. Every engine's torch and Python generators start from ``seed`` at each
@@ -52,7 +52,7 @@ class Cluster:
     "local" (this host), "mpi", "slurm" or ``Slurm(partition=..., account=..., time=...)``, or
     ``SSH({"node1": 2, "node2": 2})``; ranks are grouped by host.
     ``persist=True`` leaves controller and engines running when this kernel exits; a later kernel
-    joins them, variables and all, with `Cluster.attach` (`colab_par.persist`), and `stop` ends them.
+    joins them, variables and all, with `Cluster.attach` (`colab_par.cluster.persist`), and `stop` ends them.
     """
 
     launcher, timeout, interrupt_grace = _Shared(), _Shared(), _Shared()
@@ -209,7 +209,7 @@ class Cluster:
         from here: `commands` in order (scripts, tests), or each command read with ``input()`` (a
         notebook's input box) until q. ``rank=None``: the first rank whose error is its own (not
         a broken connection or the kit's interrupt after another rank failed). Only that rank is
-        asked, one short task per command (`colab_par.debugger`). A rank keeps its last error's
+        asked, one short task per command (`colab_par.cluster.debugger`). A rank keeps its last error's
         frames, and their locals, until its next successful cell or `clear_errors`."""
         self._inspection.debug(rank, commands)
 

@@ -11,14 +11,15 @@ import signal
 import time
 from typing import Any, Callable
 
-from colab_par import compat, engine, probe
+from colab_par import compat
+from colab_par.cluster import engine, probe
 from colab_par.cluster.calls import Calls
 from colab_par.cluster.health import dead_ranks
 from colab_par.cluster.lifecycle import Lifecycle
 from colab_par.cluster.persistence import save_record
 from colab_par.cluster.state import ClusterState
 from colab_par.cluster.world import World
-from colab_par.output import (CollectiveDeadlockError, busy_ranks, is_transport_error, rank_errors, rank_failure,
+from colab_par.cluster.output import (CollectiveDeadlockError, busy_ranks, is_transport_error, rank_errors, rank_failure,
                               ranks_text, where_waiting)
 
 # Once every rank broke its connections, pending collectives fail at once; a rank still busy this

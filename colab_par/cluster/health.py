@@ -10,7 +10,7 @@ from typing import Iterable
 from colab_par import compat
 from colab_par.cluster.processes import pid_alive
 from colab_par.cluster.state import ClusterState
-from colab_par.output import DeadEngineError
+from colab_par.cluster.output import DeadEngineError
 
 
 def dead_ranks(state: ClusterState) -> list[int]:

@@ -1,7 +1,7 @@
 """Looking into the engines: per-rank status, names, devices, post-mortem debugging, pulling variables.
 
 Each question goes to idle ranks only (it would queue behind a running task) and is one short
-task per rank (`colab_par.debugger`, `colab_par.postmortem`, `colab_par.pull`).
+task per rank (`colab_par.cluster.debugger`, `colab_par.cluster.postmortem`, `colab_par.cluster.pull`).
 """
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from typing import Any, Callable, Iterable, Sequence
 
 import psutil
 
-from colab_par import debugger, engine, postmortem
-from colab_par import pull as pulled
-from colab_par.backend import device_problems
+from colab_par.cluster import debugger, engine, postmortem
+from colab_par.cluster import pull as pulled
+from colab_par.cluster.backend import device_problems
 from colab_par.cluster.calls import Calls
 from colab_par.cluster.execution import Execution
 from colab_par.cluster.health import dead_ranks, live_ranks
 from colab_par.cluster.state import ClusterState
-from colab_par.output import is_transport_error, ranks_text, size_text, values
+from colab_par.cluster.output import is_transport_error, ranks_text, size_text, values
 
 
 class Inspection:

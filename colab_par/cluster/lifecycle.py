@@ -17,13 +17,13 @@ from typing import Iterable
 import ipyparallel as ipp
 from traitlets.config import Config
 
-from colab_par import direct, engine, persist, warm_pool
+from colab_par.cluster import direct, engine, persist, warm_pool
 from colab_par.cluster.health import live_ranks
 from colab_par.cluster.persistence import record_path, save_record
 from colab_par.cluster.processes import descendant_pids, pid_alive, reap
 from colab_par.cluster.state import ClusterState
 from colab_par.cluster.world import World
-from colab_par.launchers import SSH, Slurm
+from colab_par.cluster.launchers import SSH, Slurm
 
 _HEARTBEAT_MS, _DEAD_AFTER_BEATS = 100, 50
 
@@ -211,7 +211,7 @@ def _engine_config(nanny: bool, pool: warm_pool.WarmPool | None = None) -> Confi
     so binding each engine to its GPU still happens first. Engines on this host need no nanny
     process (its one job, remote signalling, is a plain `os.kill` here), and starting one sits inside
     every engine's registration. With a warm `pool`, controller and engines are forked from it,
-    their imports already done (`colab_par.warm_pool`). The controller registers an engine when
+    their imports already done (`colab_par.cluster.warm_pool`). The controller registers an engine when
     its heart first answers, not a heartbeat later (`compat.prompt_heart_monitor`).
     """
     config = Config()

@@ -1,4 +1,4 @@
-"""Engines that outlive the kernel: the record a later kernel joins them by (`colab_par.persist`).
+"""Engines that outlive the kernel: the record a later kernel joins them by (`colab_par.cluster.persist`).
 
 `save_record` writes what a `Cluster(persist=True)` is (its options, engines, hosts, devices);
 `options_of` and `restore` turn a record back into a cluster's options and state, connected to
@@ -14,9 +14,9 @@ from typing import Any
 
 import ipyparallel as ipp
 
-from colab_par import direct, persist
+from colab_par.cluster import direct, persist
 from colab_par.cluster.state import ClusterState
-from colab_par.launchers import launcher_from_state, launcher_state
+from colab_par.cluster.launchers import launcher_from_state, launcher_state
 
 
 def record_path(state: ClusterState) -> Any:
@@ -24,7 +24,7 @@ def record_path(state: ClusterState) -> Any:
 
 
 def save_record(state: ClusterState) -> None:
-    """What a later kernel needs to join these engines (`colab_par.persist`)."""
+    """What a later kernel needs to join these engines (`colab_par.cluster.persist`)."""
     controller = state.ipp.controller.pid
     options = {key: value for key, value in state.ipp_options.items() if _json_able(value)}
     persist.write_record(record_path(state), {

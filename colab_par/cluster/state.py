@@ -13,8 +13,8 @@ from typing import Any
 from ipyparallel import Client
 from ipyparallel import Cluster as IppCluster
 
-from colab_par.direct import Channels
-from colab_par.launchers import Launcher
+from colab_par.cluster.direct import Channels
+from colab_par.cluster.launchers import Launcher
 
 
 @dataclass(eq=False)

@@ -2,7 +2,7 @@
 
 Engines that registered become ranks (ordered by host), report their host, get their device and
 seed, then (re-)join one process group through a fresh store on rank 0's host
-(`colab_par.engine_setup`). Used at every start, after a replaced engine and to repair a broken group.
+(`colab_par.cluster.engine_setup`). Used at every start, after a replaced engine and to repair a broken group.
 """
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import socket
 import sys
 from typing import Any, Iterable
 
-from colab_par import direct, engine, engine_setup
-from colab_par.backend import choose_backend, device_indices, local_ranks
+from colab_par.cluster import direct, engine, engine_setup
+from colab_par.cluster.backend import choose_backend, device_indices, local_ranks
 from colab_par.cluster.state import ClusterState
-from colab_par.output import values
+from colab_par.cluster.output import values
 
 
 class World:
@@ -24,7 +24,7 @@ class World:
 
     def bootstrap(self) -> None:
         """Choose the backend from the engines' own hosts, bind devices (before CUDA starts on the
-        engines), then rendezvous on rank 0's host: three round trips (`colab_par.engine_setup`)."""
+        engines), then rendezvous on rank 0's host: three round trips (`colab_par.cluster.engine_setup`)."""
         state = self.state
         prepared = self.prepare(state.engine_ids)
         state.engine_ids, state.hosts = _ranked_by_host(state.engine_ids,
@@ -68,7 +68,7 @@ class World:
         return port
 
     def open_direct(self, ranks: list[int]) -> None:
-        """Direct channels to the engines of `ranks` on this host (`colab_par.direct`): those a
+        """Direct channels to the engines of `ranks` on this host (`colab_par.cluster.direct`): those a
         persisted cluster's engines opened when they started."""
         state = self.state
         local = [r for r in ranks if state.is_local(state.hosts[r])]

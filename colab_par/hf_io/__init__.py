@@ -6,7 +6,7 @@ holds the whole model on any rank.
 """
 from colab_par.hf_io.load import from_pretrained
 from colab_par.hf_io.save import DEFAULT_MAX_SHARD_BYTES, save_pretrained
-from colab_par.hf_io.weights import SafetensorsWeights, WeightsError
+from colab_par.models.hf_weights import SafetensorsWeights, WeightsError
 
 __all__ = ["from_pretrained", "save_pretrained", "SafetensorsWeights", "WeightsError",
            "DEFAULT_MAX_SHARD_BYTES"]

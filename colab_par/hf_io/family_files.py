@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from colab_par.hf_io.weights import SafetensorsWeights
+from colab_par.models.hf_weights import SafetensorsWeights
 
 __all__ = ["DiskNames", "FamilyWeights", "Packed"]
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from colab_par.hf_io.family_files import FamilyWeights
-from colab_par.hf_io.weights import WeightsError
+from colab_par.models.hf_weights import WeightsError
 from colab_par.layout import Layout
 
 __all__ = ["from_pretrained"]

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from colab_par import compat
 from colab_par.hf_io.family_files import DiskNames, Packed
-from colab_par.hf_io.weights import INDEX_FILE, SINGLE_FILE
+from colab_par.models.hf_weights import INDEX_FILE, SINGLE_FILE
 
 __all__ = ["save_pretrained", "DEFAULT_MAX_SHARD_BYTES"]
 

@@ -3,5 +3,5 @@
 chunks.py (grouping in first-use order) -> placement.py (tiers from the budget and the measured
 warm-up) -> stores.py (memory / memory-mapped file per chunk and kind) -> optimizer.py
 (`TieredAdamW`, the streamed step; transfers.py its GPU <-> host copies). See
-`colab_par.tier_options.MemoryTiers` for the options and docs/design.md ("Memory tiers") for the design.
+`colab_par.layout.tier_options.MemoryTiers` for the options and docs/design.md ("Memory tiers") for the design.
 """

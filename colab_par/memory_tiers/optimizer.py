@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
-from colab_par.host_heap import loosen_heap, tighten_heap, trim_host_heap
+from colab_par.memory_tiers.host_heap import loosen_heap, tighten_heap, trim_host_heap
 from colab_par.memory_tiers import chunks as chunking
 from colab_par.memory_tiers.chunks import Chunk, Slot, build_chunks, local
 from colab_par.memory_tiers.host_adam import AdamWHyper, host_adamw_step
@@ -46,7 +46,7 @@ from colab_par.memory_tiers.ownership import Ownership
 from colab_par.memory_tiers.placement import FAST, Measured, TierBudgetError, budget_text, place
 from colab_par.memory_tiers.stores import DiskStore, MemoryStore, RunFolder, check_disk_room
 from colab_par.memory_tiers.transfers import Transfers
-from colab_par.tier_options import MemoryTiers, format_bytes
+from colab_par.layout.tier_options import MemoryTiers, format_bytes
 
 __all__ = ["TieredAdamW", "check_optimizer"]
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from colab_par.host_heap import trim_host_heap
+from colab_par.memory_tiers.host_heap import trim_host_heap
 
 __all__ = ["PagedParameters", "ParameterHome"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from colab_par.tier_options import SLACK, MemoryTiers, format_bytes
+from colab_par.layout.tier_options import SLACK, MemoryTiers, format_bytes
 
 __all__ = ["TierBudgetError", "Measured", "place", "budget_text"]
 

@@ -20,7 +20,7 @@ import tempfile
 import weakref
 import torch
 
-from colab_par.tier_options import DEFAULT_DISK
+from colab_par.layout.tier_options import DEFAULT_DISK
 
 __all__ = ["MemoryStore", "DiskStore", "RunFolder", "DiskTierFull", "check_disk_room"]
 

@@ -28,7 +28,7 @@ from colab_par.memory_tiers.measure import resident_bytes
 from colab_par.models.hf import causal_lm_logits, is_hf_model
 from colab_par.parallel.adapters import (Adapters, adapt_to_grid, adapter_tp_plan, attach_adapters, base_layer_of,
                                         wraps_output_layer)
-from colab_par.parallel.batch import (LabelMean, batch_to, call_model, check_batch, label_count,
+from colab_par.data.batch import (LabelMean, batch_to, call_model, check_batch, label_count,
                                       default_loss, labels_of, slice_batch)
 from colab_par.parallel.blocks import find_blocks
 from colab_par.parallel.checkpointing import apply_activation_checkpointing
@@ -281,8 +281,8 @@ class ParallelModel:
     def evaluate(self, data: Any, num_batches: int | None = None, *,
                  batch_size: int | None = None) -> dict[str, float]:
         """Mean loss of held-out `data` over all ranks (and perplexity for language models),
-        changing no state; see `colab_par.evaluation.evaluate`."""
-        from colab_par.evaluation import evaluate
+        changing no state; see `colab_par.parallel.inference.evaluation.evaluate`."""
+        from colab_par.parallel.inference.evaluation import evaluate
         return evaluate(self, data, num_batches, batch_size)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, *, do_sample: bool = False,
@@ -291,9 +291,9 @@ class ParallelModel:
                  attention_mask: torch.Tensor | None = None, seed: int = 0,
                  use_cache: bool = True) -> torch.Tensor:
         """Prompts followed by up to `max_new_tokens` new tokens, the same on every rank, changing
-        no training state; see `colab_par.generation.generate`."""
-        from colab_par.generation import generate
-        from colab_par.sampling import Sampling
+        no training state; see `colab_par.parallel.inference.generation.generate`."""
+        from colab_par.parallel.inference.generation import generate
+        from colab_par.parallel.inference.sampling import Sampling
         return generate(self, input_ids, max_new_tokens,
                         Sampling(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p),
                         eos_token_id=eos_token_id, pad_token_id=pad_token_id,

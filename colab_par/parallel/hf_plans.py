@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from colab_par.flops import PACKED_ATTENTION
+from colab_par.layout import PACKED_ATTENTION
 from colab_par.parallel.collectives import regroup_blocks, sum_grad_over, sum_replicas
 
 __all__ = ["KIT_PLANS", "base_prefix", "bert_tp_plan", "gpt2_tp_plan", "Conv1DColwise", "Conv1DRowwise",

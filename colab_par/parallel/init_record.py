@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from colab_par import compat
 from colab_par.compat import tree_map
-from colab_par.host_heap import trim_host_heap
+from colab_par.memory_tiers.host_heap import trim_host_heap
 
 __all__ = ["InitRecord", "record_build", "record_reset", "named_state", "tie_groups", "retie",
            "UninitialisedError", "drawing_random_values"]

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from colab_par.compat import local_shard_offsets, unwrapped_name
-from colab_par.host_heap import trim_host_heap
+from colab_par.memory_tiers.host_heap import trim_host_heap
 from colab_par.parallel.init_record import InitRecord, named_state, retie, tie_groups
 
 __all__ = ["WeightSource", "materialize", "broadcast_rng_state", "is_meta_model"]

@@ -25,7 +25,7 @@ GRID_DIMS = {"2d": ("row", "col"), "2.5d": ("depth", "row", "col"), "3d": ("x", 
 
 def default_device() -> torch.device:
     """This rank's GPU (the cluster bound it) when its world runs on nccl, else the CPU: a gloo world
-    computes on the CPU also on a GPU host (`colab_par.backend`). Outside a world: the current GPU
+    computes on the CPU also on a GPU host (`colab_par.cluster.backend`). Outside a world: the current GPU
     if there is one."""
     world_on_gpus = "nccl" in dist.get_backend() if dist.is_initialized() else torch.cuda.is_available()
     return torch.device("cuda", torch.cuda.current_device()) if world_on_gpus else torch.device("cpu")

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from colab_par.parallel.collective_bytes import CollectiveBytes
-from colab_par.telemetry import ActivationMeter
+from colab_par.parallel.activations import ActivationMeter
 
 __all__ = ["measure_step_costs"]
 

@@ -15,7 +15,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from colab_par.layout import Layout
 from colab_par.memory_tiers.optimizer import TieredAdamW
-from colab_par.tier_options import bf16_working_shards as working_shards_in_bf16
+from colab_par.layout.tier_options import bf16_working_shards as working_shards_in_bf16
 
 __all__ = ["apply_memory_tiers", "cast_working_parameters", "bf16_working_shards"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from colab_par import remote_view
+from colab_par.views import remote_view
 from colab_par.profiling.events import MAIN_CATEGORIES
 from colab_par.profiling.picture import draw
 

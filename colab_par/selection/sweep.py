@@ -24,7 +24,7 @@ from colab_par.selection.schedule import PLACEMENTS, Schedule, TrialRun, TrialSh
 from colab_par.selection.shards import ShardPlan, plan_shards
 from colab_par.selection.store import SpillStore
 from colab_par.selection.trial import Trial
-from colab_par.ship import ship_by_value
+from colab_par.cluster.ship import ship_by_value
 
 __all__ = ["select"]
 
@@ -169,7 +169,7 @@ def _round_trip(cluster: Any, tries: int = 5) -> float:
 
 def _running_cluster(cluster: Any) -> Any:
     if cluster is None:
-        from colab_par.magics import default_cluster
+        from colab_par.notebook.magics import default_cluster
         cluster = default_cluster()
     if cluster is None or not cluster.running:
         raise RuntimeError("no engines are running: start them with `%colossal start` (or "

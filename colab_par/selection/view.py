@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from colab_par.dashboard import Panel, _detect_mode, _escape
+from colab_par.views.dashboard import Panel, _detect_mode, _escape
 from colab_par.selection.results import SweepResult
 
 __all__ = ["SelectionView", "leaderboard_text", "trial_colour"]

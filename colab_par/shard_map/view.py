@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from colab_par import remote_view
+from colab_par.views import remote_view
 from colab_par.shard_map.picture import draw, size_text
 
 __all__ = ["ShardMap", "Row", "MAX_PARAMETER_ROWS"]

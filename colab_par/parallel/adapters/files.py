@@ -79,7 +79,7 @@ def peft_source(build: Callable[[], nn.Module], base_weights: Any, base_path: Pa
     that match no module, an adapter directory that does not fit this base."""
     from peft import PeftConfig
 
-    from colab_par.hf_io.weights import SafetensorsWeights
+    from colab_par.models.hf_weights import SafetensorsWeights
 
     folder = None if adapter is None else Path(adapter)
     if folder is not None:

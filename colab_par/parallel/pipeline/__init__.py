@@ -15,7 +15,7 @@ from typing import Sequence
 from torch import nn
 
 from colab_par.layout import Layout
-from colab_par.parallel.batch import Batch
+from colab_par.data.batch import Batch
 from colab_par.parallel.pipeline.layers import layer_count, layer_stage, layer_units, split_by_layers
 from colab_par.parallel.pipeline.runner import PipelineRunner
 from colab_par.parallel.pipeline.stages import TiedTensor, stage_ids, stage_owner

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from colab_par import compat
 from colab_par.compat import tree_flatten, tree_map
 from colab_par.layout import Layout
-from colab_par.parallel.batch import Batch, batch_size, batch_to, check_batch
+from colab_par.data.batch import Batch, batch_size, batch_to, check_batch
 from colab_par.parallel.pipeline.decode import StageChain
 from colab_par.parallel.pipeline.stages import TiedTensor, stage_ids, stage_owner
 from colab_par.parallel.pipeline.traced import TracedInterface
@@ -240,7 +240,7 @@ class PipelineRunner:
                    score: Callable[[Any, Batch], torch.Tensor] | None = None,
                    on_device: bool = False) -> float | torch.Tensor:
         """`step` for this rank's dp share of any batch in the kit's convention: a tuple
-        ``(*inputs, target)`` or a dict (see `colab_par.parallel.batch`).
+        ``(*inputs, target)`` or a dict (see `colab_par.data.batch`).
 
         The last stage scores each microbatch with ``batch_loss_fn(outputs, microbatch)``. torch's
         schedules split only a tensor target, so the target they carry is the batch's row index

@@ -2,7 +2,7 @@
 
 A model the kit cannot cut by its layers (or any model given `split_points`) is traced on an
 example microbatch (one microbatch of this rank's share, in the batch convention of
-`colab_par.parallel.batch`) and cut before each module named in `split_points`, or before repeated
+`colab_par.data.batch`) and cut before each module named in `split_points`, or before repeated
 blocks (`find_blocks`) chosen to balance parameter counts. Every parameter keeps its fully
 qualified name; a tensor several stages use stays one tensor (`stages.tensors_across_stages`).
 """
@@ -20,7 +20,7 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 
 from colab_par.compat import tree_flatten, tree_unflatten
 from colab_par.layout import Layout
-from colab_par.parallel.batch import Batch, forward_keywords, batch_to, check_batch
+from colab_par.data.batch import Batch, forward_keywords, batch_to, check_batch
 from colab_par.parallel.blocks import find_blocks
 from colab_par.parallel.mesh import default_device
 from colab_par.parallel.pipeline.stages import stage_ids, tensors_across_stages
@@ -75,7 +75,7 @@ class TracedInterface:
 
 
 def model_inputs(batch: Batch, dict_keys: tuple[str, ...] | None) -> tuple[tuple, dict]:
-    """The model's (args, kwargs) for `batch`, as `colab_par.parallel.batch.call_model` calls it."""
+    """The model's (args, kwargs) for `batch`, as `colab_par.data.batch.call_model` calls it."""
     if isinstance(batch, dict):
         missing = [key for key in dict_keys or () if key not in batch]
         if missing:

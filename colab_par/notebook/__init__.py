@@ -1,0 +1,1 @@
+"""Runs in the user's kernel: the %colossal magics, the layout picker, engines' output, notebook export."""

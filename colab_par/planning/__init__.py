@@ -1,0 +1,1 @@
+"""Pure Python, no cluster: memory, communication and time estimates, devices, FLOPs, plan()."""

@@ -1,0 +1,1 @@
+"""On the engines: the Trainer, its logs and telemetry, checkpoints and recovery."""
