@@ -49,6 +49,7 @@ from typing import Any, Callable
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from cuda_probe import probe  # noqa: E402  (the GPUs' names, asked in a child process)
+from colab_par.training.options import Logs
 RESULTS = HERE / "RESULTS.md"
 GiB = 2 ** 30
 # GPT-3 XL's shape (2048 wide, 24 layers, 16 heads) with the kit's SwiGLU block: 1.4 B parameters.
@@ -145,7 +146,7 @@ def engine_measurements(model: dict, micro_batch: int, steps: int) -> dict:
             gpt = GPT(GPTConfig(**model))
         pm = parallelize(gpt, layout)
         params = sum(p.numel() for p in pm.model.parameters())
-        rows = Trainer(pm, data, steps=steps + 1, telemetry=True).fit()
+        rows = Trainer(pm, data, steps=steps + 1, logs=Logs(telemetry=True)).fit()
         inputs, targets = (t.cuda() for t in data.batch(0))
         torch.cuda.synchronize()
         window.mark()
@@ -222,8 +223,7 @@ def trainer_syncs(model: dict, steps: int = 5) -> dict[int, list[tuple[bool, int
     for accum in SYNC_ACCUM:
         torch.manual_seed(0)
         pm = parallelize(lambda: GPT(GPTConfig(**model)), "dp1", optimizer_fn=lambda p: torch.optim.AdamW(p, lr=1e-3))
-        trainer = Trainer(pm, SyntheticDataset(model["vocab_size"], model["seq_len"], 4), steps=steps,
-                          grad_accum=accum, log_every=2)
+        trainer = Trainer(pm, SyntheticDataset(model["vocab_size"], model["seq_len"], 4), steps=steps, grad_accum=accum, logs=Logs(every=2))
         trainer.train_step()  # the first (CUDA's lazy set-up, the allocator's first blocks): not counted
         seen = []
         for _ in range(steps - 1):

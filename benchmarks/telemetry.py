@@ -26,6 +26,7 @@ from IPython.core.displaypub import CapturingDisplayPublisher
 from IPython.core.interactiveshell import InteractiveShell
 
 from colab_par import Cluster
+from colab_par.training.options import Logs
 
 MODEL = dict(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256, kernels="torch")
 
@@ -38,8 +39,7 @@ def seconds_per_step(layout: str, steps: int, telemetry: bool) -> tuple[float, f
 
     torch.manual_seed(0)
     pm = parallelize(GPT(GPTConfig(**MODEL)), layout)
-    trainer = Trainer(pm, SyntheticDataset(256, MODEL["seq_len"], 8), steps=steps + 2, grad_clip=1.0,
-                      telemetry=telemetry)
+    trainer = Trainer(pm, SyntheticDataset(256, MODEL["seq_len"], 8), steps=steps + 2, grad_clip=1.0, logs=Logs(telemetry=telemetry))
     trainer.fit(stop_at=2)
     wall, cpu = time.perf_counter(), time.process_time()
     trainer.fit()
@@ -65,8 +65,7 @@ def in_process(steps: int, rounds: int) -> None:
         for telemetry in ((False, True) if round_ % 2 == 0 else (True, False)):
             torch.manual_seed(0)
             pm = parallelize(GPT(GPTConfig(**MODEL)), "dp1")
-            trainer = Trainer(pm, SyntheticDataset(256, MODEL["seq_len"], 4), steps=steps + 2,
-                              grad_clip=1.0, telemetry=telemetry)
+            trainer = Trainer(pm, SyntheticDataset(256, MODEL["seq_len"], 4), steps=steps + 2, grad_clip=1.0, logs=Logs(telemetry=telemetry))
             for _ in range(2):
                 trainer.train_step()
             start = time.process_time()

@@ -118,6 +118,7 @@ def own_work_on_engine(model: dict, batch: int, steps: int, warmup: int,
     import torch
 
     from colab_par import Trainer, parallelize
+    from colab_par.parallel import activations
     from colab_par.training import telemetry
     from colab_par.data import SyntheticDataset
     from colab_par.models import GPT, GPTConfig
@@ -144,11 +145,11 @@ def own_work_on_engine(model: dict, batch: int, steps: int, warmup: int,
     pm.forward_backward_tensor = timed(pm.forward_backward_tensor, "model", time.process_time)
     pm.optimizer_step = timed(pm.optimizer_step, "model", time.process_time)
     pm.clip_grad_norm_tensor = timed(pm.clip_grad_norm_tensor, "grad norm")  # no grad_clip: telemetry's norm
-    trainer._activations._pack = timed(trainer._activations._pack, "hooks")  # forward
-    unpack = telemetry._identity  # backward: the meter's other hook
-    telemetry._identity = timed(unpack, "hooks")
+    trainer._measures.activations._pack = timed(trainer._measures.activations._pack, "hooks")  # forward
+    unpack = activations._identity  # backward: the meter's other hook
+    activations._identity = timed(unpack, "hooks")
     trainer._next_batch = timed(trainer._next_batch, "data")
-    trainer._add_telemetry = timed(trainer._add_telemetry, "row")
+    trainer._measures.add_to = timed(trainer._measures.add_to, "row")
     grad_bytes, publish = telemetry.grad_bytes, telemetry.Publisher.publish
     telemetry.grad_bytes = timed(grad_bytes, "grad bytes")
     telemetry.Publisher.publish = timed(publish, "publish")
@@ -158,7 +159,7 @@ def own_work_on_engine(model: dict, batch: int, steps: int, warmup: int,
         total = time.process_time() - started
     finally:
         telemetry.grad_bytes, telemetry.Publisher.publish = grad_bytes, publish
-        telemetry._identity = unpack
+        activations._identity = unpack
     model_work = spent.pop("model") - spent["hooks"]
     figures = {"step": total, "model": model_work, "own": total - model_work, **spent}
     figures["other"] = figures["own"] - sum(spent.values())

@@ -13,6 +13,7 @@ import torch
 
 from colab_par import Cluster
 from colab_par.training.checkpoint import COMMIT_MARKER, latest_checkpoint
+from colab_par.training.options import Logs
 
 # Big enough that writing the checkpoint takes a while (≈110 MB per rank), small enough for 2 cores.
 BIG = dict(vocab_size=256, seq_len=16, n_layer=6, n_head=8, d_model=512, kernels="torch")
@@ -26,7 +27,7 @@ def big_trainer(steps: int):
 
     torch.manual_seed(3)
     pm = parallelize(GPT(GPTConfig(**BIG)), "dp2 zero3")
-    return Trainer(pm, SyntheticDataset(256, 16, 2), steps=steps, telemetry=False)
+    return Trainer(pm, SyntheticDataset(256, 16, 2), steps=steps, logs=Logs(telemetry=False))
 
 
 def uninterrupted() -> list[float]:

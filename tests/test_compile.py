@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from parity import GPT_SIZES, SEED, assert_parity, build_model, engine_run, reference_run, training_batches
+from colab_par.training.options import Logs
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # engines cannot import test modules
 
@@ -271,7 +272,7 @@ def _trainer_rows(layout: str) -> list[list[dict]]:
     for _ in range(2):
         pm = parallelize(build_model("gpt", SEED), layout)
         data = SyntheticDataset(GPT_SIZES["vocab_size"], GPT_SIZES["seq_len"], batch_size=4)
-        cells.append(Trainer(pm, data, steps=2, telemetry=True).fit())
+        cells.append(Trainer(pm, data, steps=2, logs=Logs(telemetry=True)).fit())
     return cells
 
 

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from colab_par.data.sources import DataPlace, IterableSource, MapSource, data_source, stack_rows
+from colab_par.training.options import Checkpoints, Logs
 
 datasets = pytest.importorskip("datasets")
 
@@ -201,8 +202,7 @@ def resume_run(kind: str, layout: str, *, ckpt: str | None = None, stop_at: int 
     pm = parallelize(GPT(GPTConfig(**GPT_SIZES)), layout,
                      optimizer_fn=lambda p: torch.optim.AdamW(p, lr=3e-3))
     data = {"map": Windows, "stream": WindowStream, "workers": workers_loader}[kind]()
-    trainer = Trainer(pm, data, steps=STEPS, batch_size=BATCH, seed=3, telemetry=False,
-                      ckpt_dir=ckpt, ckpt_every=SAVE_AT if ckpt else None)
+    trainer = Trainer(pm, data, steps=STEPS, batch_size=BATCH, seed=3, logs=Logs(telemetry=False), checkpoints=Checkpoints(ckpt, every=SAVE_AT) if ckpt else None)
     if resume_from:
         load(pm, resume_from, trainer=trainer)
     watch(pm)
@@ -258,7 +258,7 @@ def resume_with_other_data(ckpt: str) -> str:
     from colab_par.models.gpt import GPT, GPTConfig
 
     pm = parallelize(GPT(GPTConfig(**GPT_SIZES)), "dp2")
-    trainer = Trainer(pm, Windows(), steps=STEPS, batch_size=BATCH, seed=4, telemetry=False)  # saved: 3
+    trainer = Trainer(pm, Windows(), steps=STEPS, batch_size=BATCH, seed=4, logs=Logs(telemetry=False))  # saved: 3
     try:
         load(pm, ckpt, trainer=trainer)
     except CheckpointError as error:
@@ -308,7 +308,7 @@ def fail_in_a_worker() -> str:
     from colab_par import Trainer, parallelize
 
     loader = DataLoader(Corrupt(), batch_size=BATCH, num_workers=2)
-    trainer = Trainer(parallelize(Recorder(), "dp2"), loader, steps=3, telemetry=False)
+    trainer = Trainer(parallelize(Recorder(), "dp2"), loader, steps=3, logs=Logs(telemetry=False))
     try:
         trainer.fit()
     except ValueError:
@@ -562,8 +562,7 @@ class BrokenStream(Stream):
 def fail_mid_stream() -> str:
     from colab_par import Trainer, parallelize
 
-    trainer = Trainer(parallelize(Recorder(), "dp2"), BrokenStream(), batch_size=BATCH, steps=10,
-                      telemetry=False)
+    trainer = Trainer(parallelize(Recorder(), "dp2"), BrokenStream(), batch_size=BATCH, steps=10, logs=Logs(telemetry=False))
     try:
         trainer.fit()
     except (OSError, RuntimeError) as error:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from colab_par.data import BatchList, SyntheticDataset
 from colab_par.models.gpt import GPT, GPTConfig
 from colab_par.parallel.rng import stream_seed
+from colab_par.training.options import Checkpoints, Logs
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -67,7 +68,7 @@ def train(layout: str, kind: str, steps: int, data: str = "tokens", **overrides)
 
     pm = parallelize(build(kind, **overrides), layout, optimizer_fn=adamw)
     source = SyntheticDataset(**DATA) if data == "tokens" else dict_batches(steps)
-    trainer = Trainer(pm, source, steps=steps, seed=TRAIN_SEED, telemetry=False)
+    trainer = Trainer(pm, source, steps=steps, seed=TRAIN_SEED, logs=Logs(telemetry=False))
     trainer.fit()
     return {"losses": [row["loss"] for row in trainer.history], "replicated": replicated_over_tp(pm),
             "rng": pm.rng.state()["cpu"]}
@@ -167,10 +168,9 @@ def resumed(saved_as: str, resumed_as: str, kind: str, folder: str, steps: int) 
     from colab_par import Trainer, parallelize
 
     pm = parallelize(build(kind), saved_as, optimizer_fn=adamw)
-    Trainer(pm, SyntheticDataset(**DATA), steps=steps, seed=TRAIN_SEED, telemetry=False,
-            ckpt_dir=folder).fit(stop_at=steps // 2)
+    Trainer(pm, SyntheticDataset(**DATA), steps=steps, seed=TRAIN_SEED, logs=Logs(telemetry=False), checkpoints=Checkpoints(folder)).fit(stop_at=steps // 2)
     pm = parallelize(build(kind), resumed_as, optimizer_fn=adamw)
-    trainer = Trainer(pm, SyntheticDataset(**DATA), steps=steps, seed=TRAIN_SEED, telemetry=False, ckpt_dir=folder)
+    trainer = Trainer(pm, SyntheticDataset(**DATA), steps=steps, seed=TRAIN_SEED, logs=Logs(telemetry=False), checkpoints=Checkpoints(folder))
     trainer.resume()
     trainer.fit()
     return {"losses": [row["loss"] for row in trainer.history], "replicated": replicated_over_tp(pm),

@@ -324,14 +324,15 @@ def test_dashboard_draws_validation_loss_beside_training_loss() -> None:
 
 def test_bad_eval_arguments_fail_before_any_work() -> None:
     from colab_par.data import SyntheticDataset
-    from colab_par.training.trainer import _check_eval
+    from colab_par.training.options import Evaluation
+    from colab_par.training.trainer import held_out_data
 
     held_out = SyntheticDataset(vocab_size=VOCAB, seq_len=SEQ)
-    for args, message in [((held_out, 2, None), "num_batches"), ((None, 2, None), "eval_data"),
-                          ((held_out, None, 3), "eval_every"), ((held_out, 0, 3), "eval_every"),
-                          (("text", 2, None), "TokenDataset"), (([], 2, None), "no batches")]:
+    for args, message in [((held_out, 2, None), "num_batches"), ((None, 2, None), "data=None"),
+                          ((held_out, None, 3), "every=None"), ((held_out, 0, 3), "every=0"),
+                          (("text", 2, None), "needs a length.*not a str"), (([], 2, None), "no batches")]:
         with pytest.raises((ValueError, TypeError), match=message):
-            _check_eval(*args)
+            held_out_data(Evaluation(*args), None)
 
 
 def test_held_out_rows_that_cannot_be_read_whole_are_refused() -> None:

@@ -15,6 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from colab_par.training.loggers import TensorBoardLogger, scalar_tags  # noqa: E402
 from test_data_sources import BATCH, GPT_SIZES, Windows  # noqa: E402
+from colab_par.training.options import Evaluation, Logs
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -76,8 +77,7 @@ def train_with_logs(log_dir: str) -> list[dict]:
     from colab_par.models.gpt import GPT, GPTConfig
     torch.manual_seed(5)
     pm = parallelize(GPT(GPTConfig(**GPT_SIZES)), "dp2 zero3")
-    trainer = Trainer(pm, Windows(), batch_size=BATCH, steps=STEPS, log_every=2, log_dir=log_dir,
-                      eval_data=Windows(), eval_every=2)
+    trainer = Trainer(pm, Windows(), batch_size=BATCH, steps=STEPS, logs=Logs(every=2, tensorboard=log_dir), evaluation=Evaluation(Windows(), every=2))
     trainer.fit()
     return trainer.history
 
@@ -130,8 +130,7 @@ def fit_into(log_dir: str) -> str:
     from colab_par.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(5)
-    trainer = Trainer(parallelize(GPT(GPTConfig(**GPT_SIZES)), "dp2"), Windows(), batch_size=BATCH,
-                      steps=2, log_dir=log_dir)
+    trainer = Trainer(parallelize(GPT(GPTConfig(**GPT_SIZES)), "dp2"), Windows(), batch_size=BATCH, steps=2, logs=Logs(tensorboard=log_dir))
     try:
         trainer.fit()
     except (OSError, RuntimeError) as error:

@@ -39,3 +39,18 @@ def test_the_tree_has_no_import_circles_of_files_or_folders():
     for flags in ([], ["--folders"]):
         done = subprocess.run([sys.executable, str(tool), *flags], cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_every_module_of_the_kit_travels_to_engines_by_reference():
+    """Functions of the kit's own modules are pickled by reference (the engines import the same
+    module, whose state they keep), wherever in the tree the module lives."""
+    import pkgutil
+
+    import colab_par
+    from colab_par.cluster import ship
+
+    for info in pkgutil.walk_packages(colab_par.__path__, "colab_par."):
+        if info.name.split(".")[1] == "moved" or info.name in MOVED:
+            continue
+        module = importlib.import_module(info.name)
+        assert ship._engines_can_import(module), info.name

@@ -12,6 +12,7 @@ import pytest
 from colab_par import Cluster
 from colab_par.models import GPTConfig
 from colab_par.cluster.output import RecoveryError
+from colab_par.training.options import Checkpoints
 
 # Rank 1 kills itself once (the marker file is removed first), in the step or in the save named by
 # KILL_IN; then every step's loss is printed from rank 0.
@@ -103,7 +104,7 @@ def test_a_cell_that_keeps_losing_engines_stops_with_its_story(cluster, tmp_path
 def test_restart_needs_a_checkpoint_folder_and_cadence() -> None:
     from colab_par.training.trainer import Trainer
 
-    with pytest.raises(ValueError, match="pass ckpt_dir= .* and ckpt_every="):
-        Trainer(None, [], steps=1, on_failure="restart", ckpt_dir="somewhere")
+    with pytest.raises(ValueError, match="on_failure=.restart. resumes from the last checkpoint: pass every="):
+        Trainer(None, [], steps=1, checkpoints=Checkpoints("somewhere", on_failure="restart"))
     with pytest.raises(ValueError, match="on_failure='retry' is not one of raise, restart"):
         Trainer(None, [], steps=1, on_failure="retry")

@@ -14,7 +14,8 @@ from colab_par.planning.largest_model import gpt_ladder, largest_model, largest_
 from colab_par.models.gpt import GPT, GPTConfig
 from colab_par.planning.planner import estimate
 from colab_par.planning.tier_costs import (HEAP_COSTS, HOST_HEAP_FILE, TIER_COSTS_FILE, HeapCosts, TierRates,
-                                  disk_free_bytes, load_heap_costs, load_tier_rates, place_state, tier_plan)
+                                  HostShare, disk_free_bytes, load_heap_costs, load_tier_rates, place_state,
+                                  tier_plan)
 from colab_par.layout.tier_options import SLACK, MemoryTiers
 
 STATE = {"params": 100.0, "grads": 100.0, "optimizer": 400.0}
@@ -80,8 +81,8 @@ def test_no_room_says_why_and_what_to_do() -> None:
 def test_disk_traffic_per_step_follows_the_contract() -> None:
     # everything on disk: optimizer read + written, grads written + read, params read twice + written
     tiers = MemoryTiers(params="disk", grads="disk", optimizer="disk")
-    plan = tier_plan(STATE, tiers, 0.0, one_memory=True, compute=0.0, optimizer_time=0.0,
-                     optimizer_bytes_per_param=8, ranks_per_host=1, rates=RATES)
+    plan = tier_plan(STATE, tiers, 0.0, host=HostShare(one_memory=True), compute=0.0, optimizer_time=0.0,
+                     optimizer_bytes_per_param=8, rates=RATES)
     assert plan.disk_read == 400 + 100 + 2 * 100
     assert plan.disk_write == 400 + 100 + 100
     assert plan.host_device == 0.0 and plan.moved == 1300
@@ -91,12 +92,12 @@ def test_exposed_seconds_overlap_io_with_compute_and_the_step() -> None:
     # params on disk, 2 ranks sharing the disk: read 50 B/s, write 25 B/s per rank.
     # forward+backward: 200 read = 4 s against 3 s compute -> 1 s shows;
     # step: 100 written = 4 s against a 1 s optimizer step -> 3 s; first chunks 2 * 10 / 50 = 0.4 s
-    plan = tier_plan(STATE, MemoryTiers(params="disk"), 0.0, one_memory=True, compute=3.0, optimizer_time=1.0,
-                     optimizer_bytes_per_param=8, ranks_per_host=2, rates=RATES)
+    plan = tier_plan(STATE, MemoryTiers(params="disk"), 0.0, host=HostShare(one_memory=True, ranks=2), compute=3.0,
+                     optimizer_time=1.0, optimizer_bytes_per_param=8, rates=RATES)
     assert plan.times["io_fb"] == pytest.approx(4.0) and plan.times["io_step"] == pytest.approx(4.0)
     assert plan.seconds == pytest.approx(1.0 + 3.0 + 0.4)
-    hidden = tier_plan(STATE, MemoryTiers(params="disk"), 0.0, one_memory=True, compute=10.0,
-                       optimizer_time=10.0, optimizer_bytes_per_param=8, ranks_per_host=2, rates=RATES)
+    hidden = tier_plan(STATE, MemoryTiers(params="disk"), 0.0, host=HostShare(one_memory=True, ranks=2),
+                       compute=10.0, optimizer_time=10.0, optimizer_bytes_per_param=8, rates=RATES)
     assert hidden.seconds == pytest.approx(0.4)  # all hidden but the first chunks
 
 
@@ -105,7 +106,7 @@ def test_a_cpu_rank_tightens_its_heap_where_the_budget_binds_with_the_default_he
     # placement at the measured step is params 100 + grads 100 + 100 working + 20 buffers: 130 of the
     # optimizer's 400 stay, so auto state leaves the device and the runtime tightens the heap
     heap = HeapCosts(tight_step_ratio=1.25, default_working_ratio=2.0, measured="test")
-    args = dict(one_memory=True, compute=1.0, optimizer_time=1.0, optimizer_bytes_per_param=8, ranks_per_host=1,
+    args = dict(host=HostShare(one_memory=True), compute=1.0, optimizer_time=1.0, optimizer_bytes_per_param=8,
                 rates=RATES, heap=heap)
     assert tier_plan(STATE, MemoryTiers(budget=480, disk="tmp"), 50.0, **args).tight_heap
     # everything fits even with twice the working memory: the heap stays as glibc has it
@@ -117,7 +118,8 @@ def test_a_cpu_rank_tightens_its_heap_where_the_budget_binds_with_the_default_he
     assert not tier_plan(STATE, MemoryTiers(budget=725, disk="tmp"), 50.0, **args).disk["optimizer"]
     assert tier_plan(STATE, MemoryTiers(budget=725, disk="tmp"), 50.0, **args).tight_heap
     # on CUDA the host heap is not the budget's memory
-    assert not tier_plan(STATE, MemoryTiers(budget=480, disk="tmp"), 50.0, **dict(args, one_memory=False)).tight_heap
+    assert not tier_plan(STATE, MemoryTiers(budget=480, disk="tmp"), 50.0,
+                         **dict(args, host=HostShare(one_memory=False))).tight_heap
 
 
 def test_the_planner_prices_a_tightened_heap_on_every_part_of_the_step() -> None:
@@ -144,14 +146,14 @@ def test_cuda_host_optimizer_moves_grads_down_and_params_up_and_steps_on_the_hos
     # optimizer on the host (mixed precision: 12 bytes per parameter, 8 of them exp_avg +
     # exp_avg_sq): grads 100 go down, params 100 go up; the host AdamW updates 400 * 8/12 bytes
     # of moments at 8 B/s
-    plan = tier_plan(STATE, MemoryTiers(optimizer="host"), 0.0, one_memory=False, compute=0.0, optimizer_time=0.0,
-                     optimizer_bytes_per_param=12, ranks_per_host=1, rates=RATES)
+    plan = tier_plan(STATE, MemoryTiers(optimizer="host"), 0.0, host=HostShare(one_memory=False), compute=0.0,
+                     optimizer_time=0.0, optimizer_bytes_per_param=12, rates=RATES)
     assert plan.host_device == 200.0 and plan.disk_read == 0.0
     assert plan.times["host_adam"] == pytest.approx(400 * 8 / 12 / 8)
     assert plan.seconds == pytest.approx(max(200 / 20, 400 * 8 / 12 / 8))
     # float32 training has no master on the host: the params come down as well as up
-    fp32 = tier_plan(STATE, MemoryTiers(optimizer="host"), 0.0, one_memory=False, compute=0.0, optimizer_time=0.0,
-                     optimizer_bytes_per_param=8, ranks_per_host=1, rates=RATES)
+    fp32 = tier_plan(STATE, MemoryTiers(optimizer="host"), 0.0, host=HostShare(one_memory=False), compute=0.0,
+                     optimizer_time=0.0, optimizer_bytes_per_param=8, rates=RATES)
     assert fp32.host_device == 300.0
 
 
@@ -266,11 +268,11 @@ def test_plan_under_a_budget_puts_every_candidate_in_tiers_and_within_it() -> No
 def test_without_a_measured_copy_rate_the_catalogues_link_is_used() -> None:
     from dataclasses import replace
 
-    options = dict(one_memory=False, compute=0.0, optimizer_time=0.0, optimizer_bytes_per_param=12,
-                   ranks_per_host=1)
-    measured = tier_plan(STATE, MemoryTiers(params="host"), 0.0, rates=RATES, **options)
+    options = dict(compute=0.0, optimizer_time=0.0, optimizer_bytes_per_param=12)
+    measured = tier_plan(STATE, MemoryTiers(params="host"), 0.0, host=HostShare(one_memory=False), rates=RATES,
+                         **options)
     catalogue = tier_plan(STATE, MemoryTiers(params="host"), 0.0, rates=replace(RATES, host_device=None),
-                          link_bandwidth=20.0, **options)
+                          host=HostShare(one_memory=False, link_bandwidth=20.0), **options)
     assert measured.times["io_fb"] == catalogue.times["io_fb"] == pytest.approx(200 / 20)
     gpu = estimate(dict(vocab_size=32000, n_layer=32, d_model=4096, n_head=32), "dp8 zero3 bf16 optimizer@host",
                    device="H100", global_batch=8, seq_len=4096)

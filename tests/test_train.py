@@ -19,6 +19,7 @@ import torch
 from colab_par.data import SyntheticDataset
 from colab_par.models.gpt import GPT, GPTConfig
 from colab_par.training.trainer import Trainer, WarmupCosine
+from colab_par.training.options import Logs
 
 CONFIG = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, kernels="torch")
 DATA = dict(vocab_size=64, seq_len=16, batch_size=4, seed=5)
@@ -180,7 +181,7 @@ def test_warmup_cosine_shape():
     (dict(steps=0), "steps=0 must be a positive integer"),
     (dict(steps=5, grad_accum=0), "grad_accum=0"),
     (dict(steps=5, grad_clip=-1.0), "grad_clip=-1.0"),
-    (dict(steps=5, ckpt_every=2), "pass ckpt_dir"),
+    (dict(steps=5, ckpt_every=2), "ckpt_every is set but ckpt_dir is None"),
 ])
 def test_bad_arguments_fail_before_any_work(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -251,7 +252,7 @@ def reads_per_step(layout: str, data: str, grad_accum: int, steps: int = 5, log_
     else:  # labelled dict batches: the loss averages over the labels counted on every dp rank
         pm = parallelize(any_models.build(data, 0), layout, optimizer_fn=adamw)
         source = any_models.make_batches(data, steps * grad_accum)
-    trainer = Trainer(pm, source, steps=steps, grad_accum=grad_accum, log_every=log_every)
+    trainer = Trainer(pm, source, steps=steps, grad_accum=grad_accum, logs=Logs(every=log_every))
     trainer.train_step()
     out = []
     for _ in range(steps - 1):
@@ -270,4 +271,4 @@ def test_a_step_reads_the_device_once_whatever_its_micro_steps(cluster2, layout,
     for rank in cluster2.run(reads_per_step, layout, data, 3):
         assert [logged for logged, _ in rank] == [True, False, True, True]  # steps 2..5, log_every=2, last
         for logged, counts in rank:
-            assert counts == ({"train.py:read_step": 1} if logged else {}), rank
+            assert counts == ({"training/trainer.py:read_step": 1} if logged else {}), rank

@@ -18,7 +18,8 @@ each, sharing one `ClusterState` (state.py):
 and the rooms both sides of the wire use:
 
   engine.py engine_setup.py backend.py probe.py   what runs on each engine to bind, seed and join
-  launchers.py warm_pool.py                       how engines start (local, SSH, Slurm, MPI; pre-forked)
+  launchers.py warm_pool.py idle_imports.py      how engines start (local, SSH, Slurm, MPI; pre-forked,
+                                                  the pool's imports yielding to cells)
   ship.py direct.py direct_call.py lean_wire.py   names shipped by value; the direct channel
   deadlock.py task_watch.py                       divergent ranks caught in seconds
   output.py ranks.py script.py persist.py         engines' output and errors, rank lists, torchrun

@@ -151,7 +151,7 @@ def _source_file(fn: Callable[..., Any]) -> str | None:
 
 
 def _recovery_policy(result: Any) -> dict[str, Any] | None:
-    """What a cell's `Trainer(on_failure="restart")` published (ckpt_dir, max_restarts), if any."""
+    """What a cell's `Trainer` with `Checkpoints(on_failure="restart")` published (ckpt_dir, max_restarts), if any."""
     try:
         published = per_rank_data(result.data)
     except Exception:  # noqa: BLE001 - a task lost with its engine may hold no data at all

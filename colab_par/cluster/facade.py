@@ -146,7 +146,7 @@ class Cluster:
         ``namespace`` is pushed to the engines first (shipped notebook definitions). ``cell_number``
         names the cell on the engines as the notebook numbers it (``Cell In[N]`` in tracebacks).
 
-        When an engine dies while the cell fits a ``Trainer(on_failure="restart")``, the dead
+        When an engine dies while the cell fits a ``Trainer(checkpoints=Checkpoints(..., on_failure="restart"))``, the dead
         engines are replaced (`replace_dead`; every engine restarted where engines cannot be
         replaced one by one) and the cell runs again (with ``fresh_namespace()``, default
         ``namespace``: a fresh engine holds nothing earlier cells defined), its fit resuming from

@@ -29,7 +29,7 @@ _IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open", "_", "__",
 def _installed_roots() -> list[Path]:
     paths = sysconfig.get_paths()
     roots = {paths.get(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")}
-    roots.add(str(Path(__file__).resolve().parent))
+    roots.add(str(Path(__file__).resolve().parents[1]))  # colab_par/ itself (this file is in colab_par/cluster/)
     return [Path(root).resolve() for root in roots if root]
 
 

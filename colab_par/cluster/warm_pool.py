@@ -17,15 +17,13 @@ zygote is not running, or was started with a different environment (below), the 
 ordinary cold command instead, so a start never depends on the pool.
 Once it has served a first start, the engine zygote also imports what a first `parallelize` or
 `from_pretrained` would (`_IDLE_IMPORTS`), so engines of every later start have it. That is seconds
-of CPU beside the user's first cells, so it yields to them (`_Yielding`): it begins only once the
-processes it serves (its owner, the notebook, and every engine it forked) have been quiet for
-`_QUIET_S`, and pauses, between modules and inside one, as soon as they use the CPU again; each
+of CPU beside the user's first cells, so it yields to them (`idle_imports.Yielding`): it begins only
+once the processes it serves (its owner, the notebook, and every engine it forked) have been quiet
+for `_QUIET_S`, and pauses, between modules and inside one, as soon as they use the CPU again; each
 pause doubles the quiet it waits for next (up to `_QUIET_MAX_S`), so a user running cells every few
-seconds seldom meets an import that has just begun. Lowering
-its priority instead would not do: forked engines inherit a zygote's niceness and cannot raise it
-back without privileges.
+seconds seldom meets an import that has just begun.
 A zygote sleeps in `select` between requests: it costs no CPU while idle (until its idle imports are
-made, it reads a few CPU clocks every `_WAIT_S`), about 460 MB (engines, with the idle
+made, it reads a few CPU clocks every `idle_imports.WAIT_S`), about 460 MB (engines, with the idle
 imports; 240 MB without) and 55 MB (controllers) of memory, shared copy-on-write with what it forks
 (`gc.freeze` keeps the collector from touching those pages, and forked processes from spending half a
 second tearing torch down at exit).
@@ -50,13 +48,10 @@ Opt out with ``COLAB_PAR_WARM_POOL=0`` in the environment.
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import gc
-import importlib
 import json
 import os
-import select
 import selectors
 import signal
 import socket
@@ -65,8 +60,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Iterable
+from typing import Any
 
+from colab_par.cluster import idle_imports
+from colab_par.cluster.idle_imports import WAIT_S, Yielding, import_quietly, touched_cuda
 from colab_par.compat import CONTROLLER_MAIN_CODE, ENGINE_MAIN_CODE
 
 __all__ = ["WarmPool", "shared_pool", "pool_pids", "prestart", "stop_shared_pool", "enabled", "FORKED_ENV"]
@@ -89,23 +86,29 @@ _TARGETS = {  # what each zygote imports, and what its forked children run
 # 2 s, 4 s and 4 s of one core here, paid by every engine of a fresh cluster. The engine zygote
 # imports them once it has forked a first start's engines and they (and the notebook) have been
 # quiet a while (so that start never waits on them, and they yield to the user's cells:
-# `_Yielding`; each module on its own, so a later request waits for one at most): the engines of
-# every later start (restart, recovery, the next cluster) come with them.
+# `idle_imports.Yielding`; each module on its own, so a later request waits for one at most): the
+# engines of every later start (restart, recovery, the next cluster) come with them.
 _IDLE_IMPORTS = {"engine": ("colab_par.parallel", "transformers.modeling_utils",
                             "transformers.loss.loss_utils", "peft"),
                  "controller": ()}
 _QUIET_S = 2.0  # the processes a zygote serves quiet this long before its idle imports go on
 _QUIET_MAX_S = 16.0  # each pause doubles the quiet wanted next (a user at work gets longer), up to this
-_BUSY_SHARE = 0.03  # more CPU than this share of one core over `_WINDOW_S` is busy (2 idle engines:
-_WINDOW_S = 0.1  # ~1 %, at most 1.5 ms in any 0.1 s), so a cell is seen within its first few ms
-_CHECK_S = 0.002  # an idle import under way reads their CPU time (a few system calls) this often
-_WAIT_S = 0.2  # how often it reads it while waiting for quiet
 _READ_AT_START = ("PYTHON", "LANG", "LC_", "LD_", "MALLOC_", "GLIBC_TUNABLES", "OMP_", "GOMP_", "KMP_",
                   "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "TRITON_", "HF_", "TRANSFORMERS_")  # docstring
 _SET_BY_TORCH = {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"}  # read only while compiling, after a fork
 _CONNECT_WAIT_S = 30.0  # how long a proxy waits for a zygote that is still importing
 _HEADER = struct.Struct("!I")
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+# the idle imports' yielding lived here before `idle_imports`: its names as they were then
+_MOVED = {"_Yielding": "Yielding", "_Abandoned": "_Abandoned", "_import_quietly": "import_quietly",
+          "_cpu_seconds": "cpu_seconds", "_touched_cuda": "touched_cuda", "_BUSY_SHARE": "BUSY_SHARE",
+          "_WINDOW_S": "WINDOW_S", "_CHECK_S": "CHECK_S", "_WAIT_S": "WAIT_S"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        return getattr(idle_imports, _MOVED[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def enabled() -> bool:
@@ -243,90 +246,116 @@ def _serve(path: str, target: str) -> dict[str, Any] | None:
     exec(_TARGETS[target][0])  # noqa: S102 - fixed import lines, the whole point of the zygote
     gc.freeze()  # what was imported stays out of every collection: no copy-on-write, fast exits
     gc.enable()
-    wake_read, wake_write = os.pipe()
-    os.set_blocking(wake_write, False)
-    signal.set_wakeup_fd(wake_write)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the notebook
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path + ".tmp")
-    listener.listen(64)
-    os.rename(path + ".tmp", path)  # the path appears only once requests can be served
-    children: dict[int, socket.socket] = {}  # pid -> its proxy's connection
-    idle_imports = list(_IDLE_IMPORTS[target])
-    served = False  # idle imports wait for a first start: it is never slowed by them
-    owner = os.getppid()
-    yielding = _Yielding(lambda: (owner, *children), (listener, sys.stdin.fileno()), stopping)
-    if not idle_imports:
-        _mark_warm(path)
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ, "accept")
-    selector.register(wake_read, selectors.EVENT_READ, "signal")
-    selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "owner")
-    while not stopping:
-        waiting = bool(idle_imports) and served
-        ready = selector.select(_WAIT_S if waiting else None)
-        if waiting and not ready and yielding.quiet_for() >= yielding.quiet_needed:
-            # children that exit meanwhile are reaped at once: a cluster's stop waits on that
-            signal.signal(signal.SIGCHLD, lambda *_: _reap(children, selector))
-            _import_quietly(idle_imports.pop(0), yielding)
-            signal.signal(signal.SIGCHLD, lambda *_: None)
-            if _touched_cuda():  # its forks could not use a GPU: later starts go the ordinary way
-                stopping.append(True)
-            if not idle_imports:
-                _mark_warm(path)
-        for key, _ in ready:
-            if key.data == "accept":
-                connection, _ = listener.accept()
-                request = _receive_request(connection)
-                if request is None:
-                    connection.close()
-                    continue
-                if changed := _env_changes(request["env"], own_env):
-                    print(f"colab_par: the environment changed since the warm pool started "
-                          f"({', '.join(changed)}); starting {target}s the ordinary way, and a "
-                          "fresh pool for the next start", file=sys.stderr)
-                    connection.sendall(_HEADER.pack(0))  # stale: the proxy starts cold instead
-                    connection.close()
-                    _close_fds(request["fds"])
-                    stopping.append(True)  # the next pool, started fresh, will match
-                    continue
-                pid = os.fork()
-                if pid == 0:
-                    os.setsid()
-                    for signum in (signal.SIGCHLD, signal.SIGTERM):
-                        signal.signal(signum, signal.SIG_DFL)
-                    signal.signal(signal.SIGINT, signal.default_int_handler)
-                    signal.set_wakeup_fd(-1)
-                    selector.close()
-                    for other in (listener, *children.values(), connection):
-                        other.close()
-                    for fd in (wake_read, wake_write):
-                        os.close(fd)
-                    return request
-                _close_fds(request["fds"])
-                served = True
-                yielding.busy()  # a start's own burst of requests goes first
-                children[pid] = connection
-                selector.register(connection, selectors.EVENT_READ, pid)
-                connection.sendall(_HEADER.pack(pid))
-            elif key.data == "signal":
-                os.read(wake_read, 4096)
-                _reap(children, selector)
-            elif key.data == "owner":
-                if not os.read(sys.stdin.fileno(), 4096):
-                    stopping.append(True)
-            else:  # a proxy closed its connection: it was killed, so its child goes too
-                pid = key.data
-                selector.unregister(key.fileobj)
-                key.fileobj.close()
-                children.pop(pid, None)
-                _forward(pid, signal.SIGKILL)
-    listener.close()
-    _remove_files(path)
-    return None
+    return _Zygote(path, target, own_env).serve()
+
+
+class _Zygote:
+    """A zygote whose imports are made: it listens for requests, for signals (through a wake-up
+    pipe) and for its owner's end (its stdin), and makes its idle imports while all is quiet."""
+
+    def __init__(self, path: str, target: str, own_env: dict[str, str]) -> None:
+        self.path, self.target, self.own_env = path, target, own_env
+        self.wake_read, self.wake_write = os.pipe()
+        os.set_blocking(self.wake_write, False)
+        signal.set_wakeup_fd(self.wake_write)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the notebook
+        self.stopping: list[bool] = []
+        signal.signal(signal.SIGTERM, lambda *_: self.stopping.append(True))
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path + ".tmp")
+        self.listener.listen(64)
+        os.rename(path + ".tmp", path)  # the path appears only once requests can be served
+        self.children: dict[int, socket.socket] = {}  # pid -> its proxy's connection
+        self.idle_imports = list(_IDLE_IMPORTS[target])
+        self.served = False  # idle imports wait for a first start: it is never slowed by them
+        owner = os.getppid()
+        self.yielding = Yielding(lambda: (owner, *self.children), (self.listener, sys.stdin.fileno()),
+                                 self.stopping, quiet_s=_QUIET_S, quiet_max_s=_QUIET_MAX_S)
+        if not self.idle_imports:
+            _mark_warm(path)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.selector.register(self.wake_read, selectors.EVENT_READ, "signal")
+        self.selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "owner")
+
+    def serve(self) -> dict[str, Any] | None:
+        """Serve until stopped (None), or return the request a forked child is to run."""
+        while not self.stopping:
+            waiting = bool(self.idle_imports) and self.served
+            ready = self.selector.select(WAIT_S if waiting else None)
+            if waiting and not ready and self.yielding.quiet_for() >= self.yielding.quiet_needed:
+                self._import_next()
+            for key, _ in ready:
+                if key.data == "accept":
+                    if (request := self._accept()) is not None:  # in the forked child
+                        return request
+                elif key.data == "signal":
+                    os.read(self.wake_read, 4096)
+                    _reap(self.children, self.selector)
+                elif key.data == "owner":
+                    if not os.read(sys.stdin.fileno(), 4096):
+                        self.stopping.append(True)
+                else:  # a proxy closed its connection: it was killed, so its child goes too
+                    self.selector.unregister(key.fileobj)
+                    key.fileobj.close()
+                    self.children.pop(key.data, None)
+                    _forward(key.data, signal.SIGKILL)
+        self.listener.close()
+        _remove_files(self.path)
+        return None
+
+    def _import_next(self) -> None:
+        # children that exit meanwhile are reaped at once: a cluster's stop waits on that
+        signal.signal(signal.SIGCHLD, lambda *_: _reap(self.children, self.selector))
+        import_quietly(self.idle_imports.pop(0), self.yielding)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        if touched_cuda():  # its forks could not use a GPU: later starts go the ordinary way
+            self.stopping.append(True)
+        if not self.idle_imports:
+            _mark_warm(self.path)
+
+    def _accept(self) -> dict[str, Any] | None:
+        """Fork a child for the request waiting on the listener (or decline it); the request, in
+        that child only."""
+        connection, _ = self.listener.accept()
+        request = _receive_request(connection)
+        if request is None:
+            connection.close()
+            return None
+        if changed := _env_changes(request["env"], self.own_env):
+            print(f"colab_par: the environment changed since the warm pool started "
+                  f"({', '.join(changed)}); starting {self.target}s the ordinary way, and a "
+                  "fresh pool for the next start", file=sys.stderr)
+            connection.sendall(_HEADER.pack(0))  # stale: the proxy starts cold instead
+            connection.close()
+            _close_fds(request["fds"])
+            self.stopping.append(True)  # the next pool, started fresh, will match
+            return None
+        pid = os.fork()
+        if pid == 0:
+            self._leave(connection)
+            return request
+        _close_fds(request["fds"])
+        self.served = True
+        self.yielding.busy()  # a start's own burst of requests goes first
+        self.children[pid] = connection
+        self.selector.register(connection, selectors.EVENT_READ, pid)
+        connection.sendall(_HEADER.pack(pid))
+        return None
+
+    def _leave(self, connection: socket.socket) -> None:
+        """In a forked child: drop the zygote's signal handlers, sockets and wake-up pipe."""
+        os.setsid()
+        for signum in (signal.SIGCHLD, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.set_wakeup_fd(-1)
+        self.selector.close()
+        for other in (self.listener, *self.children.values(), connection):
+            other.close()
+        for fd in (self.wake_read, self.wake_write):
+            os.close(fd)
 
 
 def _remove_files(path: str) -> None:
@@ -341,110 +370,6 @@ def _remove_files(path: str) -> None:
 def _mark_warm(path: str) -> None:
     """An empty file beside the socket: this zygote has made all its idle imports."""
     open(path + ".warm", "w").close()  # noqa: SIM115
-
-
-def _touched_cuda() -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and torch.cuda.is_initialized()
-
-
-def _import_quietly(module: str, yielding: "_Yielding") -> None:
-    """Import `module` for the zygote's future children, pausing whenever the processes it serves
-    are busy; one that fails to import is left to the engine that needs it, which then raises the
-    error where its user sees it."""
-    gc.disable()
-    try:
-        with yielding:
-            importlib.import_module(module)
-    except (Exception, _Abandoned):  # noqa: BLE001 - an optional package missing or broken is not the pool's concern
-        pass
-    finally:
-        gc.freeze()
-        gc.enable()
-
-
-class _Abandoned(BaseException):
-    """Raised inside a paused idle import when the zygote is to stop: a BaseException, so that no
-    module's `except Exception` around an optional import swallows it."""
-
-
-class _Yielding:
-    """Whether the processes a zygote serves (its owner and the processes it forked) have been
-    quiet, from their CPU time; and, entered around an idle import, a pause wherever that import
-    is (between modules or inside one: a timer interrupts it every `_CHECK_S`; the process CPU
-    timers would count in scheduler ticks, 4-10 ms) for as long as they are busy. A pause ends
-    when a request waits on the `interrupting` listener (a start waits on this import anyway: it
-    goes on at full speed) and abandons the import when the zygote is stopping or its owner is gone
-    (the `interrupting` stdin at its end). Forked children inherit neither the timer (fork never
-    does) nor the handler (the zygote forks only between imports, with SIGALRM's restored)."""
-
-    def __init__(self, pids: Callable[[], Iterable[int]], interrupting: tuple[socket.socket, int],
-                 stopping: list[bool]) -> None:
-        self._pids, self._interrupting, self._stopping = pids, interrupting, stopping
-        self._cpu: dict[int, float] = {}  # pid -> its CPU time at the last reading
-        self._spent = 0.0  # CPU seconds they spent since the zygote started (those alive at each reading)
-        self._history = collections.deque([(time.monotonic(), 0.0)])  # (when, spent), `_WINDOW_S` back
-        self._busy_at = self._history[0][0]
-        self._hurry = False  # a request waits: this import goes on without pauses
-        self.quiet_needed = _QUIET_S  # doubled by every pause: cells that come often are met less
-        self._previous: Any = signal.SIG_DFL
-
-    def busy(self) -> None:
-        self._busy_at = time.monotonic()
-
-    def __enter__(self) -> None:
-        self._hurry = False
-        self._previous = signal.signal(signal.SIGALRM, self._pause)
-        signal.siginterrupt(signal.SIGALRM, False)  # system calls of the imported code restart
-        signal.setitimer(signal.ITIMER_REAL, _CHECK_S, _CHECK_S)
-
-    def __exit__(self, *_: object) -> None:
-        signal.setitimer(signal.ITIMER_REAL, 0)  # first: no SIGALRM can then meet the default action
-        signal.signal(signal.SIGALRM, self._previous)
-
-    def quiet_for(self) -> float:
-        """Seconds since they last spent more than `_BUSY_SHARE` of a core over `_WINDOW_S`."""
-        now = time.monotonic()
-        if now - self._history[-1][0] >= _CHECK_S:
-            cpu = {pid: spent for pid in self._pids() if (spent := _cpu_seconds(pid)) is not None}
-            self._spent += sum(spent - self._cpu.get(pid, 0.0) for pid, spent in cpu.items())
-            self._cpu = cpu
-            self._history.append((now, self._spent))
-            while len(self._history) > 2 and self._history[1][0] <= now - _WINDOW_S:
-                self._history.popleft()
-            then, spent_then = self._history[0]  # the last reading at least `_WINDOW_S` back
-            if self._spent - spent_then > _BUSY_SHARE * max(now - then, _WINDOW_S):
-                self._busy_at = now
-        return now - self._busy_at
-
-    def _pause(self, *_: object) -> None:
-        """SIGALRM's handler during an idle import: wait here while they are busy."""
-        paused = False
-        while not self._stopping and not self._hurry and self.quiet_for() < self.quiet_needed:
-            if not paused:
-                signal.setitimer(signal.ITIMER_REAL, 0)  # no wake-ups while paused
-                paused = True
-                self.quiet_needed = min(2 * self.quiet_needed, _QUIET_MAX_S)
-            readable, _, _ = select.select(self._interrupting, [], [], _WAIT_S)
-            for ready in readable:
-                if ready is self._interrupting[0]:
-                    self._hurry = True
-                elif not os.read(ready, 4096):
-                    self._stopping.append(True)  # the owner is gone (its end of the pipe closed)
-        if self._stopping:
-            raise _Abandoned
-        if paused:
-            signal.setitimer(signal.ITIMER_REAL, _CHECK_S, _CHECK_S)
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    """CPU time of process `pid` (all its threads), to the nanosecond (/proc counts in 10 ms
-    ticks), None once it is gone: Linux's clock id for a process's CPU-time clock, the one
-    `clock_getcpuclockid(3)` returns."""
-    try:
-        return time.clock_gettime((~pid << 3) | 2)  # CPUCLOCK_SCHED of the process `pid`
-    except OSError:
-        return None
 
 
 def _reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) -> None:

@@ -7,7 +7,7 @@ A module's forward pre-hook starts reading its parameters' chunks (MADV_WILLNEED
 parameters have all passed this forward is dropped, and again once they all have their gradient
 (MADV_DONTNEED: the pages of a shared mapping stay in the file, nothing is lost or written);
 backward faults back in what autograd reads. The optimizer step writes the updated values through
-the same mapping and writes the chunk back (`TieredAdamW._stream`). Correctness never depends on
+the same mapping and writes the chunk back (`ChunkStores.stream`). Correctness never depends on
 the hooks: a page dropped too early is read again on its next use.
 
 The first parameter read of each forward also hands glibc's freed heap back (`trim_host_heap`).

@@ -6,7 +6,7 @@ experts' tensor split) -> tensor (+ sequence) parallel -> context parallel -> ac
 checkpointing -> per-block compile -> FSDP / ZeRO / DDP -> pipeline schedule (for pipeline
 parallel every step after the split is applied to each local stage module) -> optimizer -> memory tiers (`tiering.py`: with a budget or
 pinned tiers the optimizer becomes a chunked `TieredAdamW` over the local tensors).
-The returned `ParallelModel` trains on the GLOBAL batch: it takes this rank's data- and
+The returned `ParallelModel` (`model.py`) trains on the GLOBAL batch: it takes this rank's data- and
 context-parallel slice itself, so a training loop is the same for every layout.
 """
 from __future__ import annotations
@@ -17,345 +17,32 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FSDPModule
-from torch.nn.parallel import DistributedDataParallel
 
 from colab_par.layout import Layout
 from colab_par.memory_tiers.measure import resident_bytes
-from colab_par.models.hf import causal_lm_logits, is_hf_model
+from colab_par.models.hf import is_hf_model
 from colab_par.parallel.adapters import (Adapters, adapt_to_grid, adapter_tp_plan, attach_adapters, base_layer_of,
                                         wraps_output_layer)
-from colab_par.data.batch import (LabelMean, batch_to, call_model, check_batch, label_count,
-                                      default_loss, labels_of, slice_batch)
+from colab_par.data.batch import default_loss, slice_batch
 from colab_par.parallel.blocks import find_blocks
 from colab_par.parallel.checkpointing import apply_activation_checkpointing
 from colab_par.parallel.compile import apply_compile, check_compiler, fused_optimizer_fn
-from colab_par.parallel.context import apply_context_parallel, sequence_positions, shard_sequence
+from colab_par.parallel.context import apply_context_parallel
 from colab_par.parallel.data_parallel import (GradientAverager, apply_ddp, apply_fsdp, build_optimizer,
                                               needs_gradient_averager)
 from colab_par.parallel.experts import apply_expert_parallel
-from colab_par.parallel.grad_norm import total_gradient_norm
 from colab_par.parallel.memory import memory_report
 from colab_par.parallel.init_record import InitRecord, record_build, record_reset
 from colab_par.parallel.materialize import WeightSource, broadcast_rng_state, is_meta_model, materialize
 from colab_par.parallel.mesh import broadcast_from_rank0, build_grid_mesh, build_mesh, default_device
 from colab_par.parallel.pipeline import PipelineRunner, split_model
-from colab_par.parallel.rng import ModelStream, shared_seed
 from colab_par.parallel.tensor_grid import apply_tensor_grid
 from colab_par.parallel.tensor_parallel import apply_tensor_parallel, tp_plan_for
 from colab_par.parallel.tiering import apply_memory_tiers, cast_working_parameters
+from colab_par.parallel.model import ParallelModel, _default_loss
 
 __all__ = ["parallelize", "ParallelModel", "WeightSource", "memory_report"]
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _default_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-
-
-class ParallelModel:
-    """A model spread over a mesh, with one training API for every layout (see module docstring)."""
-
-    def __init__(self, parts: list[nn.Module], layout: Layout, mesh: Any, optimizer: torch.optim.Optimizer,
-                 loss_fns: tuple[LossFn, Callable], device: torch.device, hf: bool,
-                 grad_averager: GradientAverager | None, runner: Any = None, *,
-                 optimizer_fn: Callable | None = None, model_factory: Callable | None = None,
-                 takes_positions: bool = True, options: dict[str, Any] | None = None):
-        self.model_parts, self.layout, self.mesh, self.optimizer = parts, layout, mesh, optimizer
-        self.model = parts[0]
-        # Token batches are scored by loss_fn(logits, targets), other batches by loss_fn(outputs, batch).
-        (self.loss_fn, self.batch_loss_fn), self.device, self._hf = loss_fns, device, hf
-        # What re-layout needs to build the same model and optimizer again under another layout.
-        self.optimizer_fn, self.model_factory = optimizer_fn, model_factory
-        self.parallelize_options = dict(options or {})  # loss_fn, blocks, tp_plan as the user gave them
-        self._whole_model_names: dict[str, list[str]] = {}  # name -> every name of that tensor
-        self._fused_loss = False  # a Hugging Face decoder scored by the fused linear cross-entropy
-        self._takes_positions = takes_positions
-        self._grad_averager, self._runner = grad_averager, runner
-        self.adapters: Adapters | None = None  # a PEFT model's adapters (parallel/adapters/)
-        self.rng = ModelStream(mesh, device, shared_seed(device))  # its training passes' stream (rng.py)
-        self.balance_loss: Any = None  # a Hugging Face MoE's global balance loss (hf_experts.py)
-        self.dp_rank, self.dp_size = mesh["dp"].get_local_rank(), layout.dp
-        self.cp_rank, self.cp_size = mesh["cp"].get_local_rank(), layout.cp
-        self.pp_rank = mesh["pp"].get_local_rank()
-        self.tp_rank = mesh["tp"].get_local_rank()
-        self.is_last_stage = self.pp_rank == layout.pp - 1
-
-    # ---- training ------------------------------------------------------------------------------
-    def train_step(self, batch: Any, targets: torch.Tensor | None = None) -> float:
-        """forward + backward + optimizer step on the GLOBAL batch; the global mean loss."""
-        loss = self.forward_backward(batch, targets)
-        self.optimizer_step()
-        return loss
-
-    def forward_backward(self, batch: Any, targets: torch.Tensor | None = None, *,
-                         loss_scale: float = 1.0, sync_grads: bool = True, local: bool = False) -> float:
-        """Accumulate gradients of `loss_scale` × loss; returns the unscaled global mean loss.
-
-        Token models take `(inputs, targets)` as two arguments and `loss_fn(logits, targets)`; any
-        other batch comes as one object (see `batch.py`) and is scored by `loss_fn(outputs, batch)`.
-        `local`: the batch is already this rank's dp share.
-        """
-        return self.forward_backward_tensor(batch, targets, loss_scale=loss_scale, sync_grads=sync_grads,
-                                            local=local).item()
-
-    def forward_backward_tensor(self, batch: Any, targets: torch.Tensor | None = None, *,
-                                loss_scale: float = 1.0, sync_grads: bool = True,
-                                local: bool = False) -> torch.Tensor:
-        """`forward_backward` without reading the loss: a float64 scalar on the device, so a loop
-        of micro-steps never waits for the device (the Trainer reads its losses once per step)."""
-        self._set_gradient_sync(sync_grads)
-        with self.rng.active():  # dropout draws from this rank's stream (rng.py)
-            if targets is None:
-                loss_sum = self._forward_backward_batch(batch, loss_scale, local)
-            else:
-                loss_sum = self._forward_backward_tokens(batch, targets, loss_scale, local)
-        if sync_grads and self._runner is not None:
-            self._runner.sync_tied_gradients()
-        if sync_grads and self._grad_averager is not None:
-            self._grad_averager()
-        return loss_sum / dist.get_world_size()
-
-    def _forward_backward_tokens(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float,
-                                 local: bool) -> torch.Tensor:
-        inputs, targets = self._dp_slice(inputs, local), self._dp_slice(targets, local)
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
-        if self._runner is not None:
-            loss_sum = self._runner.step(inputs, targets, loss_scale=loss_scale, on_device=True).reshape(())
-            dist.all_reduce(loss_sum)
-            return loss_sum
-        loss_sum, pending = self._forward_backward_local(inputs, targets, loss_scale)
-        pending.wait()
-        return loss_sum
-
-    def _forward_backward_batch(self, batch: Any, loss_scale: float, local: bool) -> torch.Tensor:
-        check_batch(batch)
-        if self.cp_size > 1:
-            raise ValueError("context parallel splits token sequences; it takes (inputs, targets) "
-                             "token batches, not a general batch; use cp=1")
-        if not local and self.dp_size > 1:
-            batch = slice_batch(batch, self.dp_size, self.dp_rank)
-        batch = batch_to(batch, self.device)
-        inputs = self._count_labels(batch)
-        if self._runner is not None:
-            loss_sum = self._runner.step_batch(batch, loss_scale=loss_scale, on_device=True).reshape(())
-            dist.all_reduce(loss_sum)
-            return loss_sum
-        with self._autocast():
-            loss = self._with_balance_loss(self.batch_loss_fn(call_model(self.model, inputs), batch))
-        loss_sum = loss.detach().to(torch.float64)
-        pending = dist.all_reduce(loss_sum, async_op=True)
-        (loss * loss_scale).backward()
-        pending.wait()
-        return loss_sum
-
-    def _forward_backward_local(self, inputs: torch.Tensor, targets: torch.Tensor,
-                                loss_scale: float) -> tuple[torch.Tensor, Any]:
-        """Forward and backward; the loss's all-reduce is started before backward to overlap it.
-
-        Every rank holds the mean over its equal share of tokens (tp ranks repeat it), so the sum
-        over all ranks divided by the world size is the global mean.
-        """
-        loss, _ = self._token_loss(inputs, targets)
-        loss_sum = loss.detach().to(torch.float64)
-        pending = dist.all_reduce(loss_sum, async_op=True)
-        (loss * loss_scale).backward()
-        return loss_sum, pending
-
-    def _token_loss(self, inputs: torch.Tensor, targets: torch.Tensor,
-                    model: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's mean loss on its tokens (its context-parallel share of the dp slice `inputs`),
-        and the targets it scored; `model` replaces the wrapped model (evaluation calls DDP's
-        module itself)."""
-        model = self.model if model is None else model
-        positions = torch.arange(inputs.shape[1], device=self.device)
-        if self.cp_size > 1:
-            mode = self.layout.cp_mode
-            inputs = shard_sequence(inputs, self.cp_rank, self.cp_size, mode, dim=1)
-            targets = shard_sequence(targets, self.cp_rank, self.cp_size, mode, dim=1)
-            positions = sequence_positions(positions.numel(), self.cp_rank, self.cp_size, mode, self.device)
-        with self._autocast():
-            if self._fused_loss:  # through the model's own call, so DDP / FSDP wrap it as usual
-                loss = model(input_ids=inputs, position_ids=positions.expand(inputs.shape[0], -1),
-                             use_cache=False, colab_par_targets=targets)
-            else:
-                loss = self.loss_fn(self._logits(model, inputs, positions), targets)
-        return self._with_balance_loss(loss), targets
-
-    def _with_balance_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Add the routers' global-batch balance loss of the forward just run, where there is one
-        and gradients are on (a training term: evaluation scores the data alone)."""
-        balance = self.balance_loss.take() if self.balance_loss is not None and torch.is_grad_enabled() else None
-        return loss if balance is None else loss + balance.to(loss.dtype)
-
-    def _autocast(self) -> torch.autocast:
-        """bf16 compute for bf16 layouts (FSDP casts its parameters itself instead)."""
-        enabled = self.layout.precision == "bf16" and not isinstance(self.model, FSDPModule)
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
-
-    def _count_labels(self, batch: Any) -> Any:
-        """With the default loss and labels: count them over the dp ranks and set `LabelMean`'s
-        items for this step; returns what the model is called with (labels left out, the loss
-        is computed here)."""
-        labels = labels_of(batch)
-        if not isinstance(self.batch_loss_fn, LabelMean) or labels is None:
-            return batch
-        counted = label_count(labels, self.batch_loss_fn.shifts).to(self.device, torch.float64)
-        if self.dp_size > 1:
-            dist.all_reduce(counted, group=self.mesh["dp"].get_group())
-        pieces = self.dp_size * (self.layout.microbatches if self._runner is not None else 1)
-        self.batch_loss_fn.items = (counted.clamp(min=1.0) / pieces).float()  # stays on the device, unread
-        return {k: v for k, v in batch.items() if k != "labels"}
-
-    def _logits(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self._hf:
-            return causal_lm_logits(model, tokens, positions)
-        if not self._takes_positions:  # a user's model without positions (cp == 1 is enforced)
-            return model(tokens)
-        return model(tokens, positions)
-
-    def _dp_slice(self, batch: torch.Tensor, local: bool) -> torch.Tensor:
-        if local or self.dp_size == 1:
-            return batch
-        return slice_batch(batch, self.dp_size, self.dp_rank)
-
-    def _set_gradient_sync(self, enabled: bool) -> None:
-        for part in self.model_parts:
-            if isinstance(part, FSDPModule):
-                part.set_requires_gradient_sync(enabled)
-            elif isinstance(part, DistributedDataParallel):
-                part.require_backward_grad_sync = enabled
-
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Scale gradients so their total 2-norm over ALL shards (dp/tp/pp) is at most `max_norm`.
-        Gradients memory tiers hold are counted a chunk at a time and scaled when the step reads them."""
-        return self.clip_grad_norm_tensor(max_norm).item()
-
-    def clip_grad_norm_tensor(self, max_norm: float) -> torch.Tensor:
-        """`clip_grad_norm_` with the norm as a float64 scalar on the device; `max_norm=inf` (a norm
-        measured, nothing clipped) reads nothing from the device."""
-        tiers = self.optimizer if hasattr(self.optimizer, "held_gradient_squares") else None
-        held = tiers.held_gradient_squares() if tiers is not None else {}
-        copies = self._runner.duplicate_copies() if self._runner is not None else set()  # tied across stages
-        grads = [(p, None if id(p) in held else p.grad) for part in self.model_parts for p in part.parameters()
-                 if p.grad is not None or id(p) in held]
-        replicas = self.model_parts[0].process_group if all(  # DDP: every dp rank holds every gradient
-            isinstance(part, DistributedDataParallel) for part in self.model_parts) else None
-        total = total_gradient_norm([(p, grad) for p, grad in grads if id(p) not in copies], held, self.device,
-                                    self.mesh["pp"].get_group() if self.layout.pp > 1 else None, replicas)
-        if max_norm == float("inf"):
-            return total
-        scale = max_norm / (total.item() + 1e-6)
-        if scale < 1.0:
-            for _, grad in grads:
-                if grad is not None:
-                    grad.mul_(scale)
-            if tiers is not None:
-                tiers.scale_held_gradients(scale)
-        return total
-
-    @property
-    def last_bubble(self) -> float:
-        """Share of the last step this rank sat idle in the pipeline (0 without pipeline parallel)."""
-        return self._runner.last_bubble if self._runner is not None else 0.0
-
-    def bubble_reading(self) -> Callable[[], float]:
-        """`last_bubble` of the step just run, computed when called (on CUDA it waits for that
-        step's events, so a loop reads it once per optimizer step, not after every micro-step)."""
-        return self._runner.bubble_reading() if self._runner is not None else (lambda: 0.0)
-
-    @property
-    def stage_ids(self) -> list[int]:
-        """The pipeline stage id of each of `model_parts` ([0] without pipeline parallel)."""
-        return list(self._runner.stage_ids) if self._runner is not None else [0]
-
-    def optimizer_step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    # ---- evaluation and generation -------------------------------------------------------------
-    def evaluate(self, data: Any, num_batches: int | None = None, *,
-                 batch_size: int | None = None) -> dict[str, float]:
-        """Mean loss of held-out `data` over all ranks (and perplexity for language models),
-        changing no state; see `colab_par.parallel.inference.evaluation.evaluate`."""
-        from colab_par.parallel.inference.evaluation import evaluate
-        return evaluate(self, data, num_batches, batch_size)
-
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, *, do_sample: bool = False,
-                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                 eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
-                 attention_mask: torch.Tensor | None = None, seed: int = 0,
-                 use_cache: bool = True) -> torch.Tensor:
-        """Prompts followed by up to `max_new_tokens` new tokens, the same on every rank, changing
-        no training state; see `colab_par.parallel.inference.generation.generate`."""
-        from colab_par.parallel.inference.generation import generate
-        from colab_par.parallel.inference.sampling import Sampling
-        return generate(self, input_ids, max_new_tokens,
-                        Sampling(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p),
-                        eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                        attention_mask=attention_mask, seed=seed, use_cache=use_cache)
-
-    # ---- state ---------------------------------------------------------------------------------
-    @property
-    def tied_names(self) -> dict[str, list[str]]:
-        """With pipeline stages: each state-dict name of the model -> every name of the same tensor
-        (a head tied to the embeddings lives on two stages under two names); {} without."""
-        return {name: list(aliases) for name, aliases in self._whole_model_names.items()}
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded parameters (original FQNs, on the CPU) on global rank 0; {} elsewhere.
-
-        Gathered one tensor at a time, each moved to the CPU at once, so no rank holds more than
-        one whole tensor on its device (torch's full state dict gathers them all there first).
-        With pipeline stages, each stage's first rank sends its tensors to rank 0 one by one, over
-        the world's backend (pickled objects would travel as one device buffer per rank)."""
-        from torch.distributed.tensor import DTensor
-
-        first_of_stage = self.dp_rank == 0 and self.cp_rank == 0 and self.tp_rank == 0
-        keeps = dist.get_rank() == 0 if self.layout.pp == 1 else first_of_stage
-        mine: dict[str, torch.Tensor] = {}
-        for part in self.model_parts:  # sharded: the names resolved, nothing gathered yet
-            for name, value in get_model_state_dict(part, options=StateDictOptions()).items():
-                whole = value.full_tensor() if isinstance(value, DTensor) else value
-                if keeps:
-                    mine[name] = whole.detach().to("cpu", copy=True)
-                del whole
-        if self.layout.pp == 1:
-            return mine
-        state = _to_rank0(mine if first_of_stage else {})
-        if state is None:
-            return {}
-        if not self._whole_model_names:
-            return state
-        # Stages traced by pipeline() hold a tied tensor under one of its names and turn buffers
-        # into their own: give back exactly the model's names, each tied name its tensor.
-        return {name: next(state[alias] for alias in aliases if alias in state)
-                for name, aliases in self._whole_model_names.items()}
-
-
-def _to_rank0(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """Every rank's `tensors` (CPU) in global rank 0's CPU memory, None elsewhere: names, shapes and
-    dtypes as small objects, then each tensor point to point through one device buffer at a time."""
-    device = default_device()
-    metadata = {name: (tensor.shape, tensor.dtype) for name, tensor in tensors.items()}
-    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(metadata, gathered, dst=0)
-    if dist.get_rank() != 0:
-        for tensor in tensors.values():  # in the order of the names just gathered
-            dist.send(tensor.to(device).contiguous(), dst=0)
-        return None
-    state = dict(tensors)
-    for sender, names in enumerate(gathered[1:], start=1):
-        for name, (shape, dtype) in names.items():
-            buffer = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(buffer, src=sender)
-            state[name] = buffer.cpu()
-    return state
-
 
 def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str, *,
                 optimizer_fn: Callable | None = None, loss_fn: Callable | None = None,
@@ -397,10 +84,7 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
     layout.validate(dist.get_world_size(), config)
     hf = is_hf_model(model)
     takes_positions = "positions" in inspect.signature(model.forward).parameters
-    model_blocks = find_blocks(model, blocks)
-    block_types = tuple(dict.fromkeys(type(block) for _, _, block in model_blocks))
-    block_names = frozenset(name for name, module in model.named_modules()
-                            if any(module is block for _, _, block in model_blocks))
+    block_types, block_names = _blocks_of(model, blocks)
     device = default_device()
     _refuse_what_the_model_lacks(model, layout, hf or takes_positions, bool(block_types), device)
     _refuse_kernels_it_lacks(model, kernels)
@@ -427,14 +111,8 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
     parts = [_parallelize_part(part, layout, mesh, dp_cp_mesh, device, hf, tp_plan,
                                _part_blocks(part, block_types, block_names), fill, adapters) for part in parts]
 
-    params = [p for part in parts for p in part.parameters() if p.requires_grad]  # frozen ones get no state
-    optimizer = build_optimizer(params, fused_optimizer_fn(optimizer_fn, layout.compile), layout,
-                                mesh["dp"].get_group())
-    optimizer = apply_memory_tiers(parts, optimizer, layout, device, baseline=baseline)
-    expert_params = set(map(id, experts.averager.params)) if experts.averager else set()
-    averager = (GradientAverager([p for p in params if id(p) not in expert_params], dp_cp_mesh.get_group(),
-                                 then=experts.averager)
-                if needs_gradient_averager(parts[0], layout) else experts.averager)
+    optimizer, averager = _optimizer_and_averager(parts, optimizer_fn, layout, mesh, dp_cp_mesh, device,
+                                                  baseline, experts)
     runner = None
     if layout.pp > 1:
         runner = PipelineRunner(parts, layout, mesh["pp"].get_group(), token_loss, device,
@@ -451,6 +129,30 @@ def parallelize(model: nn.Module | Callable[[], nn.Module], layout: Layout | str
     pm._whole_model_names, pm._fused_loss, pm.adapters = names, fused_loss, adapters
     pm.balance_loss = experts.balance
     return pm
+
+
+def _blocks_of(model: nn.Module, blocks: Sequence[type | str] | None) -> tuple[tuple[type, ...], frozenset[str]]:
+    """The classes of the model's repeated blocks (given, or found: `blocks.py`) and their names."""
+    model_blocks = find_blocks(model, blocks)
+    block_types = tuple(dict.fromkeys(type(block) for _, _, block in model_blocks))
+    block_names = frozenset(name for name, module in model.named_modules()
+                            if any(module is block for _, _, block in model_blocks))
+    return block_types, block_names
+
+
+def _optimizer_and_averager(parts: list[nn.Module], optimizer_fn: Callable, layout: Layout, mesh: Any,
+                            dp_cp_mesh: Any, device: torch.device, baseline: int, experts: Any) -> tuple[Any, Any]:
+    """The optimizer over the trainable parameters (ZeRO-1 sharded, memory-tiered as the layout
+    says) and the gradient averager the layout's data parallelism needs beyond FSDP/DDP."""
+    params = [p for part in parts for p in part.parameters() if p.requires_grad]  # frozen ones get no state
+    optimizer = build_optimizer(params, fused_optimizer_fn(optimizer_fn, layout.compile), layout,
+                                mesh["dp"].get_group())
+    optimizer = apply_memory_tiers(parts, optimizer, layout, device, baseline=baseline)
+    expert_params = set(map(id, experts.averager.params)) if experts.averager else set()
+    averager = (GradientAverager([p for p in params if id(p) not in expert_params], dp_cp_mesh.get_group(),
+                                 then=experts.averager)
+                if needs_gradient_averager(parts[0], layout) else experts.averager)
+    return optimizer, averager
 
 
 def _shard_first_model(model: nn.Module | Callable[[], nn.Module], layout: Layout,

@@ -39,8 +39,8 @@ from typing import Mapping
 from colab_par.layout.tier_options import DEFAULT_DISK, SLACK, STATE_KINDS, MemoryTiers
 
 __all__ = ["TierRates", "TIER_RATES", "TIER_COSTS_FILE", "load_tier_rates", "HeapCosts", "HEAP_COSTS",
-           "HOST_HEAP_FILE", "load_heap_costs", "TierPlan", "place_state", "tier_plan", "disk_free_bytes",
-           "TIERS_SHOWN"]
+           "HOST_HEAP_FILE", "load_heap_costs", "TierPlan", "place_state", "HostShare", "tier_plan",
+           "disk_free_bytes", "TIERS_SHOWN"]
 
 TIER_COSTS_FILE = Path(__file__).with_name("tier_costs.json")
 HOST_HEAP_FILE = Path(__file__).with_name("host_heap.json")
@@ -252,11 +252,25 @@ def _io_bytes(plan: TierPlan, state: Mapping[str, float], one_memory: bool, clip
     return io
 
 
-def tier_plan(state: Mapping[str, float], tiers: MemoryTiers, working: float, *, one_memory: bool,
-              compute: float, optimizer_time: float, optimizer_bytes_per_param: float,
-              ranks_per_host: int, core_share: float = 1.0, host_capacity: float = math.inf,
-              link_bandwidth: float = math.inf, clip: bool = False, rates: TierRates = TIER_RATES,
-              heap: HeapCosts = HEAP_COSTS) -> TierPlan:
+@dataclass(frozen=True)
+class HostShare:
+    """What one rank has of the machine it runs on, which decides where its state may go and how
+    fast it moves: `one_memory` (a CPU: host and device are the same memory), the `ranks` of this
+    host sharing its disk and the host side of its PCIe links, the rank's `core_share` of the
+    cores (its host AdamW's speed), its `capacity` of host memory in bytes, and the host <-> device
+    `link_bandwidth` in bytes/s (the device catalogue's PCIe figure) for where the rates file has
+    no measured copy rate."""
+
+    one_memory: bool
+    ranks: int = 1
+    core_share: float = 1.0
+    capacity: float = math.inf
+    link_bandwidth: float = math.inf
+
+
+def tier_plan(state: Mapping[str, float], tiers: MemoryTiers, working: float, *, host: HostShare,
+              compute: float, optimizer_time: float, optimizer_bytes_per_param: float, clip: bool = False,
+              rates: TierRates = TIER_RATES, heap: HeapCosts = HEAP_COSTS) -> TierPlan:
     """Placement, bytes moved and exposed seconds per step of one rank's state under `tiers`.
 
     Prefetch overlaps I/O with compute: the forward + backward traffic (params read twice, grads
@@ -265,26 +279,27 @@ def tier_plan(state: Mapping[str, float], tiers: MemoryTiers, working: float, *,
     the host; on CUDA the host AdamW of the chunks off the device). What shows is
         max(0, io_fb - compute) + max(0, max(io_step, host_adam) - optimizer_time) + 2 · chunk / read
     (the first chunk of each phase waits for its read), plus, when the run clips (`clip`), the
-    norm's read of the gradients on disk, which nothing hides. The `ranks_per_host` ranks share the disk
-    and the PCIe links' host side: each gets its share of the measured rates; a CPU rank's host
-    AdamW runs at the measured rate times its `core_share`. Host <-> device copies run at the
-    measured rate where the rates file has one (measured on CUDA), else at `link_bandwidth` (the
-    device catalogue's PCIe figure). `tight_heap` says whether a CPU rank tightens its heap (`heap`).
+    norm's read of the gradients on disk, which nothing hides. The `host.ranks` share the disk and
+    the PCIe links' host side: each gets its share of the measured rates; a CPU rank's host AdamW
+    runs at the measured rate times its `host.core_share`. Host <-> device copies run at the
+    measured rate where the rates file has one (measured on CUDA), else at `host.link_bandwidth`.
+    `tight_heap` says whether a CPU rank tightens its heap (`heap`).
     """
+    one_memory, ranks_per_host = host.one_memory, host.ranks
     free = disk_free_bytes(tiers.disk_folder) / ranks_per_host if tiers.uses_disk else 0.0
     plan = place_state(state, tiers, working, one_memory=one_memory, chunk_bytes=rates.chunk_bytes,
                        optimizer_arrays=max(1, round(optimizer_bytes_per_param / 4)),
-                       host_capacity=host_capacity, disk_capacity=free)
+                       host_capacity=host.capacity, disk_capacity=free)
     tight_heap = one_memory and tiers.budget is not None and _binds(place_state(
         state, tiers, working * heap.default_working_ratio, one_memory=True, chunk_bytes=rates.chunk_bytes,
         optimizer_arrays=max(1, round(optimizer_bytes_per_param / 4)), disk_capacity=free), tiers, state)
     io = _io_bytes(plan, state, one_memory, clip, master=optimizer_bytes_per_param > 8)
     read, write = rates.disk_read / ranks_per_host, rates.disk_write / ranks_per_host
-    copy = (link_bandwidth if rates.host_device is None else rates.host_device) / ranks_per_host
+    copy = (host.link_bandwidth if rates.host_device is None else rates.host_device) / ranks_per_host
     io_fb = io["fb_read"] / read + io["fb_write"] / write + io["fb_copy"] / copy
     io_step = io["step_read"] / read + io["step_write"] / write + io["step_copy"] / copy
     off_optimizer = 0.0 if one_memory else plan.host["optimizer"] + plan.disk["optimizer"]
-    host_adam = off_optimizer * 8 / optimizer_bytes_per_param / (rates.host_adam * core_share)
+    host_adam = off_optimizer * 8 / optimizer_bytes_per_param / (rates.host_adam * host.core_share)
     first = 2 * min(rates.chunk_bytes, sum(plan.disk.values())) / read
     times = {"tier_fb": max(0.0, io_fb - compute),
              "tier_step": max(0.0, max(io_step, host_adam) - (optimizer_time if one_memory else 0.0)),

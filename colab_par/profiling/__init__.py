@@ -1,7 +1,7 @@
 """Per-rank timelines from torch.profiler: where each rank's time goes, and what overlaps what.
 
 - ``%%colossal --profile [DIR]`` / `Cluster.profile(code)` records a cell on every engine
-  (`session.py`); ``Trainer(profile_steps=(10, 12))`` records a few steps of a run (`steps.py`).
+  (`session.py`); ``Trainer(logs=Logs(profile_steps=(10, 12)))`` records a few steps of a run (`steps.py`).
 - Each rank writes its Chrome trace (``DIR/rank<N>.pt.trace.json``, for Perfetto or TensorBoard)
   and reduces it to a compact record (`events.py`, on the engine: `recorder.py`).
 - The notebook lines the records up in a `Timeline` (`timeline.py`) and draws one lane block per

@@ -1,4 +1,4 @@
-"""`Trainer(profile_steps=...)`: record a few steps of a run on every rank and show their timeline.
+"""`Trainer(logs=Logs(profile_steps=...))`: record a few steps of a run on every rank and show their timeline.
 
 The Trainer calls `before_step` / `after_step` around each step; everything else (recording,
 trace files, gathering the ranks' records, showing the picture on rank 0) happens here.

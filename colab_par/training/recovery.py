@@ -1,6 +1,6 @@
 """How a restartable cell is recovered after an engine died: what the notebook and the engines share.
 
-A `Trainer(on_failure="restart")` announces its policy under `RECOVERY_KEY` (through datapub);
+A `Trainer(checkpoints=Checkpoints(dir, every=k, on_failure="restart"))` announces its policy under `RECOVERY_KEY` (through datapub);
 `Cluster.execute` reads it, restarts the engines and calls `request_resume` on each, so the
 Trainer's next `fit` resumes. This module sits below both sides and imports nothing of theirs.
 """

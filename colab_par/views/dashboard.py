@@ -6,13 +6,12 @@ ONE display handle in place. While training, a frame is SVG text (svg_plot.py: a
 of CPU, the frontend draws it) under a progress line, shown when new rows arrived, at most twice a
 second and within 0.5 % of the machine's CPU time: the notebook shares its cores with the engines
 it watches, and a matplotlib picture would cost a hundred times more. The frame at the end of the
-cell is the full matplotlib (Agg) picture as a PNG, which the saved notebook keeps; `png()` draws
-the same for files (the CLI demo).
+cell is the full matplotlib (Agg) picture as a PNG (png_picture.py), which the saved notebook
+keeps; `png()` draws the same for files (the CLI demo).
 """
 from __future__ import annotations
 
 import base64
-import io
 import os
 import sys
 import time
@@ -21,8 +20,9 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from colab_par.views.svg_plot import HEAT_COLOURS, Line, Plot, Stack, grid_places, svg_grid
+from colab_par.views.png_picture import PngPicture
 from colab_par.views.rows import CHUNK, METRICS_KEY, ROWS_KEY, expert_counts
+from colab_par.views.svg_plot import HEAT_COLOURS, Line, Plot, Stack, grid_places, svg_grid
 
 __all__ = ["LiveDashboard", "Panel", "PANELS", "progress_line"]
 
@@ -127,8 +127,8 @@ class LiveDashboard:
         self._changed = False  # rows arrived since the last frame
         self._last_frame = 0.0
         self._frame_cost = 0.0
-        self._figure: Any = None
-        self._figure_shape: tuple = ()  # the (heat map?, span) of each plot the figure was built for
+        self._picture = PngPicture(columns=COLUMNS, dpi=DPI, dense_height=FRAME_INCHES[1],
+                                   dense_plots=len(PANELS), max_labelled_cells=MAX_LABELLED_CELLS)
         self._start_run(None)
 
     def _start_run(self, run: Any) -> None:
@@ -280,24 +280,16 @@ class LiveDashboard:
     def png(self) -> bytes:
         """The current frame as the full matplotlib picture (PNG bytes), drawn now."""
         plots = self.plots()
-        self._ensure_figure(plots)
-        return self._draw_png(plots)
+        return self._picture.png(plots, _frame_inches(plots))
 
     def panels(self) -> list[Panel]:
         """The PNG picture's plots: their pixel boxes in `png()` and final frames, and data colours."""
         plots = self.plots()
-        self._ensure_figure(plots)
-        height = int(round(self._figure.bbox.height))
+        boxes = self._picture.boxes(plots, _frame_inches(plots))
         latest = self.latest()
         specs = [(_default_title(spec), spec.colours, bool(spec.parts), False) for spec in _panel_specs(latest)]
         specs += [(title, HEAT_COLOURS, False, True) for title, _ in self._expert_maps(latest)]
-        panels = []
-        for (title, colours, bars, heat), ax in zip(specs, self._axes):
-            box = ax.bbox
-            panels.append(Panel(title, (int(round(box.x0)), int(round(height - box.y1)),
-                                        int(round(box.x1)), int(round(height - box.y0))),
-                                colours, bars, heat))
-        return panels
+        return [Panel(title, box, colours, bars, heat) for (title, colours, bars, heat), box in zip(specs, boxes)]
 
     def progress(self) -> str:
         header = self.header.get(min(self.header)) if self.header else {}
@@ -345,99 +337,6 @@ class LiveDashboard:
             self.handle = display(bundle, raw=True, display_id=True)
         else:
             self.handle.update(bundle, raw=True)
-
-    def _ensure_figure(self, plots: list[Plot]) -> None:
-        """Build the figure and its line artists once per arrangement of plots (a MoE run's first
-        counts add the heat maps); pictures only update data (re-creating axes and ticks costs
-        several times more than drawing)."""
-        shape = tuple((bool(plot.heat), plot.span) for plot in plots)
-        if self._figure is not None and shape == self._figure_shape:
-            return
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
-        inches = _frame_inches(plots)
-        self._figure = Figure(figsize=inches, dpi=DPI)  # fixed margins: layout engines cost a lot
-        self._figure_shape = shape
-        FigureCanvasAgg(self._figure)
-        places = grid_places(plots, COLUMNS)
-        grid = self._figure.add_gridspec(places[-1][0] + 1, COLUMNS)
-        self._axes = [self._figure.add_subplot(grid[row, column:column + plot.span])
-                      for plot, (row, column) in zip(plots, places)]
-        margin = FRAME_INCHES[1] / inches[1]  # the dense frame's margins, in inches
-        self._figure.subplots_adjust(left=0.06, right=0.95, top=1 - 0.06 * margin,
-                                     bottom=0.07 * margin, hspace=0.4, wspace=0.3)
-        self._lines: list[list[Any]] = []
-        for spec, ax in zip(PANELS, self._axes):
-            twin = ax.twinx() if any(curve.right for curve in spec.curves) else None
-            self._lines.append([(twin if curve.right else ax).plot(
-                [], [], color=curve.colour, linewidth=2, linestyle="--" if curve.right else "-")[0]
-                for curve in spec.curves])
-            ax.set_title(_default_title(spec), fontsize=10)
-            for axes in (ax, twin) if twin is not None else (ax,):
-                axes.tick_params(labelsize=8)
-                axes.locator_params(axis="y", nbins=4)  # every tick label is drawn text: keep few
-            if spec.curves:
-                ax.locator_params(axis="x", nbins=5)
-        self._lines += [[] for _ in plots[len(PANELS):]]  # the tiers bars and heat maps: no lines
-        self._drawn: list[Any] = []
-
-    def _draw_png(self, plots: list[Plot]) -> bytes:
-        for artist in self._drawn:
-            artist.remove()
-        self._drawn = []
-        for plot, ax, artists in zip(plots, self._axes, self._lines):
-            ax.set_title(plot.title, fontsize=10)
-            if plot.heat:
-                self._draw_heat(ax, plot)
-            if plot.bars:
-                self._draw_stacked(ax, plot)
-            for line, artist in zip(plot.lines, artists):
-                artist.set_data(line.x, line.y)
-                artist.axes.relim()
-                artist.axes.autoscale_view()
-        buffer = io.BytesIO()
-        self._figure.savefig(buffer, format="png", pil_kwargs={"compress_level": 1})
-        return buffer.getvalue()
-
-    def _draw_heat(self, ax: Any, plot: Plot) -> None:
-        """The heat map as an image of its cells, coloured along the SVG frames' ramp from 0 to the
-        largest count (no interpolation: one flat colour per cell)."""
-        from matplotlib.colors import LinearSegmentedColormap
-
-        values = np.asarray(plot.heat, dtype=float)
-        high = float(values.max()) or 1.0
-        ramp = LinearSegmentedColormap.from_list("expert_heat", HEAT_COLOURS)
-        self._drawn.append(ax.imshow(values, cmap=ramp, vmin=0.0, vmax=high, aspect="auto",
-                                     interpolation="nearest"))
-        if values.size <= MAX_LABELLED_CELLS:
-            for (layer, expert), value in np.ndenumerate(values):
-                self._drawn.append(ax.text(expert, layer, f"{value:g}", ha="center", va="center",
-                                           fontsize=7, color="black" if value / high > 0.6 else "white"))
-        ax.set_yticks(range(len(plot.row_labels)), list(plot.row_labels))
-        every = max(1, -(-len(plot.categories) // 32))  # at most 32 column labels
-        ax.set_xticks(range(0, len(plot.categories), every), list(plot.categories[::every]))
-
-    def _draw_stacked(self, ax: Any, plot: Plot) -> None:
-        positions = list(range(len(plot.categories)))
-        bottoms = [0.0] * len(positions)
-        for stack in plot.stacks:
-            if any(stack.heights):
-                self._drawn.append(ax.bar(positions, stack.heights, bottom=bottoms, label=stack.label,
-                                         color=stack.colour))
-                bottoms = [b + h for b, h in zip(bottoms, stack.heights)]
-        for i, note in enumerate(plot.notes):
-            if note:
-                self._drawn.append(ax.annotate(note, (i, bottoms[i]), ha="center", va="bottom",
-                                              fontsize=7))
-        if plot.limit:
-            self._drawn.append(ax.axhline(plot.limit, color="#333333", linestyle="--", linewidth=1,
-                                          label=plot.limit_label))
-        ax.set_xticks(positions, list(plot.categories))
-        ax.set_xlim(-0.6, len(positions) - 0.4)
-        ax.set_ylim(0, 1.8 * max(bottoms + [plot.limit or 0.0]) or 1.0)  # headroom for legend and notes
-        if positions:
-            self._drawn.append(ax.legend(fontsize=7, loc="upper center", ncol=3))
 
 
 class _Column:

@@ -102,12 +102,12 @@ def check_data(data: Any, num_batches: int | None) -> int | None:
     if isinstance(data, TokenDataset):
         if num_batches is None:
             raise ValueError(f"{type(data).__name__} never ends; pass the number of global batches to "
-                             "evaluate (num_batches=, or the Trainer's eval_batches=)")
+                             "evaluate (num_batches=, or the Trainer's Evaluation(batches=))")
         return num_batches
     if isinstance(data, BatchList):
         if (num_batches or data.count) is None:
             raise ValueError(f"BatchList {data.name!r} is a function of the batch index with no end; pass the "
-                             "number of global batches (num_batches=, or the Trainer's eval_batches=)")
+                             "number of global batches (num_batches=, or the Trainer's Evaluation(batches=))")
         return num_batches or data.count
     if isinstance(data, (list, tuple)):
         if not data:

@@ -1,0 +1,317 @@
+"""Bytes per device of a `Layout`: model state, the build's peak, activations, and which
+parameters the fullest rank holds.
+
+Pure arithmetic, below `layout_estimate`. Sources (docs/planner.md): model state from the ZeRO
+paper (Rajbhandari et al. 2020, Table 1), activations from Korthikanti et al. 2022.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from colab_par.layout import Layout
+from colab_par.layout.tier_options import bf16_working_shards
+from colab_par.planning.devices import DeviceSpec
+from colab_par.planning.expert_costs import local_expert_params
+from colab_par.planning.flops import ModelSpec
+from colab_par.planning.tensor_costs import grid_local_params, kept_activation_bytes
+
+__all__ = ["MemoryBreakdown", "STATE_BYTES", "FROZEN_BYTES", "INIT_MODES", "INIT_BYTES", "state_precision",
+           "model_state_bytes", "check_init", "init_peak_bytes", "activation_bytes_per_layer",
+           "microbatches_in_flight", "RankParams", "rank_params", "decoder_memory"]
+
+
+# ---- model state (ZeRO paper) --------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per device; ``host_*`` is what CPU offload keeps in host memory instead.
+
+    `total` is the training peak (model state, activations and the step's communication
+    `buffers`); `init` the peak while the model is built or loaded and sharded, before training;
+    `baseline` what the process holds before any model (a CPU engine's torch and gloo). `peak`,
+    what must fit, is the baseline plus the larger of the two phases.
+    """
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float = 0.0
+    host_params: float = 0.0
+    host_grads: float = 0.0
+    host_optimizer: float = 0.0
+    buffers: float = 0.0
+    init: float = 0.0
+    baseline: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    @property
+    def peak(self) -> float:
+        return self.baseline + max(self.total, self.init)
+
+    @property
+    def host_total(self) -> float:
+        return self.host_params + self.host_grads + self.host_optimizer
+
+
+# bytes per parameter: (parameters, gradients, optimizer states). "mixed" is the ZeRO paper's
+# 2 + 2 + K with K = 12 for Adam (fp32 master weights, momentum, variance).
+STATE_BYTES = {
+    ("mixed", "adam"): (2, 2, 12), ("fp32", "adam"): (4, 4, 8),
+    ("mixed", "sgd"): (2, 2, 8), ("fp32", "sgd"): (4, 4, 4),
+}
+
+
+def state_precision(layout: Layout) -> str:
+    """The state accounting of `STATE_BYTES` the kit's bf16 really holds: float32 parameters and
+    gradients with bf16 compute (autocast; FSDP's MixedPrecisionPolicy keeps float32 shards and
+    reduces in float32), so "fp32"; only bf16 working shards with the master beside the optimizer
+    state (memory tiers, `bf16_working_shards`) are the ZeRO paper's "mixed" 2 + 2 + 12."""
+    return "mixed" if bf16_working_shards(layout.tiers, layout.precision, layout.zero) else "fp32"
+
+
+FROZEN_BYTES = 4  # a frozen weight holds its stored copy only: fp32, the kit's (and from_pretrained's) dtype
+
+
+def model_state_bytes(n_params: float, *, zero: int, dp: int, precision: str = "mixed",
+                      optimizer: str = "adam", offload: bool = False, trainable: float = 1.0) -> MemoryBreakdown:
+    """Per-device bytes of parameters, gradients and optimizer states under ZeRO stage `zero`.
+
+    Stage 1 shards the optimizer states over `dp`, 2 the gradients too, 3 the parameters too.
+    `offload` moves every sharded part (and the optimizer states) to host memory; what stays
+    replicated stays on the device, as in ZeRO-Offload and FSDP's CPUOffloadPolicy.
+    Only the `trainable` share of the parameters (a PEFT model's adapters) has gradients and
+    optimizer state; the frozen rest holds its weights (`FROZEN_BYTES` each), sharded like them.
+    """
+    if (precision, optimizer) not in STATE_BYTES:
+        raise ValueError(f"precision={precision!r}, optimizer={optimizer!r} is not modelled; use "
+                         "precision 'mixed' or 'fp32' and optimizer 'adam' or 'sgd'")
+    if zero not in (0, 1, 2, 3) or dp < 1:
+        raise ValueError(f"zero={zero}, dp={dp}: zero is 0..3 and dp a positive integer")
+    if not 0.0 <= trainable <= 1.0:
+        raise ValueError(f"trainable={trainable!r} is the share of parameters that train, between 0 and 1")
+    params, grads, states = STATE_BYTES[precision, optimizer]
+    per_param = (trainable * params + (1 - trainable) * FROZEN_BYTES, trainable * grads, trainable * states)
+    sharded = (zero >= 3, zero >= 2, zero >= 1)
+    device, host = [], []
+    for bytes_, is_sharded, is_optimizer in zip(per_param, sharded, (False, False, True)):
+        amount = n_params * bytes_ / (dp if is_sharded else 1)
+        moved = offload and (is_sharded or is_optimizer)
+        device.append(0.0 if moved else amount)
+        host.append(amount if moved else 0.0)
+    return MemoryBreakdown(*device, host_params=host[0], host_grads=host[1], host_optimizer=host[2])
+
+
+# ---- building the model (before training) -------------------------------------------------------
+INIT_MODES = ("meta", "full", "pretrained")
+INIT_BYTES = 4  # parameters materialise in fp32 (bf16 layouts keep fp32 master weights)
+
+
+def check_init(init: str) -> None:
+    """Refuse an `init` that is not one of `INIT_MODES`, saying what each means."""
+    if init not in INIT_MODES:
+        raise ValueError(f"init={init!r}; choose 'meta' (parallelize a factory or a meta-device model), "
+                         "'full' (a model built whole on every rank) or 'pretrained' (from_pretrained)")
+
+
+def init_peak_bytes(init: str, *, model_params: float, local_params: float, largest_tensor: float,
+                    block_params: float, param_bytes: int = INIT_BYTES, shard_bytes: int | None = None) -> float:
+    """Bytes one rank holds at the peak of building (or loading) and sharding its model.
+
+    `local_params` is what the rank keeps once sharded, `largest_tensor` the largest parameter
+    whole, `block_params` one repeated block as a rank reads it.
+    - "meta" (`parallelize(factory)` or a meta model): the rank's own shards plus two full
+      tensors: recording the init runs each random op once on a full-size temporary, and
+      materialising computes one full tensor on the CPU before copying its shard out.
+    - "full" (a model built normally): the whole model on every rank plus one tensor in flight
+      of the per-tensor broadcast from rank 0; sharding happens after this peak.
+    - "pretrained" (`from_pretrained`): the rank's own shards plus one block read from the
+      safetensors files.
+    `shard_bytes`: bytes per kept parameter where the shards are kept narrower than they are
+    computed (memory tiers' bf16 working shards); default `param_bytes`.
+    """
+    check_init(init)
+    kept = (param_bytes if shard_bytes is None else shard_bytes) * local_params
+    extra = {"meta": kept + 2 * largest_tensor * param_bytes,
+             "full": (model_params + largest_tensor) * param_bytes,
+             "pretrained": kept + block_params * param_bytes}
+    return extra[init]
+
+
+# ---- activations (Korthikanti et al. 2022) -------------------------------------------------------
+def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *, tp: int = 1,
+                               sp: bool = False, recompute: str = "none",
+                               dtype_bytes: int = 2) -> float:
+    """Activation bytes one transformer layer keeps for backward, 16-bit activations.
+
+    none: sbh(34 + 5as/h); tensor parallel: sbh(10 + 24/t + 5as/(ht)); with sequence parallel:
+    (sbh/t)(34 + 5as/h); selective recompute drops the 5as/h attention term; full recompute keeps
+    only the layer input, 2sbh (÷t with SP). `dtype_bytes=4` (fp32 CPU runs) scales every term by 2,
+    1-byte dropout masks included (an upper bound: the reference GPT has no dropout).
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r}; choose 'none', 'selective' or 'full'")
+    s, b, h, a, t = seq, batch, hidden, heads, tp
+    scale = dtype_bytes / 2
+    if recompute == "full":
+        return scale * 2 * s * b * h / (t if sp else 1)
+    attention = 0.0 if recompute == "selective" else 5 * a * s / h
+    if sp:
+        return scale * s * b * h / t * (34 + attention)
+    return scale * s * b * h * (10 + 24 / t + attention / t)
+
+
+def microbatches_in_flight(layout: Layout) -> float:
+    """Microbatches whose activations the first pipeline stage holds at once under the schedule."""
+    p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
+    if p == 1:
+        return 1.0
+    if layout.pp_schedule == "gpipe":
+        return float(m)
+    if layout.pp_schedule == "interleaved":
+        return min(m, p * (1 + (p - 1) / (p * v)))
+    return float(min(m, p))
+
+
+def _grid_activations(spec: ModelSpec, layout: Layout, micro: int, seq: int,
+                      act_bytes: int) -> tuple[float, float]:
+    """(bytes a layer keeps, bytes outside the layers) under a 2d / 2.5d / 3d grid: what the kit's
+    grid layers keep (`tensor_costs`), a layer's input only under full recompute (selective is
+    counted as none), plus the gathered logits alive next to the loss."""
+    per_layer, outside = kept_activation_bytes(spec, layout, micro, seq, act_bytes)
+    if layout.checkpointing == "full":
+        per_layer = micro * seq * spec.d_model / layout.tp * act_bytes
+    return per_layer, outside + micro * seq * spec.vocab_size * act_bytes
+
+
+def _decoder_activations(spec: ModelSpec, layout: Layout, micro: int, s_local: int, act_bytes: int) -> float:
+    """Activation bytes of the fullest rank: the first stage holds the most microbatches in flight,
+    and backward under recompute rebuilds one layer at a time, whole."""
+    grid = layout.tp_mode != "1d"
+    if grid:
+        per_layer, logits = _grid_activations(spec, layout, micro, s_local, act_bytes)
+    else:
+        per_layer = activation_bytes_per_layer(s_local, micro, spec.d_model, spec.n_head, tp=layout.tp,
+                                               sp=layout.sequence_parallel,
+                                               recompute=layout.checkpointing, dtype_bytes=act_bytes)
+        logits = micro * s_local * spec.vocab_size * (act_bytes + 4)  # gathered logits + fp32 loss
+    activations = spec.n_layer / layout.pp * per_layer * microbatches_in_flight(layout) + logits
+    if layout.checkpointing != "none":
+        whole = (_grid_activations(spec, layout.replace(checkpointing="none"), micro, s_local, act_bytes)[0]
+                 if grid else activation_bytes_per_layer(s_local, micro, spec.d_model, spec.n_head,
+                                                         tp=layout.tp, sp=layout.sequence_parallel,
+                                                         dtype_bytes=act_bytes))
+        activations += whole - per_layer
+    return activations
+
+
+# ---- what the fullest rank holds ----------------------------------------------------------------
+@dataclass(frozen=True)
+class RankParams:
+    """The fullest rank's parameters after the tp / pp / ep / grid splits: `local` in all, `layer`
+    one transformer layer's share, `trainable` the share of `local` that trains, `experts` the
+    expert weights among `local` (0 without ep)."""
+
+    local: float
+    layer: float
+    trainable: float
+    experts: float
+
+
+def _local_params(spec: ModelSpec, layout: Layout) -> tuple[float, float]:
+    """(parameters on the fullest rank, one transformer layer's share) after TP and PP splits.
+
+    Matrices are split over tp (vocabulary too); norm weights and MoE routers are replicated. With pp > 1 the
+    fullest rank holds the first stage (embedding) or the last (final norm and output head).
+    """
+    t, d = layout.tp, spec.d_model
+    router = d * spec.n_experts  # a MoE layer's router stays whole on every tp rank
+    layer = (spec.layer_matrix_params - router) / t + router + 2 * d
+    layers = spec.n_layer / layout.pp * layer
+    embedding = spec.vocab_size * d / t
+    head = 0 if spec.tied_embeddings and layout.pp == 1 else embedding
+    if layout.pp == 1 or layout.pp_schedule == "zbv":  # ZB-V: rank 0 holds the first and last stage
+        return layers + embedding + head + d, layer
+    return layers + max(embedding, head + d), layer
+
+
+def _with_whole_adapters(spec: ModelSpec, local: float) -> tuple[float, float]:
+    """(parameters on a grid rank, the share of them that train): a tensor grid splits the base
+    model but keeps LoRA's adapters, `spec.trainable` of all parameters, whole on every rank
+    (`parallel/adapters/grid.py`)."""
+    if spec.trainable >= 1.0:
+        return local, 1.0
+    adapters = spec.n_params * spec.trainable / (1.0 - spec.trainable)  # n_params: the base's sizes
+    return local + adapters, adapters / (local + adapters)
+
+
+def rank_params(spec: ModelSpec, layout: Layout) -> RankParams:
+    """What the fullest rank holds of a decoder's parameters under `layout`.
+
+    Expert parallel: a rank keeps n_experts/ep of each layer's experts, of those its tp slice
+    (tp splits every expert inside) and its pp stage's layers."""
+    grid = layout.tp_mode != "1d"
+    local, layer_params = grid_local_params(spec, layout) if grid else _local_params(spec, layout)
+    local, trainable = _with_whole_adapters(spec, local) if grid else (local, spec.trainable)
+    inside = layout.tp * layout.pp
+    experts = local_expert_params(spec, layout.ep) / inside if layout.ep > 1 else 0.0
+    if experts:
+        local -= spec.expert_params / inside - experts
+    layer_params -= spec.layer_expert_params / layout.tp * (1 - 1 / layout.ep)
+    return RankParams(local, layer_params, trainable, experts)
+
+
+def _state(local: float, experts: float, layout: Layout, shard: int, zero: int,
+           **options: Any) -> MemoryBreakdown:
+    """Model state of a rank holding `local` parameters of which `experts` are its expert weights
+    (0 without ep): those are sharded over the dp/ep ranks holding the same experts, the rest
+    over `shard` ranks."""
+    dense = model_state_bytes(local - experts, zero=zero, dp=shard, **options)
+    if not experts:
+        return dense
+    own = model_state_bytes(experts, zero=zero, dp=shard // layout.ep, **options)
+    return MemoryBreakdown(**{part.name: getattr(dense, part.name) + getattr(own, part.name)
+                              for part in fields(MemoryBreakdown)})
+
+
+def decoder_memory(spec: ModelSpec, layout: Layout, rank: RankParams, dev: DeviceSpec, *, global_batch: int,
+                   seq_len: int, optimizer: str, init: str) -> tuple[MemoryBreakdown, MemoryBreakdown]:
+    """(the training and build peak, the model state at rest between steps) of a decoder's fullest
+    rank holding `rank`.
+
+    Model state: the ZeRO accounting; zero=2 is FSDP with reshard_after_forward=False, which keeps
+    the gathered parameters from forward to backward (peak = ZeRO-2) and reshards after backward
+    (at rest = ZeRO-3). CPU offload moves state to host memory; where the host is the device (a
+    CPU: host bandwidth infinite) it moves nothing and the state stays in the peak. FSDP (zero
+    2/3): the root unit (embedding, head, final norm) stays gathered from forward to the end of
+    backward, with the current and the prefetched layer; a unit's reduce-scatter holds its
+    unsharded gradients and the flat fp32 input they are copied into (on gloo: the input and a
+    staging copy of the same size), the largest unit's at the peak.
+    """
+    act_bytes = 2 if layout.precision == "bf16" else 4
+    shard = layout.dp * layout.cp if layout.zero >= 2 else layout.dp
+    local, layer_params, experts = rank.local, rank.layer, rank.experts
+    offloaded = layout.offload and not math.isinf(dev.host_bandwidth)
+    state_options = dict(precision=state_precision(layout), optimizer=optimizer, offload=offloaded,
+                         trainable=rank.trainable)
+    state = _state(local, experts, layout, shard, layout.zero, **state_options)
+    resting = _state(local, experts, layout, shard, 3 if layout.zero == 2 else layout.zero, **state_options)
+    root = local - spec.n_layer / layout.pp * layer_params
+    gathered = (root + 2 * layer_params) * act_bytes if layout.zero == 3 else 0.0
+    buffers = 2 * max(root, layer_params) * 4 if layout.zero >= 2 else 0.0
+    micro = global_batch // layout.dp // layout.microbatches
+    activations = _decoder_activations(spec, layout, micro, seq_len // layout.cp, act_bytes)
+    init_bytes = init_peak_bytes(init, model_params=spec.n_params,
+                                 local_params=local / shard if layout.zero >= 2 else local,
+                                 largest_tensor=spec.largest_tensor,
+                                 block_params=layer_params if layout.tp_mode != "1d" else
+                                 (spec.layer_matrix_params + 2 * spec.d_model) / layout.tp,
+                                 shard_bytes=2 if bf16_working_shards(layout.tiers, layout.precision,
+                                                                      layout.zero) else None)
+    memory = MemoryBreakdown(state.params + gathered, state.grads, state.optimizer, activations,
+                             state.host_params, state.host_grads, state.host_optimizer, buffers,
+                             init_bytes, dev.process_memory)
+    return memory, resting
