@@ -32,6 +32,7 @@ _EXPORTS = {
     "Evaluation": "colab_par.training.options",
     "Checkpoints": "colab_par.training.options",
     "Logs": "colab_par.training.options",
+    "GRPO": "colab_par.training.grpo",
     "save": "colab_par.training.checkpoint",
     "from_pretrained": "colab_par.hf_io",
     "save_pretrained": "colab_par.hf_io",

@@ -1,0 +1,221 @@
+"""GRPO on a ParallelModel, colocated: the engines that train also generate. Build it on every
+engine with the same arguments; each step then runs on every rank:
+
+1. the step's `prompts_per_step` prompts (`prompts.py`: seeded, the same on every rank), each
+   repeated `group_size` times, completions sampled by `pm.generate` with seed `seed + step`,
+   scored by the reward functions on every rank, group-relative advantages (`rollout.py`);
+2. this rank's data-parallel share of the rows; with `iterations > 1` the sampling policy's
+   log-probabilities once, without gradient (later iterations are off-policy: importance
+   ratios); with `loss.beta > 0` the reference's, from the base model with the LoRA adapters
+   switched off (`logprobs.py`);
+3. `iterations` optimizer steps on the whole rollout, each one forward and backward of the GRPO
+   loss through `pm.forward_backward_tensor` (dapo's token count is the whole rollout's), the
+   gradient norm clipped to `grad_clip`;
+4. one row in `history`: the loss, rewards (mean, mean group std, each function's mean and std),
+   the share of groups with equal rewards, completion lengths and truncation, clip ratios, KL,
+   entropy, gradient norm, and the time spent sampling (`rollout_s`) and training (`train_s`).
+
+Every rank takes the same path (the same prompts, completions and rewards), so an error (a reward
+function that raises, names its row in `rewards.py`) raises on every rank and nothing waits.
+Refused for now, before any work: pipeline, context and sequence parallel and tensor grids (the
+pipeline runner keeps its own loss; the others split sequences or batches another way), and a
+KL term (`beta > 0`) with full weights, whose reference would be a frozen sharded copy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from colab_par.layout import Layout
+from colab_par.models.gpt import GPT
+from colab_par.models.hf import is_hf_model, shifts_labels
+from colab_par.parallel.inference.state import bare_module
+from colab_par.training.grpo.advantages import SCALE_REWARDS
+from colab_par.training.grpo.logprobs import (RolloutLoss, adapters_disabled, forward_logps, loss_installed,
+                                              policy_inputs, vocab_size)
+from colab_par.training.grpo.objective import completion_mask
+from colab_par.training.grpo.options import GrpoLossOptions
+from colab_par.training.grpo.prompts import PromptRows
+from colab_par.training.grpo.rollout import Completions, Rollout, RolloutPlan, reward_functions, sample_rollout
+
+__all__ = ["GRPO", "SUPPORTED_LAYOUTS"]
+
+SUPPORTED_LAYOUTS = "dp, zero1/2/3, offload, memory tiers, 1d tp, ep, bf16 and recompute (e.g. 'dp2 zero3')"
+TOKEN_MEASURES = ("clip_low", "clip_high", "clip_region", "kl", "entropy")  # means over unmasked tokens
+
+
+class GRPO:
+    """The GRPO loop (module docstring). `rewards`: a function ``(prompts, completions, **columns)
+    -> list[float]``, a list of them, or a dict function -> weight; `prompts`: see `prompts.py`;
+    `completions`: sampling and decoding (`Completions`); `loss`: TRL's loss settings
+    (`GrpoLossOptions`; its `max_completion_length` is taken from here); `scale_rewards`: TRL's
+    ("group", "batch" or "none")."""
+
+    def __init__(self, pm: Any, prompts: Any, rewards: Any, *, group_size: int, max_completion_length: int,
+                 steps: int, prompts_per_step: int = 1, completions: Completions = Completions(),
+                 loss: GrpoLossOptions = GrpoLossOptions(), scale_rewards: str = "group", iterations: int = 1,
+                 seed: int = 0, grad_clip: float | None = None):
+        check_layout(pm.layout)
+        model = bare_module(pm.model)
+        check_model(model)
+        for name, value, least in (("group_size", group_size, 2), ("max_completion_length", max_completion_length, 1),
+                                   ("steps", steps, 1), ("prompts_per_step", prompts_per_step, 1),
+                                   ("iterations", iterations, 1), ("seed", seed, 0)):
+            _check_whole(name, value, least)
+        _check_types(completions, loss, scale_rewards, grad_clip)
+        self.loss = _with_length(loss, max_completion_length)
+        if self.loss.beta > 0 and pm.adapters is None:
+            raise ValueError(f"beta={self.loss.beta} weighs a KL term to a reference policy, which for a model "
+                             "trained with full weights would be a frozen sharded copy (not built yet); use "
+                             "beta=0, or train LoRA adapters (the base without them is the reference)")
+        if prompts_per_step * group_size % pm.dp_size:
+            raise ValueError(f"prompts_per_step * group_size = {prompts_per_step * group_size} completions do not "
+                             f"split over {pm.dp_size} data-parallel ranks; make it a multiple of {pm.dp_size}")
+        self.prompts = PromptRows(prompts)
+        functions, weights = reward_functions(rewards)
+        eos, pad = _special_ids(model, completions)
+        self.plan = RolloutPlan(group_size=group_size, max_completion_length=max_completion_length,
+                                completions=completions, eos=eos, pad=pad, mask_truncated=self.loss.mask_truncated,
+                                scale_rewards=scale_rewards, functions=functions, weights=weights)
+        self.pm, self.steps, self.prompts_per_step = pm, steps, prompts_per_step
+        self.iterations, self.seed, self.grad_clip = iterations, seed, grad_clip
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        self.last_rollout: Rollout | None = None  # what the policy wrote last: prompts, completions, rewards
+
+    def fit(self) -> list[dict[str, Any]]:
+        """Steps until `steps`; returns their rows (they join `history`)."""
+        first = len(self.history)
+        while self.step < self.steps:
+            self.train_step()
+        return self.history[first:]
+
+    def train_step(self) -> dict[str, Any]:
+        """One rollout and its `iterations` optimizer steps; returns the step's row."""
+        started = time.perf_counter()
+        prompts, columns = self.prompts.take(self.step, self.prompts_per_step, self.seed)
+        rollout = self.last_rollout = sample_rollout(self.pm, self.plan, prompts, columns, self.seed + self.step)
+        sampled = time.perf_counter()
+        trained = self.train_on(rollout)
+        row = {"step": self.step, **trained, **_rollout_row(rollout, self.plan.eos),
+               "rollout_s": sampled - started, "train_s": time.perf_counter() - sampled}
+        self.step += 1
+        self.history.append(row)
+        return row
+
+    def train_on(self, rollout: Rollout) -> dict[str, float]:
+        """`iterations` optimizer steps on `rollout` (the whole batch, identical on every rank), its
+        missing log-probabilities computed first; the means over the steps of the loss, gradient
+        norm and token measures (over every rank's unmasked tokens)."""
+        pm, temperature = self.pm, self.plan.completions.temperature
+        rows = rollout.rows(pm.dp_size, pm.dp_rank).to(pm.device)
+        if rows.old_logps is None and self.iterations > 1:
+            rows = dataclasses.replace(rows, old_logps=forward_logps(pm, rows, temperature))
+        if rows.ref_logps is None and self.loss.beta > 0:
+            with adapters_disabled(bare_module(pm.model)):
+                rows = dataclasses.replace(rows, ref_logps=forward_logps(pm, rows, temperature))
+        loss = RolloutLoss(rows, self.loss, temperature, int(rollout.mask.sum()), pm.dp_size, vocab_size(pm.model))
+        steps = []
+        with loss_installed(pm, loss):
+            for _ in range(self.iterations):
+                value = pm.forward_backward_tensor(policy_inputs(pm.model, rows), local=True)
+                norm = pm.clip_grad_norm_tensor(self.grad_clip or math.inf)
+                pm.optimizer_step()
+                steps.append(_step_measures(loss, value, norm))
+        return self._means(torch.stack(steps), has_kl=rows.ref_logps is not None)
+
+    def _means(self, steps: torch.Tensor, has_kl: bool) -> dict[str, float]:
+        """Columns loss, grad_norm (the same on every rank), then each token measure times this
+        rank's tokens, then its tokens: summed over the dp ranks, averaged over the steps."""
+        weighted = steps[:, 2:].clone()
+        if self.pm.dp_size > 1:
+            dist.all_reduce(weighted, group=self.pm.mesh["dp"].get_group())
+        means = torch.cat([steps[:, :2], weighted[:, :-1] / weighted[:, -1:].clamp(min=1)], dim=1).mean(dim=0)
+        row = dict(zip(("loss", "grad_norm", *TOKEN_MEASURES), means.tolist()))
+        if not has_kl:
+            del row["kl"]
+        return row
+
+
+def _step_measures(loss: RolloutLoss, value: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """One optimizer step's loss, gradient norm, token measures weighted by tokens, tokens."""
+    last = loss.last
+    tokens = last.tokens.double()
+    measures = [getattr(last, name) for name in TOKEN_MEASURES]
+    weighted = [torch.zeros((), dtype=torch.float64, device=tokens.device) if m is None else m.double() * tokens
+                for m in measures]
+    return torch.stack([value.double().reshape(()), norm.double().to(tokens.device).reshape(()), *weighted, tokens])
+
+
+def _rollout_row(rollout: Rollout, eos: list[int]) -> dict[str, float]:
+    """What the rollout's rewards and completions were, as TRL logs them."""
+    scores = rollout.scores
+    row = {"reward": torch.nanmean(scores.total).item(), "reward_std": torch.nanmean(rollout.group_std).item()}
+    for name in scores.names:
+        row[f"reward/{name}"], row[f"reward_std/{name}"] = scores.means[name], scores.stds[name]
+    ended = completion_mask(rollout.completion_ids, eos)
+    truncated = ~torch.isin(rollout.completion_ids, torch.tensor(eos)).any(dim=1)
+    row.update(zero_std_fraction=rollout.zero_std_fraction, completion_length=ended.sum(dim=1).double().mean().item(),
+               truncated_fraction=truncated.double().mean().item())
+    return row
+
+
+# ---- checks before any work ------------------------------------------------------------------------------
+def check_layout(layout: Layout) -> None:
+    refused = {"pp": layout.pp > 1, "cp": layout.cp > 1, "sp": layout.sequence_parallel,
+               f"tp {layout.tp_mode}": layout.tp_mode != "1d"}
+    named = [name for name, on in refused.items() if on]
+    if named:
+        raise ValueError(f"GRPO does not train under {', '.join(named)} yet (layout '{layout}'): pipeline stages "
+                         "score micro-batches with their runner's own loss, and context / sequence parallel and "
+                         f"tensor grids split rows another way. Supported: {SUPPORTED_LAYOUTS}; relayout first")
+
+
+def check_model(model: nn.Module) -> None:
+    if isinstance(model, GPT) or (is_hf_model(model) and shifts_labels(model)):
+        return
+    raise ValueError(f"GRPO scores completions with colab_par's GPT or a Hugging Face causal LM (or LoRA on "
+                     f"one); {type(model).__name__} is neither")
+
+
+def _check_whole(name: str, value: Any, least: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        why = " (an advantage compares a completion with the others of its prompt)" if name == "group_size" else ""
+        raise ValueError(f"{name}={value!r} must be a whole number >= {least}{why}")
+
+
+def _check_types(completions: Any, loss: Any, scale_rewards: Any, grad_clip: Any) -> None:
+    if not isinstance(completions, Completions):
+        raise TypeError(f"completions={completions!r} must be a Completions, e.g. Completions(temperature=0.8)")
+    if not isinstance(loss, GrpoLossOptions):
+        raise TypeError(f"loss={loss!r} must be a GrpoLossOptions, e.g. GrpoLossOptions(loss_type='dapo')")
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards={scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
+    if grad_clip is not None and (isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float))
+                                  or not math.isfinite(grad_clip) or grad_clip <= 0):
+        raise ValueError(f"grad_clip={grad_clip!r} must be a number > 0 (e.g. 1.0), or None for no clipping")
+
+
+def _with_length(loss: GrpoLossOptions, max_completion_length: int) -> GrpoLossOptions:
+    if loss.max_completion_length not in (None, max_completion_length):
+        raise ValueError(f"loss.max_completion_length={loss.max_completion_length} differs from "
+                         f"max_completion_length={max_completion_length}: leave it out of GrpoLossOptions")
+    return dataclasses.replace(loss, max_completion_length=max_completion_length)
+
+
+def _special_ids(model: nn.Module, completions: Completions) -> tuple[list[int], int]:
+    """(end-of-sequence ids, padding id): the given ones, else a Hugging Face model's own."""
+    settings = getattr(model, "generation_config", None) or getattr(model, "config", None)
+    eos = completions.eos_token_id if completions.eos_token_id is not None else getattr(settings, "eos_token_id", None)
+    if eos is None or eos == []:
+        raise ValueError(f"{type(model).__name__} names no end-of-sequence token: pass "
+                         "Completions(eos_token_id=...), the id that ends a completion")
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    pad = completions.pad_token_id if completions.pad_token_id is not None else getattr(settings, "pad_token_id", None)
+    return eos, eos[0] if pad is None else pad
