@@ -50,7 +50,6 @@ def test_layouts_it_cannot_train_are_refused_naming_the_supported_ones(layout, n
     (dict(loss=GrpoLossOptions(beta=0.04)), "beta=0.04 weighs a KL term.*full weights.*use beta=0, or train "
                                             "LoRA adapters"),
     (dict(loss=GrpoLossOptions(max_completion_length=8)), "loss.max_completion_length=8 differs"),
-    (dict(scale_rewards="std"), "scale_rewards='std' is not one of group, batch, none"),
     (dict(grad_clip=0), "grad_clip=0 must be a number > 0"),
     (dict(completions=Completions()), "GPT names no end-of-sequence token: pass Completions\\(eos_token_id="),
     (dict(prompts=[]), "prompts is empty"),
@@ -64,6 +63,8 @@ def test_bad_settings_are_refused_with_what_to_do(changes, message):
 def test_sampling_and_rewards_are_checked_when_given():
     with pytest.raises(ValueError, match="temperature=0 must be a finite number > 0"):
         Completions(temperature=0)
+    with pytest.raises(ValueError, match="scale_rewards='std' is not one of group, batch, none"):
+        GrpoLossOptions(scale_rewards="std")
     with pytest.raises(TypeError, match="rewards=3"):
         GRPO(stand_in(), [[1]], 3, group_size=2, max_completion_length=2, steps=1)
     with pytest.raises(ValueError, match="reward weight nan"):

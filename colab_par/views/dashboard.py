@@ -84,6 +84,8 @@ PANELS = (
 TIER_PANEL = PanelSpec("state per tier by rank (MiB)", parts=TIER_PARTS, scale=2 ** -20,
                        note=("mem_tier_moved", "moved {:,.0f} MiB/step", 2 ** -20),
                        limit=("mem_tier_budget", "budget per rank"))
+# a GRPO run (rows with a mean `reward`) adds this plot after those (training/grpo)
+REWARD_PANEL = PanelSpec("reward by step", (Curve((("reward", "reward"),), GREEN),))
 # MoE models add a row per heat map of the latest step's per-expert counts (layer × expert):
 # the heat map of a MoE model's routed tokens (`telemetry.expert_counts`); a dense model's frame has none
 EXPERT_MAP_TITLE = "tokens per expert"
@@ -377,9 +379,11 @@ def _frame_inches(plots: list[Plot]) -> tuple[float, float]:
 
 
 def _panel_specs(latest: dict[int, dict]) -> tuple[PanelSpec, ...]:
-    """PANELS, and the tiers plot when a rank's newest row reports memory tiers."""
+    """PANELS, the tiers plot when a rank's newest row reports memory tiers, and the reward plot
+    when it reports a reward."""
     tiers = any(row.get("mem_tier_device") is not None for row in latest.values())
-    return PANELS + (TIER_PANEL,) if tiers else PANELS
+    rewards = any(row.get("reward") is not None for row in latest.values())
+    return PANELS + (TIER_PANEL,) * tiers + (REWARD_PANEL,) * rewards
 
 
 def _default_title(spec: PanelSpec) -> str:

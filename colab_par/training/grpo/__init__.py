@@ -14,6 +14,7 @@ The loop on a ParallelModel (colocated: the engines that train also generate):
   logprobs.py    per-token log-probabilities from the policy's forward; the GRPO loss as the model's
                  batch loss while a rollout trains; the LoRA base as the reference
   prompts.py     PromptRows: lists or Datasets of prompts, drawn seeded and alike on every rank
+  live_rows.py   LiveRows: the loop's rows to the dashboard, TensorBoard and loggers (`Logs`)
 """
 from colab_par.training.grpo.advantages import SCALE_REWARDS, GroupAdvantages, group_advantages
 from colab_par.training.grpo.objective import GrpoLoss, completion_mask, grpo_loss, token_entropy

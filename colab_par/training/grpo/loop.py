@@ -11,9 +11,15 @@ engine with the same arguments; each step then runs on every rank:
 3. `iterations` optimizer steps on the whole rollout, each one forward and backward of the GRPO
    loss through `pm.forward_backward_tensor` (dapo's token count is the whole rollout's), the
    gradient norm clipped to `grad_clip`;
-4. one row in `history`: the loss, rewards (mean, mean group std, each function's mean and std),
+4. one row in `history` (on `logs.every` steps and the last; `step` counts the steps done, as
+   the Trainer's rows): the loss, rewards (mean, mean group std, each function's mean and std),
    the share of groups with equal rewards, completion lengths and truncation, clip ratios, KL,
-   entropy, gradient norm, and the time spent sampling (`rollout_s`) and training (`train_s`).
+   entropy, gradient norm, and the time spent sampling (`rollout_s`) and training (`train_s`);
+   live to the dashboard and to TensorBoard and the loggers as the Trainer's rows (`live_rows.py`).
+
+`save_checkpoint` / `resume` (or `colab_par.save(pm, path, trainer=grpo)`) keep the model, the
+optimizer, the step, seed and `history`: the prompts, sampling seeds and so every later row follow
+from the step and seed, so a resumed run goes on exactly as an uninterrupted one.
 
 Every rank takes the same path (the same prompts, completions and rewards), so an error (a reward
 function that raises, names its row in `rewards.py`) raises on every rank and nothing waits.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from typing import Any
 
@@ -36,13 +43,15 @@ from colab_par.layout import Layout
 from colab_par.models.gpt import GPT
 from colab_par.models.hf import is_hf_model, shifts_labels
 from colab_par.parallel.inference.state import bare_module
-from colab_par.training.grpo.advantages import SCALE_REWARDS
+from colab_par.training.checkpoint import load, save, saved_history
+from colab_par.training.grpo.live_rows import LiveRows
 from colab_par.training.grpo.logprobs import (RolloutLoss, adapters_disabled, forward_logps, loss_installed,
                                               policy_inputs, vocab_size)
 from colab_par.training.grpo.objective import completion_mask
 from colab_par.training.grpo.options import GrpoLossOptions
-from colab_par.training.grpo.prompts import PromptRows
+from colab_par.training.grpo.prompts import PromptDraw, PromptRows
 from colab_par.training.grpo.rollout import Completions, Rollout, RolloutPlan, reward_functions, sample_rollout
+from colab_par.training.options import Logs
 
 __all__ = ["GRPO", "SUPPORTED_LAYOUTS"]
 
@@ -54,13 +63,14 @@ class GRPO:
     """The GRPO loop (module docstring). `rewards`: a function ``(prompts, completions, **columns)
     -> list[float]``, a list of them, or a dict function -> weight; `prompts`: see `prompts.py`;
     `completions`: sampling and decoding (`Completions`); `loss`: TRL's loss settings
-    (`GrpoLossOptions`; its `max_completion_length` is taken from here); `scale_rewards`: TRL's
-    ("group", "batch" or "none")."""
+    (`GrpoLossOptions`, with `scale_rewards`; its `max_completion_length` is taken from here);
+    `logs`: the Trainer's `Logs` (rows every `every` steps, live with `telemetry`, `tensorboard`,
+    `loggers`)."""
 
     def __init__(self, pm: Any, prompts: Any, rewards: Any, *, group_size: int, max_completion_length: int,
                  steps: int, prompts_per_step: int = 1, completions: Completions = Completions(),
-                 loss: GrpoLossOptions = GrpoLossOptions(), scale_rewards: str = "group", iterations: int = 1,
-                 seed: int = 0, grad_clip: float | None = None):
+                 loss: GrpoLossOptions = GrpoLossOptions(), iterations: int = 1, seed: int = 0,
+                 grad_clip: float | None = None, logs: Logs = Logs()):
         check_layout(pm.layout)
         model = bare_module(pm.model)
         check_model(model)
@@ -68,7 +78,7 @@ class GRPO:
                                    ("steps", steps, 1), ("prompts_per_step", prompts_per_step, 1),
                                    ("iterations", iterations, 1), ("seed", seed, 0)):
             _check_whole(name, value, least)
-        _check_types(completions, loss, scale_rewards, grad_clip)
+        _check_types(completions, loss, grad_clip)
         self.loss = _with_length(loss, max_completion_length)
         if self.loss.beta > 0 and pm.adapters is None:
             raise ValueError(f"beta={self.loss.beta} weighs a KL term to a reference policy, which for a model "
@@ -82,7 +92,9 @@ class GRPO:
         eos, pad = _special_ids(model, completions)
         self.plan = RolloutPlan(group_size=group_size, max_completion_length=max_completion_length,
                                 completions=completions, eos=eos, pad=pad, mask_truncated=self.loss.mask_truncated,
-                                scale_rewards=scale_rewards, functions=functions, weights=weights)
+                                scale_rewards=self.loss.scale_rewards, functions=functions, weights=weights)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.live = LiveRows(logs, self.rank)
         self.pm, self.steps, self.prompts_per_step = pm, steps, prompts_per_step
         self.iterations, self.seed, self.grad_clip = iterations, seed, grad_clip
         self.step = 0
@@ -92,20 +104,24 @@ class GRPO:
     def fit(self) -> list[dict[str, Any]]:
         """Steps until `steps`; returns their rows (they join `history`)."""
         first = len(self.history)
-        while self.step < self.steps:
-            self.train_step()
+        header = {"total_steps": self.steps, "layout": str(self.pm.layout)}
+        with self.live.fit(self.history, self.step, header, torch.device(self.pm.device)) as after_step:
+            while self.step < self.steps:
+                after_step(self.train_step(), self.step >= self.steps)
         return self.history[first:]
 
-    def train_step(self) -> dict[str, Any]:
-        """One rollout and its `iterations` optimizer steps; returns the step's row."""
+    def train_step(self) -> dict[str, Any] | None:
+        """One rollout and its `iterations` optimizer steps; returns the step's row on log steps."""
         started = time.perf_counter()
         prompts, columns = self.prompts.take(self.step, self.prompts_per_step, self.seed)
         rollout = self.last_rollout = sample_rollout(self.pm, self.plan, prompts, columns, self.seed + self.step)
         sampled = time.perf_counter()
         trained = self.train_on(rollout)
-        row = {"step": self.step, **trained, **_rollout_row(rollout, self.plan.eos),
-               "rollout_s": sampled - started, "train_s": time.perf_counter() - sampled}
         self.step += 1
+        if not self.live.logged(self.step, self.steps):
+            return None
+        row = {"step": self.step, "rank": self.rank, **trained, **_rollout_row(rollout, self.plan.eos),
+               "rollout_s": sampled - started, "train_s": time.perf_counter() - sampled}
         self.history.append(row)
         return row
 
@@ -129,6 +145,32 @@ class GRPO:
                 pm.optimizer_step()
                 steps.append(_step_measures(loss, value, norm))
         return self._means(torch.stack(steps), has_kl=rows.ref_logps is not None)
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    @property
+    def data(self) -> PromptDraw:
+        """What `checkpoint.load` checks a resumed loop's data by: the prompts and their draw."""
+        return PromptDraw(self.prompts, self.prompts_per_step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able loop state for `checkpoint.save`: the prompts' order and the sampling seeds
+        follow from the step and seed."""
+        return {"step": self.step, "seed": self.seed, "data": self.data.describe()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a `state_dict()` (`checkpoint.load` has checked the prompts match)."""
+        self.step, self.seed = int(state["step"]), int(state["seed"])
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Save the model, optimizer, loop state and `history` under `path`; call on every rank."""
+        save(self.pm, path, trainer=self)
+
+    def resume(self, path: str | os.PathLike) -> dict:
+        """Continue from the latest checkpoint under `path`: the model, optimizer, step, seed and
+        `history` as it saved them. Returns the checkpoint's metadata."""
+        meta = load(self.pm, path, trainer=self)
+        self.history = saved_history(path) or []
+        return meta
 
     def _means(self, steps: torch.Tensor, has_kl: bool) -> dict[str, float]:
         """Columns loss, grad_norm (the same on every rank), then each token measure times this
@@ -190,13 +232,11 @@ def _check_whole(name: str, value: Any, least: int) -> None:
         raise ValueError(f"{name}={value!r} must be a whole number >= {least}{why}")
 
 
-def _check_types(completions: Any, loss: Any, scale_rewards: Any, grad_clip: Any) -> None:
+def _check_types(completions: Any, loss: Any, grad_clip: Any) -> None:
     if not isinstance(completions, Completions):
         raise TypeError(f"completions={completions!r} must be a Completions, e.g. Completions(temperature=0.8)")
     if not isinstance(loss, GrpoLossOptions):
         raise TypeError(f"loss={loss!r} must be a GrpoLossOptions, e.g. GrpoLossOptions(loss_type='dapo')")
-    if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"scale_rewards={scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
     if grad_clip is not None and (isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float))
                                   or not math.isfinite(grad_clip) or grad_clip <= 0):
         raise ValueError(f"grad_clip={grad_clip!r} must be a number > 0 (e.g. 1.0), or None for no clipping")

@@ -1,11 +1,13 @@
 """The GRPO objective's settings as one frozen value, checked when built so that a wrong option
 fails in the notebook before any engine generates a token. Names and defaults follow TRL's
 `GRPOConfig` (`loss_type`, `epsilon`/`epsilon_high`, `beta`, `mask_truncated_completions`,
-`max_completion_length`) so a TRL user can carry a configuration over."""
+`max_completion_length`, `scale_rewards`) so a TRL user can carry a configuration over."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from colab_par.training.grpo.advantages import SCALE_REWARDS
 
 __all__ = ["GrpoLossOptions", "LOSS_TYPES"]
 
@@ -20,7 +22,8 @@ class GrpoLossOptions:
     weight `beta` of the KL term to the reference policy (0: no reference needed), whether
     completions cut off without an end-of-sequence token leave the loss (`mask_truncated`), and
     the generation budget `max_completion_length` that `dr_grpo` divides by (`GRPO` fills it
-    in from its own; `grpo_loss` called alone needs it given).
+    in from its own; `grpo_loss` called alone needs it given), and how advantages divide rewards
+    (`scale_rewards`: by their group's std, the batch's, or "none"; `advantages.group_advantages`).
 
     `loss_type` defaults to TRL's default, "dapo"."""
 
@@ -30,6 +33,7 @@ class GrpoLossOptions:
     beta: float = 0.0
     mask_truncated: bool = False
     max_completion_length: int | None = None
+    scale_rewards: str = "group"
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -53,6 +57,8 @@ class GrpoLossOptions:
         length = self.max_completion_length
         if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 1):
             raise ValueError(f"max_completion_length={length!r} must be a whole number >= 1, e.g. 256")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"scale_rewards={self.scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
 
 
 def _finite_number(value: object) -> bool:

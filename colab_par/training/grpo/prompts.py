@@ -8,11 +8,12 @@ seeded with ``seed + e``, so every rank picks the same prompts without talking t
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
-__all__ = ["PromptRows", "left_padded"]
+__all__ = ["PromptRows", "PromptDraw", "left_padded"]
 
 
 class PromptRows:
@@ -66,6 +67,19 @@ class PromptRows:
             for key, value in row_columns.items():
                 columns[key].append(value)
         return ids, columns
+
+
+@dataclass(frozen=True)
+class PromptDraw:
+    """The prompts and how many each step takes: what a checkpoint records as the loop's data, so
+    that `checkpoint.load` refuses, before any tensor, a resume that would draw other prompts."""
+
+    rows: PromptRows
+    per_step: int
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "grpo prompts", "rows": len(self.rows), "columns": list(self.rows.columns),
+                "prompts_per_step": self.per_step}
 
 
 def left_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
