@@ -52,6 +52,8 @@ __all__ = sorted(_EXPORTS) + ["load_ipython_extension", "unload_ipython_extensio
 
 
 def __getattr__(name: str) -> Any:
+    if name in moved.MOVED:  # colab_par.train... of the flat tree: its new home, with a warning
+        return importlib.import_module(f"colab_par.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'colab_par' has no attribute {name!r}")

@@ -27,6 +27,18 @@ def test_an_old_path_gives_the_module_at_its_new_home_with_a_warning(old):
     assert not (ROOT / "colab_par" / (old.replace(".", "/") + ".py")).exists()
 
 
+def test_an_old_module_read_as_an_attribute_of_the_package_gives_its_new_home():
+    """Notebooks of the flat tree wrote e.g. `colab_par.magics.default_cluster()` after `%load_ext`."""
+    import colab_par
+
+    sys.modules.pop("colab_par.magics", None)
+    vars(colab_par).pop("magics", None)
+    with pytest.warns(DeprecationWarning, match="colab_par.notebook.magics"):
+        assert colab_par.magics is importlib.import_module("colab_par.notebook.magics")
+    with pytest.raises(AttributeError, match="no attribute 'no_such_module'"):
+        colab_par.no_such_module
+
+
 def test_a_path_that_never_existed_still_fails():
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("colab_par.no_such_module")
