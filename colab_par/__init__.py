@@ -33,6 +33,8 @@ _EXPORTS = {
     "Checkpoints": "colab_par.training.options",
     "Logs": "colab_par.training.options",
     "GRPO": "colab_par.training.grpo",
+    "Completions": "colab_par.training.grpo",
+    "GrpoLossOptions": "colab_par.training.grpo",
     "save": "colab_par.training.checkpoint",
     "from_pretrained": "colab_par.hf_io",
     "save_pretrained": "colab_par.hf_io",

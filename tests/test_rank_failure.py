@@ -176,3 +176,36 @@ def test_rank_stuck_where_nothing_reaches_it_gets_fresh_engines(world, shell, ca
     assert "engines and the process group were restarted" in info.value.recovery
     shell.run_cell_magic("colossal", "", "import torch, torch.distributed as dist\nkept = 'new'")
     assert_world_works(shell, capsys, kept=("new", "new"))
+
+
+GRPO_SETUP = ("from colab_par import GRPO, Completions, parallelize\n"
+              "from colab_par.models import GPT, GPTConfig\n"
+              "torch.manual_seed(0)\n"
+              "pm = parallelize(GPT(GPTConfig(vocab_size=32, seq_len=16, n_layer=1, n_head=2, d_model=16,\n"
+              "                               kernels='torch')), 'dp2')\n"
+              "def fussy(prompts, completions, **columns):\n"
+              "    if rank == 1 and [7, 8] in prompts:\n"
+              "        raise ValueError('no score for this prompt on rank 1')\n"
+              "    return [float(len(c)) for c in completions]\n"
+              "grpo = GRPO(pm, [[3, 4], [7, 8]], fussy, group_size=2, max_completion_length=4, steps=1,\n"
+              "            prompts_per_step=2, seed=0, completions=Completions(eos_token_id=2))\n")
+
+
+def test_a_grpo_reward_raising_on_one_rank_fails_the_cell_within_seconds_naming_it(world, shell, capsys):
+    """Rank 0 scores its rows and waits in the rewards' agreement check; rank 1's reward raises."""
+    shell.run_cell_magic("colossal", "", GRPO_SETUP)
+    capsys.readouterr()
+    started = time.monotonic()
+    result = shell.run_cell("%%colossal\ngrpo.fit()\n")
+    elapsed = time.monotonic() - started
+    shown = capsys.readouterr().out
+    assert elapsed < FAIL_WITHIN_S, (elapsed, shown)
+    error = result.error_in_exec
+    assert isinstance(error, RankFailureError), shown
+    [(ranks, kind, message, *_)] = error.groups
+    assert (ranks, kind) == ([1], "RewardFunctionError")
+    assert message.startswith("reward function 'fussy' raised ValueError: no score for this prompt on rank 1 "
+                              "on row 2 (prompt [7, 8]"), message
+    assert "rank 0: in all_reduce" in shown and "_check_ranks_agree" in shown
+    assert_no_raw_transport_error(shown)
+    assert_world_works(shell, capsys)

@@ -12,7 +12,8 @@ datapub.)
 Tags follow the row's keys, so rows of any kind flow through (evaluation rows included):
 `eval_loss` -> `eval/loss`, `mem_total` of rank k -> `memory/rank{k}/total` (bytes), `step_time`
 and `time_*` -> `time/...`, every other number -> `train/<key>`. `step` is the x-axis; `rank` and
-values that are not numbers (None, text) are left out.
+values that are not numbers (None, text) are left out, but for a row's `samples` (what a GRPO
+policy wrote), which go to the text tab as a table.
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ from typing import Any, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
+
+from colab_par.views.rows import SAMPLES_COLUMN
+from colab_par.views.samples_table import samples_markdown, valid_samples
 
 __all__ = ["Logger", "TensorBoardLogger", "RunLogs", "scalar_tags"]
 
@@ -87,6 +91,9 @@ class TensorBoardLogger:
         step = int(row["step"])
         for tag, value in scalar_tags(row, rank).items():
             self._writer.add_scalar(tag, value, step)  # NaN too: a diverged loss should show
+        samples = valid_samples(row.get(SAMPLES_COLUMN)) if rank == 0 else None
+        if samples is not None:  # what a GRPO policy wrote, in the text tab
+            self._writer.add_text(f"train/{SAMPLES_COLUMN}", samples_markdown(samples), step)
         self._last_step = max(self._last_step, step)
 
     def flush(self) -> None:

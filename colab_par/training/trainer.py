@@ -26,12 +26,11 @@ from colab_par.training import telemetry as telem
 from colab_par.data import BatchList, TokenDataset
 from colab_par.data.sources import DataPlace, DataSource, data_source, dp_total
 from colab_par.data.eval_rows import EvalRows
-from colab_par.training.loggers import RunLogs
 from colab_par.data.batch import batch_size, batch_to, check_batch
 from colab_par.profiling import recorder
 from colab_par.profiling.steps import ProfileSteps, StepProfiler
 from colab_par.training.options import Checkpoints, Evaluation, Logs, check_positive, grouped_legacy_options
-from colab_par.training.run_publisher import RunPublisher
+from colab_par.training.live_rows import LiveRows
 from colab_par.training.step_measures import StepMeasures, telemetry_flops_per_token
 
 __all__ = ["Trainer", "WarmupCosine", "Evaluation", "Checkpoints", "Logs", "telemetry_flops_per_token"]
@@ -111,7 +110,7 @@ class Trainer:
         self.step = 0
         self.data_position = 0
         self.history: list[dict] = []
-        self._logs = RunLogs.build(logs.tensorboard, list(logs.loggers), dist.get_rank() if dist.is_initialized() else 0)
+        self._live = LiveRows(logs, dist.get_rank() if dist.is_initialized() else 0)
         self._data_place: tuple[Any, DataPlace] | None = None  # (pm, where it reads data)
         self._expert_load: tuple[Any, telem.ExpertLoad | None] | None = None  # (pm, its MoE layers' load)
         self.base_lrs = [group.get("initial_lr", group["lr"]) for group in pm.optimizer.param_groups]
@@ -134,36 +133,26 @@ class Trainer:
         if self.checkpoints is not None and self.checkpoints.on_failure == "restart" and \
                 recovery.resume_requested(self.ckpt_dir):
             self._resume()
-        publisher = self._publisher()
         first = len(self.history)
-        if self._logs is not None:
-            self._logs.begin(self.history, self.step, torch.device(self.pm.device))
+        header = {"total_steps": self.steps, "layout": str(self.pm.layout)}
         try:
-            while self.step < stop_at:
-                row = self.train_step()
-                if self._logs is not None:
-                    self._logs.after_step(self.history, row, torch.device(self.pm.device))
-                if row is not None and publisher is not None:
-                    publisher.publish(self.history, force=self.step >= stop_at)
-                if self._eval_due():
-                    self.evaluate()
-                    if publisher is not None:
-                        publisher.publish(self.history, force=True)
-                every = self.checkpoints.every if self.checkpoints is not None else None
-                if self.checkpoints is not None and ((every and self.step % every == 0) or self.step == stop_at):
-                    self.save_checkpoint()
+            with self._live.fit(self.history, self.step, header, torch.device(self.pm.device)) as sinks:
+                while self.step < stop_at:
+                    sinks.after_step(self.train_step(), self.step >= stop_at)
+                    if self._eval_due():
+                        self.evaluate()
+                        sinks.refresh()
+                    every = self.checkpoints.every if self.checkpoints is not None else None
+                    if self.checkpoints is not None and ((every and self.step % every == 0) or self.step == stop_at):
+                        self.save_checkpoint()
         finally:
             if isinstance(self.data, DataSource):
                 self.data.close()
-            if self._logs is not None:
-                self._logs.end(self.history)
-            if publisher is not None:
-                publisher.finish(self.history)
         return self.history[first:]
 
     def train_step(self) -> dict | None:
         """One optimizer step (with `grad_accum` micro-steps); returns its row on log steps."""
-        pm, log = self.pm, (self.step + 1) % self.logs.every == 0 or self.step + 1 == self.steps
+        pm, log = self.pm, self._live.logged(self.step + 1, self.steps)
         measure = self.logs.telemetry and log
         if self._profile is not None:
             self._profile.before_step(self.step + 1)
@@ -288,16 +277,6 @@ class Trainer:
         return self.pm.optimizer.param_groups[0]["lr"]
 
     # ---- telemetry sinks ------------------------------------------------------------------------
-    def _publisher(self) -> RunPublisher | None:
-        header = {"rank": self.rank, "total_steps": self.steps, "run": self._run_id(),
-                  "layout": str(self.pm.layout)}
-        return RunPublisher(header, self.rank) if self.logs.telemetry else None
-
-    def _run_id(self) -> int:
-        """Same on every rank, new for every fit, so the dashboard can tell runs apart."""
-        from colab_par.training.checkpoint import shared_random_id
-        return shared_random_id()
-
     # ---- surviving a lost engine ----------------------------------------------------------------
     def _announce_recovery(self) -> None:
         """Tell the notebook how to recover this cell if an engine dies (`Cluster.execute`)."""

@@ -7,7 +7,8 @@ of CPU, the frontend draws it) under a progress line, shown when new rows arrive
 second and within 0.5 % of the machine's CPU time: the notebook shares its cores with the engines
 it watches, and a matplotlib picture would cost a hundred times more. The frame at the end of the
 cell is the full matplotlib (Agg) picture as a PNG (png_picture.py), which the saved notebook
-keeps; `png()` draws the same for files (the CLI demo).
+keeps; `png()` draws the same for files (the CLI demo). Rows that carry samples of what the model
+wrote (a GRPO rollout's `SAMPLES_COLUMN`) add a table of them under the frame (samples_table.py).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from typing import Any, TextIO
 import numpy as np
 
 from colab_par.views.png_picture import PngPicture
-from colab_par.views.rows import CHUNK, METRICS_KEY, ROWS_KEY, expert_counts
+from colab_par.views.rows import CHUNK, METRICS_KEY, ROWS_KEY, SAMPLES_COLUMN, expert_counts
+from colab_par.views.samples_table import samples_html, samples_lines, valid_samples
 from colab_par.views.svg_plot import HEAT_COLOURS, Line, Plot, Stack, grid_places, svg_grid
 
 __all__ = ["LiveDashboard", "Panel", "PANELS", "progress_line"]
@@ -146,6 +148,8 @@ class LiveDashboard:
         self._complete: dict[int, int] = {}  # rank -> leading chunks full and merged
         self._printed_step = -1
         self._printed_evals = 0
+        self.samples: tuple[int, list[dict]] | None = None  # (step, the newest rollout's samples)
+        self._printed_samples = -1  # step of the samples the text mode printed last
 
     # ---- feeding ----------------------------------------------------------------------------
     def update(self, per_rank: list[dict | None]) -> None:
@@ -171,7 +175,7 @@ class LiveDashboard:
             return
         png, line = self.png(), self.progress()
         self._show({"text/plain": line, "image/png": png,
-                    "text/html": _frame_html(line, "image/png", png)})
+                    "text/html": _frame_html(line, "image/png", png) + self.samples_html()})
 
     def _merge(self, per_rank: list[dict | None]) -> bool:
         for rank, data in enumerate(per_rank):
@@ -210,10 +214,20 @@ class LiveDashboard:
                 if step <= self._newest.get(rank, -1):
                     continue
                 self._newest[rank] = step
+                self._keep_samples(step, valid_samples(row.get(SAMPLES_COLUMN)))
             self._changed = True
             for key, value in row.items():
                 if isinstance(value, (int, float)) and key not in ("step", "rank"):
                     columns.setdefault(key, _Column()).append(step, value)
+
+    def _keep_samples(self, step: int, samples: list[dict] | None) -> None:
+        """The newest step's samples (every rank's rollout is the same: the first to come is kept)."""
+        if samples is not None and (self.samples is None or step > self.samples[0]):
+            self.samples = (step, samples)
+
+    def samples_html(self) -> str:
+        """The table of the newest samples under the frame ('' when the rows carry none)."""
+        return samples_html(self.samples[1], self.samples[0]) if self.samples is not None else ""
 
     # ---- summaries ----------------------------------------------------------------------------
     def latest(self) -> dict[int, dict]:
@@ -312,6 +326,9 @@ class LiveDashboard:
         for row in evals[self._printed_evals:]:
             print(eval_line(row), file=stream, flush=True)
         self._printed_evals = len(evals)
+        if self.samples is not None and self.samples[0] > self._printed_samples:
+            print("\n".join(samples_lines(self.samples[1], self.samples[0])), file=stream, flush=True)
+            self._printed_samples = self.samples[0]
 
     # ---- display mode -------------------------------------------------------------------------
     def _frame_due(self) -> bool:
@@ -325,7 +342,8 @@ class LiveDashboard:
     def _show_live_frame(self) -> None:
         started = time.thread_time()
         svg, line = self.svg(), self.progress()
-        self._show({"text/plain": line, "text/html": _frame_html(line, "image/svg+xml", svg.encode())})
+        self._show({"text/plain": line,
+                    "text/html": _frame_html(line, "image/svg+xml", svg.encode()) + self.samples_html()})
         self._frame_cost = time.thread_time() - started
         self._last_frame = time.monotonic()
         self._changed = False

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["METRICS_KEY", "ROWS_KEY", "CHUNK", "expert_row_key", "expert_counts"]
+__all__ = ["METRICS_KEY", "ROWS_KEY", "CHUNK", "SAMPLES_COLUMN", "expert_row_key", "expert_counts"]
 
 METRICS_KEY = "colab_par.metrics"
 ROWS_KEY = METRICS_KEY + ".rows."
 CHUNK = 64  # rows per published chunk: a publish re-sends at most ~2 chunks (a few KiB)
+# A row's column of what the model wrote (a GRPO step's rollout): a short list of
+# {"prompt": str, "completion": str, "reward": float}, drawn as a table under the plots.
+SAMPLES_COLUMN = "samples"
 
 
 def expert_row_key(layer: int, expert: int) -> str:
