@@ -20,7 +20,7 @@ import torch
 from colab_par.layout import Layout
 from colab_par.models import GPT, GPTConfig
 from colab_par.training.grpo import GRPO, Completions
-from colab_par.training.grpo.live_rows import LiveRows
+from colab_par.training.live_rows import LiveRows
 from colab_par.training.loggers import scalar_tags
 from colab_par.training.options import Logs
 from colab_par.views import dashboard
@@ -31,6 +31,7 @@ CONFIG = dict(vocab_size=16, seq_len=16, n_layer=1, n_head=2, d_model=16, kernel
 PROMPTS = [[3, 4, 5], [7, 8], [9, 10, 11, 12], [13, 14]]
 EOS, PAD, GROUP, LENGTH = 2, 0, 4, 5
 TIMINGS = ("rollout_s", "train_s")
+NOT_NUMBERS = ("samples",)  # rank 0's table of completions, compared as it is
 
 
 class Collected:
@@ -65,11 +66,11 @@ def test_logged_rows_go_to_the_loggers_and_the_local_dashboard(monkeypatch):
     collected = Collected()
     live = LiveRows(Logs(every=2, loggers=[collected]), rank=0)
     history: list[dict] = []
-    with live.fit(history, 0, {"total_steps": 3, "layout": "dp1"}, torch.device("cpu")) as after_step:
+    with live.fit(history, 0, {"total_steps": 3, "layout": "dp1"}, torch.device("cpu")) as sinks:
         for step in (1, 2, 3):
             row = grpo_row(step) if live.logged(step, 3) else None
             history.extend([row] if row else [])
-            after_step(row, step == 3)
+            sinks.after_step(row, step == 3)
     assert [row["step"] for row, _ in collected.rows] == [2, 3]
     assert shown[0].series("reward/count_fives") == ([2, 3], [2.0, 3.0])
     assert [panel.title for panel in shown[0].panels()][-1] == "reward by step"  # after the Trainer's
@@ -79,10 +80,10 @@ def test_logged_rows_go_to_the_loggers_and_the_local_dashboard(monkeypatch):
 
 
 def test_logs_it_cannot_honour_are_refused():
-    with pytest.raises(ValueError, match="profile_steps=3: GRPO steps are not profiled yet"):
-        LiveRows(Logs(profile_steps=3), 0)
+    with pytest.raises(ValueError, match="profile_steps=3: the step profiler does not mark a GRPO step"):
+        stand_in_loop(logs=Logs(profile_steps=3))
     with pytest.raises(TypeError, match="logs=5 must be a Logs"):
-        LiveRows(5, 0)
+        stand_in_loop(logs=5)
 
 
 def stand_in_loop(**changes) -> GRPO:
@@ -130,7 +131,7 @@ def engine_resumed_equals_uninterrupted(folder: str) -> dict:
 
 
 def without_timings(rows: list[dict]) -> list[dict]:
-    return [{key: value for key, value in row.items() if key not in TIMINGS} for row in rows]
+    return [{key: value for key, value in row.items() if key not in TIMINGS + NOT_NUMBERS} for row in rows]
 
 
 def test_a_resumed_run_gives_the_rows_and_weights_of_an_uninterrupted_one(cluster2, tmp_path) -> None:
@@ -139,6 +140,8 @@ def test_a_resumed_run_gives_the_rows_and_weights_of_an_uninterrupted_one(cluste
         whole, resumed = result["whole"], result["resumed"]
         assert [(row["step"], row["rank"]) for row in whole] == [(step, rank) for step in (1, 2, 3, 4)]
         assert len(resumed) == len(whole)
+        assert [row.get("samples") for row in resumed] == [row.get("samples") for row in whole]
+        assert all(bool(row.get("samples")) == (rank == 0) for row in whole)
         for got, expected in zip(without_timings(resumed), without_timings(whole)):
             assert got == pytest.approx(expected, rel=1e-6, abs=1e-6, nan_ok=True)
         weights, resumed_weights = result["weights"]

@@ -34,11 +34,22 @@ def test_a_valid_loop_is_built_without_touching_the_model():
     assert (grpo.plan.eos, grpo.plan.pad, grpo.loss.max_completion_length) == ([2], 2, 4)
 
 
-@pytest.mark.parametrize("layout, named", [("pp2", "pp"), ("dp2 cp2", "cp"), ("tp2 sp", "sp"), ("tp4 2d", "tp 2d")])
+@pytest.mark.parametrize("layout, named", [("dp2 cp2", "cp"), ("tp4 2d", "tp 2d")])
 def test_layouts_it_cannot_train_are_refused_naming_the_supported_ones(layout, named):
     with pytest.raises(ValueError, match=rf"GRPO does not train under {named} yet.*Supported: dp, zero1/2/3.*"
-                                         r"e\.g\. 'dp2 zero3'"):
+                                         r"pp \(every schedule.*e\.g\. 'dp2 zero3'"):
         build(stand_in(layout))
+
+
+@pytest.mark.parametrize("layout", ["pp2", "pp2 zbv v2", "tp2 sp", "dp2 tp2"])
+def test_pipeline_and_sequence_parallel_layouts_are_accepted(layout):
+    assert build(stand_in(layout), prompts_per_step=2).plan.group_size == 2
+
+
+def test_completions_that_do_not_fill_the_pipeline_microbatches_are_refused():
+    with pytest.raises(ValueError, match=r"= 4 completions do not split into 8 pipeline microbatches on each of 1 "
+                                         r"data-parallel ranks; make it a multiple of 8"):
+        build(stand_in("pp2 mb8"), prompts_per_step=2)
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -47,8 +58,6 @@ def test_layouts_it_cannot_train_are_refused_naming_the_supported_ones(layout, n
     (dict(iterations=1.5), "iterations=1.5 must be a whole number >= 1"),
     (dict(group_size=3), r"prompts_per_step \* group_size = 3 completions do not split over 2 "
                                "data-parallel ranks"),
-    (dict(loss=GrpoLossOptions(beta=0.04)), "beta=0.04 weighs a KL term.*full weights.*use beta=0, or train "
-                                            "LoRA adapters"),
     (dict(loss=GrpoLossOptions(max_completion_length=8)), "loss.max_completion_length=8 differs"),
     (dict(grad_clip=0), "grad_clip=0 must be a number > 0"),
     (dict(completions=Completions()), "GPT names no end-of-sequence token: pass Completions\\(eos_token_id="),
@@ -80,3 +89,18 @@ def test_prompts_are_drawn_shuffled_per_pass_alike_for_a_given_seed_with_their_c
     assert sorted(ids[0] for ids in first + second[:2]) == [0, 1, 2, 3, 4]  # one pass holds each prompt once
     ids, mask = left_padded([[5, 6, 7], [8]], pad_id=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[True] * 3, [False, False, True]]
+
+
+@pytest.mark.parametrize("layout, message", [
+    ("pp2", "GRPO under pipeline parallel trains colab_par's GPT.*LlamaForCausalLM's stages take token ids only"),
+    ("tp2 sp", "GRPO under sequence parallel trains colab_par's GPT.*e\\.g\\. 'tp2'"),
+])
+def test_a_hugging_face_model_under_pp_or_sp_is_refused(layout, message):
+    import transformers
+
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, eos_token_id=2))
+    pm = SimpleNamespace(**{**vars(stand_in(layout)), "model": llama})
+    with pytest.raises(ValueError, match=message):
+        build(pm, prompts_per_step=2)

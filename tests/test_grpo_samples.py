@@ -87,3 +87,21 @@ def test_tensorboard_gets_the_table_in_its_text_tab(tmp_path):
     text = event.tensor_proto.string_val[0].decode()
     assert event.step == 1 and "| a\\|b | c | 0.5 |" in text
     assert [e.value for e in events.Scalars("train/reward")] == [0.5]
+
+
+def test_the_final_picture_draws_the_reward_curve():
+    """The PNG picture's reward plot (after the Trainer's six and any others) shows its curve."""
+    import numpy as np
+    from matplotlib.colors import to_rgb
+    from matplotlib.image import imread
+    from picture import INSET, MIN_LINE_PIXELS, TOLERANCE
+
+    board = LiveDashboard(mode="text", stream=io.StringIO())
+    board.update(published([1, 2, 3]))
+    [panel] = [panel for panel in board.panels() if panel.title == "reward by step"]
+    image = imread(io.BytesIO(board.png()), format="png")[..., :3]
+    left, top, right, bottom = panel.box
+    area = image[top + INSET:bottom - INSET, left + INSET:right - INSET]
+    drawn = sum(int((np.abs(area - np.array(to_rgb(colour))) < TOLERANCE).all(axis=-1).sum())
+                for colour in panel.colours)
+    assert drawn >= MIN_LINE_PIXELS, drawn

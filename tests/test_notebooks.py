@@ -14,7 +14,7 @@ import pytest
 import torch
 from halving_reference import halving_lifetimes
 from notebook_run import execute
-from picture import assert_selection_shows_data, assert_shows_data
+from picture import MIN_LINE_PIXELS, assert_selection_shows_data, assert_shows_data, data_pixels
 
 from colab_par.layout import Layout
 from colab_par.models import GPT, GPTConfig
@@ -268,3 +268,28 @@ def test_08_moe(kernel_path, tmp_path):
     shape.update([metrics_data({"rank": 0, "run": 1}, [{"step": 30, "loss": 1.0, **{
         expert_row_key(layer, expert): n for layer, row in enumerate(counts) for expert, n in enumerate(row)}}])])
     assert_png_heat_map(shape, base64.b64decode(frame.data["image/png"]), counts)
+
+
+def test_09_rl(kernel_path, tmp_path):
+    """The GRPO notebook: pre-training leaves the model partly right on held-out sums, GRPO (rewards
+    only) raises its greedy held-out accuracy clearly, with the dashboard live and the rollout readable."""
+    notebook = execute("09_rl", tmp_path)
+    pretrained = float(re.search(r"held-out accuracy ([\d.]+) %", text_of(cell_of(notebook, "trainer.fit()"))).group(1))
+    assert 10 < pretrained < 80, f"pre-training should leave the model partly right, not {pretrained} %"
+    training = cell_of(notebook, "grpo.fit()")
+    frames = [o for o in training.outputs if "image/png" in o.get("data", {})]
+    last = re.search(r"step (\d+)/\1 · loss", frames[-1].data["text/plain"]) if frames else None
+    assert last, f"no final dashboard frame of the whole run; outputs: {mime_types(training)}"
+    drawn = data_pixels(base64.b64decode(frames[-1].data["image/png"]))  # the plots GRPO's rows feed
+    assert min(drawn["loss by step"], drawn["grad norm by step"]) >= MIN_LINE_PIXELS, drawn
+    before, after, steps = re.search(r"held-out accuracy: ([\d.]+) % before GRPO -> ([\d.]+) % after (\d+) steps",
+                                     text_of(training)).groups()
+    assert steps == last.group(1) and float(before) == pretrained, "the relayout changed the model"
+    assert float(after) >= float(before) + 5, f"GRPO did not raise held-out accuracy: {before} -> {after} %"
+    samples = re.findall(r"^(\d\d)\+(\d\d)=(\S*)\s+reward ([\d.]+)", text_of(cell_of(notebook, "last_rollout")), re.M)
+    assert len(samples) == 16
+    for a, b, written, reward in samples:  # the shown reward is the reward functions' own, recomputed here
+        answer, text = f"{int(a) + int(b):02d}", written.rstrip(".")
+        expected = float(text == answer) + 0.5 * sum(x == y for x, y in zip(text, answer)) / 2
+        assert float(reward) == pytest.approx(expected, abs=0.006), (a, b, written, reward)
+    assert "engines stopped" in text_of(cell_of(notebook, "%colossal stop"))

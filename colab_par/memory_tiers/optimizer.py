@@ -27,6 +27,7 @@ ZeroRedundancyOptimizer's inner optimizer does, so DCP saves the union and resha
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import defaultdict
 from typing import Any
@@ -162,6 +163,16 @@ class TieredAdamW(torch.optim.Optimizer):
     def parameter_pages(self, param: nn.Parameter) -> tuple[int, int, Any] | None:
         """For `PagedParameters`: (chunk index, its parameter count, its parameters' disk store)."""
         return self._home.parameter_pages(param)
+
+    def parameters_held(self) -> contextlib.AbstractContextManager[None]:
+        """Forward-only work (generation) inside keeps parameters placed on disk resident from their
+        first read to the end, then drops them (`PagedParameters.held`); nothing otherwise."""
+        return self._pages.held() if self._pages is not None else contextlib.nullcontext()
+
+    def parameters_read(self) -> int:
+        """Bytes the forwards have asked of the disk tier for parameters since the last step (0
+        without `params@disk`): what a forward costs in paging."""
+        return self._pages.read if self._pages is not None else 0
 
     # the chunks and their stores, as tests and the GPU check read them
     @property

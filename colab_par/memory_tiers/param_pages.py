@@ -8,7 +8,9 @@ parameters have all passed this forward is dropped, and again once they all have
 (MADV_DONTNEED: the pages of a shared mapping stay in the file, nothing is lost or written);
 backward faults back in what autograd reads. The optimizer step writes the updated values through
 the same mapping and writes the chunk back (`ChunkStores.stream`). Correctness never depends on
-the hooks: a page dropped too early is read again on its next use.
+the hooks: a page dropped too early is read again on its next use. Generation, which runs
+forwards only, holds the pages (`held`) for a whole call: every token's forward would otherwise
+page the whole model in again.
 
 The first parameter read of each forward also hands glibc's freed heap back (`trim_host_heap`).
 Why: on an engine that ran other work the heap holds large free holes, and glibc serves big
@@ -19,9 +21,10 @@ the wrapper's own pre-forward work (DDP's bucket rebuild), before this forward a
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import defaultdict
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 from torch import nn
 
@@ -45,6 +48,7 @@ class PagedParameters:
         self._passed: dict[int, set[int]] = defaultdict(set)  # chunk -> parameters past this forward
         self._finished: dict[int, set[int]] = defaultdict(set)  # chunk -> parameters with their gradient
         self._heap_to_trim = False  # a forward started and has read no parameter yet
+        self._holding: dict[int, Any] | None = None  # inside `held`: chunk index -> its store, as read
         trainable = {id(p) for p in params}
 
         def call(name: str, *args: Any) -> None:
@@ -64,6 +68,18 @@ class PagedParameters:
     def take_read(self) -> int:
         read, self.read = self.read, 0
         return read
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Forwards inside read each chunk in once and drop nothing; every chunk read is dropped
+        on the way out (forward-only work: no gradient will be written through the pages)."""
+        self._holding, self._passed = {}, defaultdict(set)
+        try:
+            yield
+        finally:
+            stores, self._holding = self._holding, None
+            for store in stores.values():
+                store.evict(dirty=False)
 
     def remove(self) -> None:
         for handle in self._hooks:
@@ -85,11 +101,18 @@ class PagedParameters:
         started = set()
         for param in params:
             where = self._where(param)
-            if where is not None and where[0] not in started:
-                started.add(where[0])
-                self.read += where[2].prefetch()
+            if where is None or where[0] in started:
+                continue
+            started.add(where[0])
+            if self._holding is not None:
+                if where[0] in self._holding:
+                    continue  # read in by an earlier forward of this call, still resident
+                self._holding[where[0]] = where[2]
+            self.read += where[2].prefetch()
 
     def _passed_forward(self, params: list[nn.Parameter]) -> None:
+        if self._holding is not None:
+            return
         for param in params:
             dropped = self._mark(self._passed, param)
             if dropped is not None:

@@ -41,8 +41,14 @@ class ModelSpec:
     packed_gate_up: bool = False  # experts' gate|up stored side by side (transformers' packed_colwise)
     expert_plan: bool = False  # a Hugging Face family whose experts ep can split (`layout.has_expert_plan`)
     packed_attention: int = 0  # blocks of d_model in a packed q|k|v projection (`PACKED_ATTENTION`), else 0
+    # frozen copies of the trainable parameters held beside them, sharded as they are (GRPO's
+    # reference policy with full weights: 1; with LoRA the base without adapters needs none)
+    frozen_copies: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.frozen_copies, int) or isinstance(self.frozen_copies, bool) or self.frozen_copies < 0:
+            raise ValueError(f"frozen_copies={self.frozen_copies!r} must be a whole number >= 0 (1 for GRPO's "
+                             "reference policy with full weights)")
         if not self.n_kv_head:
             object.__setattr__(self, "n_kv_head", self.n_head)
         if not self.ffn_hidden:  # the reference GPT's SwiGLU width

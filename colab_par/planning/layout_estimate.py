@@ -208,5 +208,5 @@ def _place_in_tiers(layout: Layout, memory: MemoryBreakdown, resting: MemoryBrea
     placed = MemoryBreakdown(
         *(getattr(memory, kind) - state[kind] + tiers.device[kind] for kind in ("params", "grads", "optimizer")),
         memory.activations, tiers.host["params"], tiers.host["grads"], tiers.host["optimizer"],
-        memory.buffers + tiers.streaming, memory.init, memory.baseline)
+        memory.buffers + tiers.streaming, memory.init, memory.baseline, memory.reference)
     return placed, tiers

@@ -27,10 +27,12 @@ __all__ = ["MemoryBreakdown", "STATE_BYTES", "FROZEN_BYTES", "INIT_MODES", "INIT
 class MemoryBreakdown:
     """Bytes per device; ``host_*`` is what CPU offload keeps in host memory instead.
 
-    `total` is the training peak (model state, activations and the step's communication
-    `buffers`); `init` the peak while the model is built or loaded and sharded, before training;
-    `baseline` what the process holds before any model (a CPU engine's torch and gloo). `peak`,
-    what must fit, is the baseline plus the larger of the two phases.
+    `total` is the training peak (model state, activations, the step's communication `buffers`
+    and the frozen copies of the trainable parameters a run keeps beside them, `reference`:
+    GRPO's reference policy with full weights, `ModelSpec.frozen_copies`); `init` the peak while
+    the model is built or loaded and sharded, before training; `baseline` what the process holds
+    before any model (a CPU engine's torch and gloo). `peak`, what must fit, is the baseline plus
+    the larger of the two phases.
     """
 
     params: float
@@ -43,10 +45,11 @@ class MemoryBreakdown:
     buffers: float = 0.0
     init: float = 0.0
     baseline: float = 0.0
+    reference: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.reference
 
     @property
     def peak(self) -> float:
@@ -311,7 +314,21 @@ def decoder_memory(spec: ModelSpec, layout: Layout, rank: RankParams, dev: Devic
                                  (spec.layer_matrix_params + 2 * spec.d_model) / layout.tp,
                                  shard_bytes=2 if bf16_working_shards(layout.tiers, layout.precision,
                                                                       layout.zero) else None)
+    copies = _frozen_copies(spec, rank, layout, shard, state_options)
     memory = MemoryBreakdown(state.params + gathered, state.grads, state.optimizer, activations,
-                             state.host_params, state.host_grads, state.host_optimizer, buffers,
-                             init_bytes, dev.process_memory)
+                             state.host_params + copies.host_params, state.host_grads, state.host_optimizer,
+                             buffers, init_bytes, dev.process_memory, copies.params)
     return memory, resting
+
+
+def _frozen_copies(spec: ModelSpec, rank: RankParams, layout: Layout, shard: int,
+                   state_options: dict[str, Any]) -> MemoryBreakdown:
+    """The `params` (on the device) and `host_params` (offloaded) of `spec.frozen_copies` copies of
+    the rank's trainable parameters: each a clone of the local tensors as they rest between steps
+    (zero 2 and 3 sharded, offloaded ones on the host) in the parameters' own dtype."""
+    if not spec.frozen_copies:
+        return MemoryBreakdown(0.0, 0.0, 0.0)
+    options = {**state_options, "trainable": 1.0}
+    one = _state(rank.local, rank.experts, layout, shard, 3 if layout.zero == 2 else layout.zero, **options)
+    scale = spec.frozen_copies * rank.trainable
+    return MemoryBreakdown(one.params * scale, 0.0, 0.0, host_params=one.host_params * scale)

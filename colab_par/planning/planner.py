@@ -101,8 +101,10 @@ def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batc
     """Valid layouts for `model` on `world_size` devices, best first: fitting before not fitting,
     then by predicted step time, then fewer parallel dimensions, then less memory.
     `model` is a GPTConfig, a Hugging Face config, a dict of sizes, or a `ModuleSpec` (any
-    nn.Module, probed; `seq_len` is then unused). A plan fits only if building the model the
-    `init` way fits too (see `estimate`). A MoE model's layouts include ep, costed at
+    nn.Module, probed; `seq_len` is then unused); ``dataclasses.replace(ModelSpec.of(config),
+    frozen_copies=1)`` also counts GRPO's reference policy with full weights, a frozen sharded copy
+    (`MemoryBreakdown.reference`). A plan fits only if building the model the `init` way fits too
+    (see `estimate`). A MoE model's layouts include ep, costed at
     `expert_load` (see `estimate`). `tiers` (e.g. ``MemoryTiers(budget="8GiB", disk="tmp")``)
     puts every candidate under that budget and those tiers instead of trying FSDP's offload;
     `grad_clip` as in `estimate`."""

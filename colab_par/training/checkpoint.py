@@ -59,7 +59,7 @@ def save(pm: Any, path: str | os.PathLike, *, trainer: Any = None, keep: int = 2
     if keep < 1:
         raise ValueError(f"keep={keep} must be >= 1 (the version just written is always kept)")
     pages = disk_pages(_local_optimizer(pm))
-    tensors, non_tensors = _savable_state(pm)
+    tensors, non_tensors = _savable_state(pm, trainer)
     root, rank = Path(path), _rank()
     token = shared_random_id()
     step = int(trainer.step) if trainer is not None else 0
@@ -89,11 +89,11 @@ def save(pm: Any, path: str | os.PathLike, *, trainer: Any = None, keep: int = 2
     return final
 
 
-def _savable_state(pm: Any) -> tuple[dict[str, dict], dict[str, Any]]:
+def _savable_state(pm: Any, trainer: Any) -> tuple[dict[str, dict], dict[str, Any]]:
     """This rank's tensors (for DCP) and every rank's non-tensor values as JSON (ZeRO-1 and pipeline
     ranks each hold some parameters' optimizer settings). A value JSON cannot hold exactly is
     refused on every rank, naming it, before any folder is made."""
-    tensors, others = split_state(_state(pm))
+    tensors, others = split_state(_state(pm, trainer))
     gathered = _gathered(to_json(others))
     refused = _unique(name for _, names in gathered for name in names)
     if refused:
@@ -177,7 +177,7 @@ def load(pm: Any, path: str | os.PathLike, *, trainer: Any = None) -> dict:
     if trainer is not None:
         _check_resumable(meta, trainer, version)
     pages = disk_pages(_local_optimizer(pm))
-    state = _state(pm)
+    state = _state(pm, trainer)
     tensors, others = split_state(state)
     reader = TensorOnlyReader(version)
     saved_others, metadata = _saved_non_tensors(version), reader.read_metadata()
@@ -442,14 +442,20 @@ def _default_factory(pm: Any) -> Callable[[], torch.nn.Module]:
 
 
 # ---- model and optimizer state ---------------------------------------------------------------------
-def _state(pm: Any) -> dict[str, dict]:
+def _state(pm: Any, trainer: Any = None) -> dict[str, dict]:
     """{"model": ..., "optim": ...} with DCP-style flat names; mostly tensors, plus the optimizer's
-    hyper-parameters (`checkpoint_format.split_state` separates them)."""
+    hyper-parameters (`checkpoint_format.split_state` separates them). A loop with tensors of its
+    own (GRPO's frozen reference weights) adds them as more parts by `checkpoint_tensors(pm)`:
+    tensors laid out as `pm`, which DCP fills in place."""
     model: dict[str, Any] = {}
     for part in pm.model_parts:
         model.update(get_model_state_dict(part))
-    return {"model": model, "optim": get_optimizer_state_dict(_stages(pm), _local_optimizer(pm),
-                                                              options=_OPTIONS)}
+    state = {"model": model, "optim": get_optimizer_state_dict(_stages(pm), _local_optimizer(pm),
+                                                               options=_OPTIONS)}
+    own = getattr(trainer, "checkpoint_tensors", None)
+    if own is not None:
+        state.update(own(pm))
+    return state
 
 
 def _local_optimizer(pm: Any) -> torch.optim.Optimizer:

@@ -20,8 +20,8 @@ class PngPicture:
     """One matplotlib figure for a grid of `columns` plots, built once per arrangement of plots (a
     MoE run's first counts add the heat maps) and then only given new data: re-creating axes and
     ticks costs several times more than drawing. Margins are fixed (layout engines cost a lot), set
-    for a frame `dense_height` inches tall; the first `dense_plots` plots (the dense frame's) get
-    small tick labels and few ticks; a heat map writes each count in its cell up to
+    for a frame `dense_height` inches tall; the first `dense_plots` plots (the dense frame's) and
+    every later plot of curves get small tick labels and few ticks; a heat map writes each count in its cell up to
     `max_labelled_cells` cells."""
 
     def __init__(self, *, columns: int, dpi: int, dense_height: float, dense_plots: int,
@@ -79,17 +79,18 @@ class PngPicture:
         self._figure.subplots_adjust(left=0.06, right=0.95, top=1 - 0.06 * margin,
                                      bottom=0.07 * margin, hspace=0.4, wspace=0.3)
         self._lines = []
-        for plot, ax in zip(plots[:self.dense_plots], self._axes):
+        for index, (plot, ax) in enumerate(zip(plots, self._axes)):
             twin = ax.twinx() if any(line.right for line in plot.lines) else None
             self._lines.append([(twin if line.right else ax).plot(
                 [], [], color=line.colour, linewidth=2, linestyle="--" if line.right else "-")[0]
-                for line in plot.lines])
+                for line in plot.lines])  # every plot of curves (a GRPO run's reward plot comes last)
+            if index >= self.dense_plots and not plot.lines:
+                continue  # the tiers bars and heat maps keep their own ticks
             for axes in (ax, twin) if twin is not None else (ax,):
                 axes.tick_params(labelsize=8)
                 axes.locator_params(axis="y", nbins=4)  # every tick label is drawn text: keep few
             if plot.lines:
                 ax.locator_params(axis="x", nbins=5)
-        self._lines += [[] for _ in plots[self.dense_plots:]]  # the tiers bars and heat maps: no lines
         self._drawn = []
 
     def _draw_heat(self, ax: Any, plot: Plot) -> None:
@@ -128,5 +129,5 @@ class PngPicture:
         ax.set_xticks(positions, list(plot.categories))
         ax.set_xlim(-0.6, len(positions) - 0.4)
         ax.set_ylim(0, 1.8 * max(bottoms + [plot.limit or 0.0]) or 1.0)  # headroom for legend and notes
-        if positions:
+        if positions and ax.get_legend_handles_labels()[0]:  # rows without these parts (GRPO's) draw none
             self._drawn.append(ax.legend(fontsize=7, loc="upper center", ncol=3))

@@ -28,12 +28,14 @@ shapes).
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from colab_par.parallel.inference.gathered import weights_gathered
 from colab_par.parallel.inference.state import bare_module, training_state_kept
 from colab_par.layout import tensor_grid
 from colab_par.models.gpt import GPT, KVCache
@@ -42,7 +44,17 @@ from colab_par.parallel.pipeline.decode import StageChain
 from colab_par.parallel.pipeline.stages import stage_owner
 from colab_par.parallel.inference.sampling import Sampling
 
-__all__ = ["generate"]
+__all__ = ["generate", "generate_with_logps", "Generated"]
+
+
+@dataclass(frozen=True)
+class Generated:
+    """What `generate_with_logps` returns: the `tokens` `generate` returns and, for each new token,
+    its log-probability under the distribution it was drawn from (`logps`, float32, (batch, new
+    tokens taken): log_softmax of `Sampling.scores`; 0 where a finished row continues with padding)."""
+
+    tokens: torch.Tensor
+    logps: torch.Tensor
 
 
 def generate(pm: Any, input_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling, *,
@@ -59,7 +71,24 @@ def generate(pm: Any, input_ids: torch.Tensor, max_new_tokens: int, sampling: Sa
     without eos it runs `max_new_tokens` steps. Sampling settings are only the ones given (a
     model's generation config does not add any); the draw uses a generator seeded with `seed`,
     never the training RNG. `use_cache=False` re-forwards every token at every step (to compare).
+    Under zero3 (and params@disk) the weights come in once for the call (`gathered.py`).
     """
+    return _generated(pm, input_ids, max_new_tokens, sampling, False, eos_token_id=eos_token_id,
+                      pad_token_id=pad_token_id, attention_mask=attention_mask, seed=seed,
+                      use_cache=use_cache).tokens
+
+
+def generate_with_logps(pm: Any, input_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling,
+                        **keywords: Any) -> Generated:
+    """`generate` (the same arguments, the same tokens) with each new token's sampling
+    log-probability: what the rollout's trainer–generator mismatch compares the training forward
+    with. The chooser rank keeps them and broadcasts them once at the end."""
+    return _generated(pm, input_ids, max_new_tokens, sampling, True, **keywords)
+
+
+def _generated(pm: Any, input_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling, scored: bool, *,
+               eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+               attention_mask: torch.Tensor | None = None, seed: int = 0, use_cache: bool = True) -> Generated:
     decoder, model = _decoder_class(pm), bare_module(pm.model_parts[0])
     vocab, limit = decoder.sizes(model)
     one_prompt = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1
@@ -77,22 +106,24 @@ def generate(pm: Any, input_ids: torch.Tensor, max_new_tokens: int, sampling: Sa
     if width > 1 and not use_cache:
         raise ValueError("under sequence parallel only the cached path feeds a multiple of tp tokens per "
                          "forward; use use_cache=True")
-    with training_state_kept(pm), pm._autocast():
+    with training_state_kept(pm), weights_gathered(pm), pm._autocast():
         chooser = _agreed_chooser(pm, prompts, mask, max_new_tokens, sampling, eos, pad_id, seed, use_cache)
         generator = torch.Generator(device=pm.device).manual_seed(seed) if sampling.do_sample else None
-        run = _Run(decoder(pm, use_cache), sampling, generator, chooser, eos, pad_id, width)
+        run = _Run(decoder(pm, use_cache), sampling, generator, chooser, eos, pad_id, width, scored)
         tokens = run(prompts.to(pm.device), mask.to(pm.device), max_new_tokens)
-    tokens = tokens.to(input_ids.device)
-    return tokens[0] if one_prompt else tokens
+        logps = run.logps(tokens.shape[0], tokens.shape[1] - prompts.shape[1])
+    tokens, logps = tokens.to(input_ids.device), logps.to(input_ids.device)
+    return Generated(tokens[0], logps[0]) if one_prompt else Generated(tokens, logps)
 
 
 class _Run:
     """The decode loop (see the module docstring): prefill, then one token per step."""
 
     def __init__(self, decoder: "_Decoder", sampling: Sampling, generator: torch.Generator | None,
-                 chooser: int, eos: list[int], pad_id: int, width: int):
+                 chooser: int, eos: list[int], pad_id: int, width: int, scored: bool):
         self.decoder, self.sampling, self.generator = decoder, sampling, generator
         self.chooser, self.eos, self.pad_id, self.width = chooser, eos, pad_id, width
+        self.scored, self.chosen_logps = scored, []
 
     def __call__(self, prompts: torch.Tensor, mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         batch, length = prompts.shape
@@ -108,7 +139,7 @@ class _Run:
                 fed = tokens.shape[1]
             start = tokens.shape[1] - fed
             logits = self.decoder.last_logits(tokens[:, start:], positions[:, start:], mask, start)
-            chosen = self._choose(logits, batch, prompts.device)
+            chosen = self._choose(logits, batch, finished, prompts.device)
             if self.eos:
                 chosen = chosen.masked_fill(finished, self.pad_id)
                 finished |= torch.isin(chosen, torch.tensor(self.eos, device=chosen.device))
@@ -120,13 +151,29 @@ class _Run:
             fed = self.width
         return tokens[:, extra:]
 
-    def _choose(self, logits: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor | None, batch: int, finished: torch.Tensor,
+                device: torch.device) -> torch.Tensor:
         if dist.get_rank() == self.chooser:
-            chosen = self.sampling.choose(logits, self.generator)
+            scores = self.sampling.scores(logits)
+            chosen = self.sampling.draw(scores, self.generator)
+            if self.scored:
+                logp = scores.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
+                self.chosen_logps.append(logp.masked_fill(finished, 0.0))
         else:
             chosen = torch.empty(batch, dtype=torch.int64, device=device)
         dist.broadcast(chosen, src=self.chooser)
         return chosen
+
+    def logps(self, batch: int, steps: int) -> torch.Tensor:
+        """The chosen tokens' log-probabilities (batch, steps), on every rank: one broadcast from the
+        chooser after the loop (an empty tensor when not `scored`)."""
+        if not self.scored:
+            return torch.empty(batch, 0)
+        device = self.decoder.pm.device
+        logps = (torch.stack(self.chosen_logps, dim=1) if dist.get_rank() == self.chooser
+                 else torch.empty(batch, steps, dtype=torch.float32, device=device))
+        dist.broadcast(logps, src=self.chooser)
+        return logps
 
 
 # ---- the decoding models ----------------------------------------------------------------------------

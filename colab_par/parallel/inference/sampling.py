@@ -5,7 +5,9 @@ are divided by `temperature`, cut to the `top_k` largest (ties with the k-th kep
 smallest set of most likely tokens whose probability reaches `top_p` (the most likely token always
 stays), and one token per row is drawn from the softmax of what is left with
 ``torch.multinomial(probs, 1, generator=generator)``. The generator is generation's own, seeded from
-its `seed`: the training RNG streams are never drawn from.
+its `seed`: the training RNG streams are never drawn from. The log-probability of a drawn token
+under that distribution is log_softmax(`scores`) at the token (`generate_with_logps`): without
+top_k/top_p cuts the same quantity a training forward computes from logits / temperature.
 """
 from __future__ import annotations
 
@@ -45,9 +47,14 @@ class Sampling:
 
     def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """(batch, vocab) logits -> (batch,) token ids."""
+        return self.draw(self.scores(logits), generator)
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """The float32 scores (batch, vocab) whose softmax the token is drawn from: the logits
+        divided by the temperature, -inf outside the top_k / top_p cuts (greedy: the logits)."""
         scores = logits.float()
         if not self.do_sample:
-            return scores.argmax(dim=-1)
+            return scores
         if self.temperature is not None:
             scores = scores / self.temperature
         if self.top_k is not None and self.top_k < scores.shape[-1]:
@@ -59,4 +66,10 @@ class Sampling:
             above = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above each one
             beyond = above >= self.top_p
             scores = scores.masked_fill(beyond.scatter(-1, order, beyond), -math.inf)
+        return scores
+
+    def draw(self, scores: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """(batch,) token ids from `scores` (see `scores`): the argmax, or one seeded draw per row."""
+        if not self.do_sample:
+            return scores.argmax(dim=-1)
         return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(-1)

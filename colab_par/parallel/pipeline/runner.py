@@ -4,6 +4,12 @@
 torch's schedules (GPipe, 1F1B, interleaved 1F1B, zero-bubble V): `step(inputs, targets)` for token
 batches, `step_batch(batch)` for any batch of the kit's convention, so the training loop is the
 same for every layout.
+
+colab_par's GPT cut by layers also takes a dict batch of its own forward keywords: `tokens`, per-row
+`positions` and a fresh `KVCache` whose `keep` marks left padding (how generation and GRPO feed
+prompts of several lengths). The positions and padding mask go to every stage as keywords, split
+per microbatch by the schedule, and each stage forward gets a fresh cache of its microbatch's rows;
+the batch's other keys reach the loss only, sliced with their microbatch.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from colab_par import compat
 from colab_par.compat import tree_flatten, tree_map
 from colab_par.layout import Layout
 from colab_par.data.batch import Batch, batch_size, batch_to, check_batch
+from colab_par.models.gpt import GPT, KVCache
 from colab_par.parallel.pipeline.decode import StageChain
 from colab_par.parallel.pipeline.stages import TiedTensor, stage_ids, stage_owner
 from colab_par.parallel.pipeline.traced import TracedInterface
@@ -115,7 +122,8 @@ class PipelineRunner:
     torch infers the activation shapes from that first microbatch. Gradients accumulate in the
     parts' parameters; the optimizer step is the caller's. The last stage scores its outputs with
     ``loss_fn(logits, targets)`` in `step` and ``batch_loss_fn(outputs, microbatch)`` in
-    `step_batch` (`loss_fn` when no `batch_loss_fn` is given).
+    `step_batch` (`loss_fn` when no `batch_loss_fn` is given; a caller may swap `batch_loss_fn`
+    between steps, as GRPO does while a rollout trains).
 
     `stage_losses` (the experts step's `StageExperts`, for MoE models) sees every stage forward of
     each microbatch and may attach a loss computed inside the stage (the routers' balance losses)
@@ -147,12 +155,14 @@ class PipelineRunner:
         self.has_last = self.n_stages - 1 in self.stage_ids
         self.device = torch.device(device)
         self._loss_fn = loss_fn
-        self._batch_loss_fn = batch_loss_fn or loss_fn
+        self.batch_loss_fn = batch_loss_fn or loss_fn
         self._score: Callable[[Any, torch.Tensor], torch.Tensor] = loss_fn
         self._loss_weight = 1.0
         first = self.parts[0]
         inner = first.module if isinstance(first, DistributedDataParallel) else first
         self._traced: TracedInterface | None = getattr(inner, "pipeline_io", None)
+        self._gpt = isinstance(inner, GPT)
+        self._padding_hooked = False
         self._ties: list[TiedTensor] = list(getattr(inner, "pipeline_ties", ()))
         self._clock = _BusyClock(self.device)
         self._stage_losses = stage_losses
@@ -249,7 +259,7 @@ class PipelineRunner:
         """
         check_batch(batch)
         self._check_step(batch_size(batch), loss_scale)
-        loss = self._run(*self._batch_inputs(batch, score or self._batch_loss_fn), loss_scale)
+        loss = self._run(*self._batch_inputs(batch, score or self.batch_loss_fn), loss_scale)
         return loss if on_device else loss.item()
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
@@ -281,6 +291,8 @@ class PipelineRunner:
         batch = batch_to(batch, self.device)
         if self._traced is not None:
             args, kwargs = (), self._traced.inputs(batch, self.layout.microbatches)
+        elif isinstance(batch, dict) and self._gpt and "tokens" in batch:
+            args, kwargs = ((batch["tokens"],) if self.has_first else ()), self._gpt_keywords(batch)
         elif isinstance(batch, dict):  # stages cut by layers take token ids
             if set(batch) != {"input_ids", "labels"}:
                 raise ValueError(f"a batch with {sorted(set(batch) - {'input_ids', 'labels'}) or 'no labels'} "
@@ -296,6 +308,24 @@ class PipelineRunner:
         self._score = lambda output, rows: score(outputs(output), _rows(batch, rows))
         target = torch.arange(size) if self.has_last else None
         return ("batch", shapes), args, kwargs, target
+
+    def _gpt_keywords(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """What every GPT stage takes of a batch of the GPT's keywords, as tensors the schedule splits
+        by rows: per-row positions, and the padding mask of a fresh cache (a stage's pre-hook makes a
+        cache of each microbatch's rows from it: `_padding_cache`)."""
+        tokens, positions, cache = batch["tokens"], batch.get("positions"), batch.get("cache")
+        kwargs = {} if positions is None else {"positions": positions.expand(tokens.shape[0], -1)}
+        if cache is None:
+            return kwargs
+        if not isinstance(cache, KVCache) or cache.start != 0 or cache.keep.shape != tokens.shape:
+            raise ValueError("a GPT batch crosses pipeline stages with a fresh KVCache(keep) marking its padding "
+                             f"(keep of the tokens' shape {tuple(tokens.shape)}, start 0), not {cache!r}")
+        if not self._padding_hooked:
+            for part in self.parts:
+                inner = part.module if isinstance(part, DistributedDataParallel) else part
+                inner.register_forward_pre_hook(_padding_cache, with_kwargs=True)
+            self._padding_hooked = True
+        return {**kwargs, "keep": cache.keep}
 
     def _check_step(self, size: int, loss_scale: float) -> None:
         n_mb = self.layout.microbatches
@@ -334,7 +364,7 @@ class PipelineRunner:
         self._loss_weight = 1.0
         losses: list[torch.Tensor] = []
         if self.layout.pp_schedule == "zbv":
-            self._forward_in_order(args, target, losses)
+            self._forward_in_order(args, kwargs, target, losses)
         else:
             self._ensure_built(key)
             with torch.no_grad():
@@ -343,7 +373,8 @@ class PipelineRunner:
         total = torch.stack([l.detach().double() for l in losses]).sum() if self.has_last else None
         return self._broadcast_from_last(total).item()
 
-    def _forward_in_order(self, args: tuple, target: torch.Tensor | None, losses: list[torch.Tensor]) -> None:
+    def _forward_in_order(self, args: tuple, kwargs: dict[str, torch.Tensor], target: torch.Tensor | None,
+                          losses: list[torch.Tensor]) -> None:
         if self._traced is not None:
             raise ValueError("torch's zero-bubble V schedule has no forward-only pass, and stages traced by "
                              "pipeline() run only inside a schedule; evaluate this model under pp_schedule "
@@ -352,9 +383,10 @@ class PipelineRunner:
         n_mb = self.layout.microbatches
         pieces = args[0].chunk(n_mb) if self.has_first else [None] * n_mb
         targets = target.chunk(n_mb) if self.has_last else [None] * n_mb
+        keywords = [{key: value.chunk(n_mb)[index] for key, value in kwargs.items()} for index in range(n_mb)]
         with torch.no_grad():
-            for piece, piece_target in zip(pieces, targets):
-                output = chain(piece, lambda part, x: part(x))
+            for piece, piece_target, keyword in zip(pieces, targets, keywords):
+                output = chain(piece, lambda part, x: part(x, **keyword))
                 if self.has_last:
                     losses.append(self._score(output, piece_target))
 
@@ -374,6 +406,16 @@ class PipelineRunner:
         value = value.reshape(1).to(torch.float64)
         dist.broadcast(value, group=self.pp_group, group_src=stage_owner(self.layout, self.n_stages - 1))
         return value
+
+
+def _padding_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """A GPT stage's forward pre-hook: the padding mask `keep` of this call's rows becomes the fresh
+    `KVCache` the GPT masks left padding with (a cache cannot be split by the schedule, a mask can)."""
+    if "keep" not in kwargs:
+        return args, kwargs
+    kwargs = dict(kwargs)
+    kwargs["cache"] = KVCache(kwargs.pop("keep"))
+    return args, kwargs
 
 
 def _rows(batch: Batch, rows: torch.Tensor) -> Batch:

@@ -11,10 +11,15 @@ computes once it has completions, each as TRL's `GRPOTrainer` defines it.
 The loop on a ParallelModel (colocated: the engines that train also generate):
   loop.py        GRPO: each step a rollout, its log-probabilities, `iterations` optimizer steps, a row
   rollout.py     Completions (sampling and decoding), Rollout, sample_rollout: generate, score, advantages
-  logprobs.py    per-token log-probabilities from the policy's forward; the GRPO loss as the model's
-                 batch loss while a rollout trains; the LoRA base as the reference
+  logprobs.py    per-token log-probabilities from the policy's forward (every layout, pipeline
+                 stages included); the GRPO loss as the model's batch loss while a rollout trains
+  reference.py   the KL term's reference: LoRA's base (adapters off), or a frozen sharded copy of
+                 the full weights GRPO started from
+  mismatch.py    the trainer-generator mismatch of the sampled tokens' log-probabilities
+  samples.py     a few prompts with their best and worst completions, for the dashboard's table
   prompts.py     PromptRows: lists or Datasets of prompts, drawn seeded and alike on every rank
-  live_rows.py   LiveRows: the loop's rows to the dashboard, TensorBoard and loggers (`Logs`)
+(its rows reach the dashboard, TensorBoard and loggers through `training/live_rows.py`, as the
+Trainer's do)
 """
 from colab_par.training.grpo.advantages import SCALE_REWARDS, GroupAdvantages, group_advantages
 from colab_par.training.grpo.objective import GrpoLoss, completion_mask, grpo_loss, token_entropy

@@ -1,6 +1,8 @@
 """One rollout phase of GRPO on a ParallelModel, the same on every rank: each prompt repeated
-`group_size` times, completions sampled with `pm.generate` (seeded, so every rank draws the same
-tokens), the completion mask, rewards from the user's functions and group-relative advantages.
+`group_size` times, completions sampled with `pm.generate`'s decoding (seeded, so every rank draws
+the same tokens; `generate_with_logps`, which also keeps each token's sampling log-probability for
+the trainer–generator mismatch, `mismatch.py`), the completion mask, rewards from the user's
+functions and group-relative advantages.
 
 Every rank scores every completion itself rather than rank 0 scoring and broadcasting: the
 rewards are then there without a collective, and a reward function that raises raises on every
@@ -19,6 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from colab_par.parallel.inference.generation import generate_with_logps
 from colab_par.parallel.inference.sampling import Sampling
 from colab_par.training.grpo.advantages import group_advantages
 from colab_par.training.grpo.objective import completion_mask
@@ -60,7 +63,9 @@ class Rollout:
     loss counts and the row's `advantage`. `old_logps` (the sampling policy's per-token
     log-probabilities; None: the policy being trained, detached, as TRL with one iteration) and
     `ref_logps` (the reference policy's) are filled for this rank's rows before training;
-    `scores` and `zero_std_fraction` describe the rewards of a sampled batch."""
+    `scores` and `zero_std_fraction` describe the rewards of a sampled batch; `sampling_logps`
+    are the log-probabilities generation drew each completion token with (None: not sampled
+    here), what the training forward's are compared with (`mismatch.py`)."""
 
     prompt_ids: torch.Tensor
     prompt_mask: torch.Tensor
@@ -72,6 +77,7 @@ class Rollout:
     scores: RewardScores | None = None
     group_std: torch.Tensor | None = None
     zero_std_fraction: float = 0.0
+    sampling_logps: torch.Tensor | None = None
 
     def rows(self, parts: int, index: int) -> "Rollout":
         """Piece `index` of `parts` equal pieces (a data-parallel rank's rows), on the same device."""
@@ -110,11 +116,10 @@ def sample_rollout(pm: Any, plan: RolloutPlan, prompts: list[list[int]], columns
     """Completions of `prompts` (`group_size` each, next to each other), scored (module docstring)."""
     repeated = [row for row in prompts for _ in range(plan.group_size)]
     prompt_ids, prompt_mask = left_padded(repeated, plan.pad)
-    sampling = plan.completions.sampling()
-    tokens = pm.generate(prompt_ids, plan.max_completion_length, do_sample=True, temperature=sampling.temperature,
-                         top_k=sampling.top_k, top_p=sampling.top_p, eos_token_id=plan.eos, pad_token_id=plan.pad,
-                         attention_mask=prompt_mask.long(), seed=seed)
-    completion_ids = tokens[:, prompt_ids.shape[1]:]
+    generated = generate_with_logps(pm, prompt_ids, plan.max_completion_length, plan.completions.sampling(),
+                                    eos_token_id=plan.eos, pad_token_id=plan.pad,
+                                    attention_mask=prompt_mask.long(), seed=seed)
+    completion_ids = generated.tokens[:, prompt_ids.shape[1]:]
     ended = completion_mask(completion_ids, plan.eos)  # what a reward function reads: up to the end token
     decode = plan.completions.decode or (lambda ids: ids)
     texts = [decode([t for t, keep in zip(row, kept) if keep])
@@ -128,7 +133,7 @@ def sample_rollout(pm: Any, plan: RolloutPlan, prompts: list[list[int]], columns
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                    mask=completion_mask(completion_ids, plan.eos, mask_truncated=plan.mask_truncated),
                    advantages=grouped.advantages.float(), scores=scores, group_std=grouped.group_std,
-                   zero_std_fraction=grouped.zero_std_fraction)
+                   zero_std_fraction=grouped.zero_std_fraction, sampling_logps=generated.logps)
 
 
 def _check_ranks_agree(rewards: torch.Tensor, device: torch.device) -> None:
