@@ -18,6 +18,7 @@ engine-side modules. The entries live by topic, and every one is importable from
   torch_modules.py         nn.Module internals, the activation-checkpoint wrapper
   torch_ops.py             private aten ops and kernels, dispatch modes, op and storage metadata
   torch_compile.py         compile time, dynamo's recompile limit, inductor's vector width
+  fake_world.py            the `fake` process group, torch's memory tracker (planning/dry_run/)
   trees.py                 pytrees (`torch.utils._pytree`)
   triton_runtime.py        triton's interpreter
   hf.py                    transformers models' plans, recorded outputs and token losses

@@ -1,0 +1,95 @@
+"""The planner's per-rank memory beside a dry run's traced peak, kind by kind.
+
+The planner (`layout_estimate.estimate`) predicts the fullest rank's training peak from formulas;
+the dry run sees what that rank's real step allocates. Kinds pair up as the planner names them;
+its `buffers` (the step's communication and staging buffers) stand against the tracker's
+temporaries, and the process baseline (what an engine holds before any model) is left out on both
+sides: the tracker sees tensors only. Whether the traced step fits the device is judged the
+planner's way (90 % of its memory, less the baseline), naming the phase and kind that overflow.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from colab_par.layout import Layout
+from colab_par.planning.devices import GiB, DeviceSpec
+from colab_par.planning.dry_run.report import MiB, DryRunReport, MemoryKinds
+from colab_par.planning.layout_estimate import estimate
+
+__all__ = ["ComponentError", "Comparison", "compare"]
+
+_PAIRS = (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"),
+          ("activations", "activations"), ("temporaries", "buffers"))
+
+
+@dataclass(frozen=True)
+class ComponentError:
+    """One kind of memory: the planner's bytes, the trace's, and (planner - trace) / trace."""
+
+    kind: str
+    predicted: float
+    traced: float
+
+    @property
+    def relative_error(self) -> float:
+        if self.traced == 0:
+            return 0.0 if self.predicted == 0 else float("inf")
+        return (self.predicted - self.traced) / self.traced
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The planner against one dry run, per kind and for the whole peak (`rows[-1]`, "total")."""
+
+    layout: str
+    world_size: int
+    rows: tuple[ComponentError, ...]
+    device: str = "cpu"
+    capacity: float = 0.0
+    baseline: float = 0.0
+    overflow: str = ""
+
+    @property
+    def total(self) -> ComponentError:
+        return self.rows[-1]
+
+    @property
+    def fits(self) -> bool:
+        """The traced peak, with the process baseline, within the planner's usable capacity of
+        the device (90 % of its memory)."""
+        return not self.overflow
+
+    def __str__(self) -> str:
+        lines = [f"planner against the dry run of {self.layout!r} at world {self.world_size}",
+                 f"{'kind':<12}{'planner':>14}{'traced':>14}{'error':>9}"]
+        lines += [f"{row.kind:<12}{row.predicted / MiB:10.3f} MiB{row.traced / MiB:10.3f} MiB"
+                  f"{row.relative_error:>+9.1%}" for row in self.rows]
+        verdict = "fits" if self.fits else f"does not fit: {self.overflow}"
+        lines.append(f"on {self.device} ({self.capacity / GiB:.1f} GiB usable): the trace {verdict}")
+        return "\n".join(lines)
+
+
+def compare(report: DryRunReport, model: Any, *, device: "str | DeviceSpec" = "cpu",
+            optimizer: str = "adam") -> Comparison:
+    """The planner's prediction for `report`'s layout, world and batch on `device`, beside the
+    trace's peak (`model` as `dry_run` took it: a GPTConfig or Hugging Face config)."""
+    layout = Layout.parse(report.layout)
+    plan = estimate(model, layout, device=device, global_batch=report.batch[0], seq_len=report.batch[1],
+                    optimizer=optimizer)
+    predicted = plan.memory
+    rows = [ComponentError(kind, getattr(predicted, planned), getattr(report.peak, kind)) for kind, planned in _PAIRS]
+    rows.append(ComponentError("total", predicted.total, report.peak.total))
+    return Comparison(report.layout, report.world_size, tuple(rows), getattr(device, "name", device), plan.capacity,
+                      predicted.baseline, _overflow(report, plan.capacity - predicted.baseline))
+
+
+def _overflow(report: DryRunReport, room: float) -> str:
+    """"" when every phase's peak fits in `room` bytes; else the first phase that does not, and
+    its largest kind of memory."""
+    for phase, kinds in report.phases.items():
+        if kinds.total > room:
+            largest = max(MemoryKinds.__dataclass_fields__, key=lambda kind: getattr(kinds, kind))
+            return (f"{phase} needs {kinds.total / GiB:.1f} GiB, {getattr(kinds, largest) / GiB:.1f} GiB "
+                    f"of it {largest}")
+    return "" if report.peak.total <= room else f"the step's peak needs {report.peak.total / GiB:.1f} GiB"

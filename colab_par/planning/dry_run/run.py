@@ -1,0 +1,151 @@
+"""One rank's training step, traced: the child process of `dry_run` (and the measurement a real
+world's ranks make for comparison, `traced_step`).
+
+The child is rank `rank` of a `fake` world (compat.fake_world): collectives move nothing, so one
+process runs the step any rank of any world size runs, with the kit's own `parallelize` and
+`ParallelModel.train_step` halves (`forward_backward_tensor`, then `optimizer_step`). Torch's
+`MemTracker` sorts every allocation by kind; the root modules' forward and backward peaks and the
+optimizer step's own peak make the phases. With fake tensors (`FakeTensorMode`) nothing is stored,
+and the same allocations are counted: a rank of an 8 B model takes well under 1 GiB here.
+"""
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from colab_par.compat import fake_world
+from colab_par.layout import Layout
+from colab_par.models import GPT, GPTConfig
+from colab_par.parallel import parallelize
+from colab_par.parallel.mesh import build_mesh
+from colab_par.planning.dry_run.collectives import CollectivesByDim, mesh_group_names
+from colab_par.planning.dry_run.report import DryRunReport, MemoryKinds
+
+__all__ = ["model_factory", "token_batch", "traced_step", "fake_rank_step", "child_main"]
+
+
+def model_factory(model: Any) -> Callable[[], nn.Module]:
+    """A zero-argument factory for `parallelize` (it runs it on meta): a GPTConfig builds the kit's
+    GPT, a Hugging Face config its causal LM without weights, a callable is the factory itself."""
+    if isinstance(model, GPTConfig):
+        return lambda: GPT(model)
+    if hasattr(model, "model_type") and hasattr(model, "to_dict"):
+        from transformers import AutoModelForCausalLM
+
+        return lambda: AutoModelForCausalLM.from_config(model)
+    if callable(model) and not isinstance(model, nn.Module):
+        return model
+    raise TypeError(f"dry_run takes a GPTConfig, a Hugging Face config or a picklable zero-argument "
+                    f"factory, not {type(model).__name__}: a built module cannot cross to the child "
+                    "process (pass the function that builds it)")
+
+
+def token_batch(vocab_size: int, batch: tuple[int, int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global (inputs, targets) batch of random tokens: memory and traffic do not depend on values."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (batch[0], batch[1] + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _vocab_size(factory: Callable[[], nn.Module]) -> int:
+    with torch.device("meta"):
+        config = getattr(factory(), "config", None)
+    if getattr(config, "vocab_size", None) is None:
+        raise ValueError("the model has no config.vocab_size: dry_run trains on token batches of a "
+                         "language model (the kit's GPT or a Hugging Face decoder)")
+    return int(config.vocab_size)
+
+
+def _answer_ddp_on_fake_world(pm: Any) -> None:
+    """torch 2.13's fake group completes an all-reduce with no value, which DDP's reducer refuses;
+    this hook issues the same in-place sum of the pre-divided bucket (DDP's default) and answers
+    with the bucket itself. (Unannotated: DDP refuses annotations that are not its own classes.)"""
+    def allreduce(group, bucket):  # type: ignore[no-untyped-def]
+        buffer = bucket.buffer().div_(group.size())
+        dist.all_reduce(buffer, group=group)
+        done = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
+    for part in pm.model_parts:
+        if isinstance(part, DistributedDataParallel):
+            part.register_comm_hook(part.process_group, allreduce)
+
+
+def _train_step(pm: Any, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    """`ParallelModel.train_step` without reading the loss (a fake tensor has no value to read)."""
+    pm.forward_backward_tensor(inputs, targets)
+    pm.optimizer_step()
+
+
+def traced_step(pm: Any, inputs: torch.Tensor, targets: torch.Tensor, *, steps: int = 2,
+                world: str = "fake") -> DryRunReport:
+    """Run `steps` training steps of `pm` on the global batch and trace the last one: its memory
+    per phase and its collectives per mesh dimension (this rank's view)."""
+    for _ in range(steps - 1):  # optimizer state exists from the first step on
+        _train_step(pm, inputs, targets)
+    _, dp_cp = build_mesh(pm.layout, pm.device)
+    seen = CollectivesByDim(mesh_group_names(pm.mesh, {"dp_cp": dp_cp}))
+    tracker = fake_world.memory_tracker()
+    tracker.track_external(*pm.model_parts, pm.optimizer)
+    with seen:
+        with tracker:
+            pm.forward_backward_tensor(inputs, targets)
+        phases = {"forward": {}, "backward": {}}
+        for part in pm.model_parts:  # a pipeline rank's stages: the larger peak of each phase
+            for phase, kinds in fake_world.module_phase_peaks(tracker, part).items():
+                if kinds.get("Total", 0) > phases[phase].get("Total", 0):
+                    phases[phase] = kinds
+        step_peak = fake_world.tracked_kinds(tracker.get_tracker_snapshot("peak"))
+        with tracker:  # entering again restarts the peak: the optimizer step's own
+            pm.optimizer_step()
+        phases["optimizer"] = fake_world.tracked_kinds(tracker.get_tracker_snapshot("peak"))
+    peak = max((step_peak, phases["optimizer"]), key=lambda kinds: kinds.get("Total", 0))
+    return DryRunReport(str(pm.layout), dist.get_world_size(), dist.get_rank(), tuple(inputs.shape),
+                        {phase: MemoryKinds.of(kinds) for phase, kinds in phases.items()},
+                        MemoryKinds.of(peak), seen.rows(), world=world, steps=steps)
+
+
+def fake_rank_step(request: dict[str, Any]) -> DryRunReport:
+    """Rank `request["rank"]` of a fake world: build, parallelize and trace its step.
+
+    tensors="real": the factory goes to `parallelize` (built on meta, each rank's shards
+    allocated). tensors="fake": nothing is allocated; the model is built on meta outside the fake
+    mode (`to_empty` cannot swap a fake parameter for its shard: the fake mode holds a weak
+    reference to it), then `parallelize` and the step run under `FakeTensorMode`."""
+    fake_world.init_fake_world(request["rank"], request["world_size"])
+    layout = Layout.parse(request["layout"])
+    factory = model_factory(request["model"])
+    inputs, targets = token_batch(_vocab_size(factory), request["batch"], request["seed"])
+    if request["tensors"] == "real":
+        pm = parallelize(factory, layout)
+        _answer_ddp_on_fake_world(pm)
+        return traced_step(pm, inputs, targets, steps=request["steps"])
+    with torch.device("meta"):
+        model = factory()
+    with fake_world.fake_tensors():
+        pm = parallelize(model, layout)
+        return replace(traced_step(pm, inputs, targets, steps=request["steps"]), tensors="fake")
+
+
+def child_main(request: dict[str, Any], answer: Any) -> None:
+    """The spawned process (`fake_rank_step`); sends ("ok", DryRunReport) or ("error", traceback
+    text) through the pipe end `answer`."""
+    try:
+        start = time.perf_counter()
+        torch.manual_seed(request["seed"])
+        report = fake_rank_step(request)
+        answer.send(("ok", replace(report, seconds=time.perf_counter() - start)))
+    except BaseException:  # the caller raises it with the child's traceback
+        answer.send(("error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        answer.close()
