@@ -7,21 +7,24 @@ tokenizer built in memory (`tokenizers` WordLevel in a `PreTrainedTokenizerFast`
 `<eos>`, the digits, `+`, `=` and filler words). Prompts: two-digit sums written a token a
 character, "0 7 + 3 5 =" (6 tokens). Reward: the share of a completion's words that are digits.
 
-(a) Rollout tokens/s (`--part rollout`): `pm.generate` of `--rows` prompts, `--new` tokens each,
-    sampled, no end token (every row runs the full length), timed on a running `Cluster`:
-    "dp2 zero3" on 2 engines (each engine generates every row, as colocated GRPO does; one torch
-    thread each, the engines' default on 2 cores) against the same model unsharded in one
-    process (a `Cluster(n=1)`, layout "dp1"), once with one thread (an engine's share of the
-    machine: what ZeRO-3's weight gathering costs) and once with two (the whole machine). Arms
-    alternate each round; tokens/s = rows x new / seconds of the slower rank; median (min-max).
+(a) Rollout tokens/s (`--part rollout`): GRPO's rollout generation (`generate_rollout`: each row
+    drawn from its own seeded generator) of `--rows` prompts, `--new` tokens each, sampled, no end
+    token (every row runs the full length), timed on a running `Cluster`: "dp2 zero3" on 2 engines
+    (each engine decodes its half of the rows, the halves all-gathered after, as colocated GRPO
+    does; one torch thread each, the engines' default on 2 cores) against the same model
+    unsharded in one process (a `Cluster(n=1)`, layout "dp1", all rows), once with one thread (an
+    engine's share of the machine) and once with two (the whole machine). Arms alternate each
+    round; tokens/s = rows x new / seconds of the slower rank (every rank ends holding all rows);
+    median (min-max).
     Then a GRPO run under "dp2 zero3" (the step of (b)) gives each step's `rollout_s` and
     `train_s`: the share of the step spent generating.
 
 (b) The peer (`--part peer`): one GRPO step, each arm a subprocess, rounds alternating the order:
     - kit: a `Cluster(n=2)`, `parallelize(model, "dp2")`, `GRPO(..., group_size=8,
       prompts_per_step=8, max_completion_length=16, loss="dapo", beta=0, iterations=1,
-      grad_clip=1.0)`, AdamW (lr 1e-6, weight decay 0): per step every rank samples all 64
-      completions, scores them, and trains on its 32 (one forward-backward, one optimizer step);
+      grad_clip=1.0)`, AdamW (lr 1e-6, weight decay 0): per step every rank samples its 32 of
+      the 64 completions, the token ids are all-gathered, every rank scores all 64 and trains on
+      its 32 (one forward-backward, one optimizer step);
     - TRL: `torchrun --nproc-per-node 2` of `GRPOTrainer` (DDP over gloo, `use_cpu`, no vLLM,
       float32) with `num_generations=8`, `per_device_train_batch_size=32` (64 completions, 8
       prompts per step), `max_completion_length=16`, `loss_type="dapo"`, `beta=0`,
@@ -104,13 +107,15 @@ def digit_share(prompts, completions, **_):
 
 # ---- (a) rollouts on a running cluster -------------------------------------------------------------------
 def rollout_seconds(layout: str, threads: int, rows: int, new: int, sizes: dict) -> float:
-    """On an engine: seconds of one sampled `pm.generate` of `rows` prompts x `new` tokens (the model
-    built once per engine and layout, kept between calls; the first call warms up)."""
+    """On an engine: seconds of one sampled `generate_rollout` of `rows` prompts x `new` tokens (the
+    model built once per engine and layout, kept between calls; the first call warms up)."""
     import __main__
 
     import torch
 
     from colab_par import parallelize
+    from colab_par.parallel.inference.generation import generate_rollout
+    from colab_par.parallel.inference.sampling import Sampling
 
     torch.set_num_threads(threads)
     built = __main__.__dict__.setdefault("_rl_benchmark_models", {})
@@ -120,7 +125,8 @@ def rollout_seconds(layout: str, threads: int, rows: int, new: int, sizes: dict)
     pm, words = built[layout], tokenizer()
     prompts = words(prompt_texts()[:rows], return_tensors="pt").input_ids
     started = time.perf_counter()
-    pm.generate(prompts, new, do_sample=True, eos_token_id=[], pad_token_id=words.pad_token_id, seed=1)
+    generate_rollout(pm, prompts, new, Sampling(do_sample=True), eos_token_id=[], pad_token_id=words.pad_token_id,
+                     seed=1)
     return time.perf_counter() - started
 
 
@@ -248,10 +254,35 @@ def run_arm(arm: str, args: argparse.Namespace, folder: str) -> dict:
     if arm == "kit":
         subprocess.run([sys.executable, *common], check=True, capture_output=True)
         return json.loads(Path(out).read_text())
-    subprocess.run([args.trl_python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                    "29517", *common], check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
+    results = [Path(f"{out}.{rank}") for rank in range(2)]
+    for path in results:  # the last round's
+        path.unlink(missing_ok=True)
+    torchrun([args.trl_python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+              *common], results, folder)
+    ranks = [json.loads(path.read_text()) for path in results]
     return {"per_step": max(r["per_step"] for r in ranks), "length": ranks[0]["length"]}
+
+
+def torchrun(command: list[str], results: list[Path], folder: str, grace_s: float = 30.0) -> None:
+    """Run the TRL arm's torchrun until it exits, or until `grace_s` after every rank wrote its
+    result: a rank once hung in gloo's teardown (`destroy_process_group`) after writing it, so
+    then the whole process group is stopped and the results kept. Fails on an exit without them."""
+    with open(Path(folder, "torchrun.log"), "w+") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+        written = None
+        while process.poll() is None:
+            if written is None and all(path.exists() for path in results):
+                written = time.monotonic()
+            if written is not None and time.monotonic() - written > grace_s:
+                os.killpg(process.pid, 9)
+                process.wait()
+                print(f"(the TRL ranks hung after writing their results; stopped after {grace_s:.0f} s)")
+                return
+            time.sleep(0.5)
+        if process.returncode != 0 or not all(path.exists() for path in results):
+            log.seek(0)
+            raise RuntimeError(f"TRL's torchrun exited {process.returncode}:\n{log.read()[-3000:]}")
 
 
 def peer_part(args: argparse.Namespace) -> None:

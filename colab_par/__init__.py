@@ -35,6 +35,7 @@ _EXPORTS = {
     "GRPO": "colab_par.training.grpo",
     "Completions": "colab_par.training.grpo",
     "GrpoLossOptions": "colab_par.training.grpo",
+    "Generators": "colab_par.cluster.generator_engines",
     "save": "colab_par.training.checkpoint",
     "from_pretrained": "colab_par.hf_io",
     "save_pretrained": "colab_par.hf_io",

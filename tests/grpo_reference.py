@@ -2,9 +2,10 @@
 formulas (test_grpo_loop.py, test_grpo_layouts.py): each row's log-probabilities from its own
 unpadded forward (no padding mask, no cache), the clipped surrogate and each loss type's
 aggregation token by token, the k3 KL to peft's own `disable_adapter()` base, advantages from
-group means and stds, and the sampling procedure of `generate` (float32 logits / temperature,
-softmax, one multinomial draw per step); and the engine side that runs the same numbers through
-`GRPO` under a layout. Registered by value, so engines need not import this file.
+group means and stds, and the rollouts' per-row seeded sampling (`reference_rollout`: row r's own
+generator seeded (seed * 1_000_003 + r) mod 2**64, float32 logits / temperature, softmax, one
+multinomial draw per row per step); and the engine side that runs the same numbers through `GRPO`
+under a layout. Registered by value, so engines need not import this file.
 """
 from __future__ import annotations
 
@@ -204,23 +205,39 @@ def engine_whole_step(layout: str, state: dict, optimizer: str = "sgd") -> dict:
     return {"row": row, "completions": grpo.last_rollout.completion_ids, "state": pm.full_state_dict()}
 
 
+def reference_rollout(model, prompts: list[list[int]], seed: int, temperature: float = TEMPERATURE,
+                      greedy: bool = False, eos: int = EOS) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rollout's sampling in one process, from its definition: row r has its own generator seeded
+    (seed * 1_000_003 + r) mod 2**64; at each step every row's whole sequence is re-forwarded alone
+    (unpadded, no cache), its float32 last logits / temperature give the softmax one multinomial
+    draw is taken from with that generator (greedy: the argmax); a row that has produced `eos`
+    continues with PAD (log-probability 0); it stops when every row has ended, or after LENGTH.
+    Returns (completions, each token's log-probability under the distribution it was drawn from)."""
+    generators = [torch.Generator().manual_seed((seed * 1_000_003 + r) % 2**64) for r in range(len(prompts))]
+    rows, done = [list(p) for p in prompts], [False] * len(prompts)
+    logps: list[list[float]] = [[] for _ in prompts]
+    with torch.no_grad():
+        for _ in range(LENGTH):
+            for r, row in enumerate(rows):
+                scores = model(torch.tensor(row)[None])[0, -1].float() / temperature
+                token = (int(scores.argmax()) if greedy else
+                         int(torch.multinomial(scores.softmax(-1)[None], 1, generator=generators[r])[0, 0]))
+                row.append(PAD if done[r] else token)
+                logps[r].append(0.0 if done[r] else float(scores.log_softmax(-1)[token]))
+                done[r] = done[r] or token == eos
+            if all(done):
+                break
+    completions = torch.tensor([row[len(p):] for row, p in zip(rows, prompts)])
+    return completions, torch.tensor(logps, dtype=torch.float32)
+
+
 def reference_whole_step(optimizer: str = "sgd") -> dict:
     """The step in one process: prompts by the documented shuffle, sampling, rewards, advantages,
     the sampling policy's log-probabilities, two optimizer steps of the dapo loss."""
     model = gpt()
     order = torch.randperm(len(PROMPTS), generator=torch.Generator().manual_seed(SEED)).tolist()
     prompts = [PROMPTS[i] for i in order[:PER_STEP] for _ in range(GROUP)]
-    generator = torch.Generator().manual_seed(SEED)
-    rows, done = [torch.tensor(p) for p in prompts], [False] * len(prompts)
-    with torch.no_grad():
-        for _ in range(LENGTH):
-            logits = torch.stack([model(row[None])[0, -1] for row in rows]).float() / TEMPERATURE
-            chosen = torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
-            rows = [torch.cat([row, torch.tensor([PAD if done[i] else int(chosen[i])])]) for i, row in enumerate(rows)]
-            done = [d or int(c) == EOS for d, c in zip(done, chosen)]
-            if all(done):
-                break
-    completions = torch.stack([row[len(p):] for row, p in zip(rows, prompts)])
+    completions, _ = reference_rollout(model, prompts, SEED)
     lengths = [kept(c) for c in completions]
     rewards = torch.tensor(count_fives(prompts, [c[:n].tolist() for c, n in zip(completions, lengths)]),
                            dtype=torch.float64).view(-1, GROUP)

@@ -10,11 +10,16 @@ unpadded).
    row, so bnpo's per-rank token mean is the whole batch's. The other schedules (GPipe with four
    microbatches, interleaved and zero-bubble V on a four-layer GPT) and tp2 with sequence parallel
    (rows of 11 tokens lengthened to 12) with one loss type each.
-2. A whole GRPO step, sampling seeded, two iterations (the second off-policy), under pp2 and under
+2. The trainer-generator mismatch taken from the first training forward (no rollout log-probabilities
+   of the policy's own): sampling log-probabilities the policy's moved by up to +-0.5 give the
+   mismatch written here from the one-process policy, under pp2 (only the last stage scores) and dp2.
+3. A whole GRPO step, sampling seeded, two iterations (the second off-policy), under pp2 and under
    memory tiers (optimizer state and gradients on disk, AdamW as the tiers step it): the same
    completions, loss and updated weights as the one-process step.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -92,3 +97,21 @@ def test_a_whole_sampled_step_equals_one_process(cluster2, layout: str, optimize
         assert torch.allclose(results[0]["state"][name], value, rtol=1e-6, atol=1e-7), name
     moved = max((results[0]["state"][n] - v).abs().max().item() for n, v in gpt().state_dict().items())
     assert moved > 1e-3  # the step changed the weights, so equal weights mean equal gradients
+
+
+@pytest.mark.parametrize("layout", ["pp2", "dp2"])
+def test_the_mismatch_is_measured_from_the_first_training_forward(cluster2, layout: str) -> None:
+    from colab_par.training.grpo import completion_mask
+    from colab_par.training.grpo.mismatch import logp_mismatch
+    from grpo_reference import EOS
+
+    batch = fixed_batch()
+    rollout = dataclasses.replace(fixed_rollout(batch), old_logps=None, sampling_logps=batch["old"])
+    results = cluster2.run(engine_fixed_step, layout, gpt().state_dict(), rollout, ["dapo"], False)
+    with torch.no_grad():
+        policy = torch.stack([row_logps(gpt(), p, c) for p, c in zip(batch["prompts"], batch["completions"])])
+    expected = logp_mismatch(policy, batch["old"], completion_mask(batch["completions"], EOS)).row()
+    assert expected["mismatch/logp_difference_mean"] > 0.1  # far from zero: a row without it fails
+    for per_rank in results:
+        row, _ = per_rank[0]
+        assert {key: row[key] for key in expected} == pytest.approx(expected, rel=1e-5)

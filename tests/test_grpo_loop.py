@@ -1,8 +1,9 @@
 """The GRPO loop on real engines (2 CPU engines, gloo) against one process written here in plain
 torch from the formulas: each row's log-probabilities from its own unpadded forward (no padding
 mask, no cache), the clipped surrogate and each loss type's aggregation token by token, the k3 KL
-to peft's own `disable_adapter()` base, advantages from group means and stds, and the sampling
-procedure of `generate` (float32 logits / temperature, softmax, one multinomial draw per step).
+to peft's own `disable_adapter()` base, advantages from group means and stds, and the rollouts'
+per-row seeded sampling (row r's generator seeded (seed * 1_000_003 + r) mod 2**64, float32 logits
+/ temperature, softmax, one multinomial draw per row per step).
 
 1. Fixed prompts (of two lengths: left padding), completions, advantages and old log-probabilities
    far from the policy's (so ratios clip on both sides): the loss and every gradient of one

@@ -48,3 +48,15 @@ def test_agreeing_log_probabilities_measure_zero_and_an_empty_mask_is_neutral() 
 def test_rows_of_another_shape_are_refused() -> None:
     with pytest.raises(ValueError, match="one shape"):
         logp_mismatch(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
+
+
+def test_microbatches_combine_into_the_whole_batch_measures():
+    from colab_par.training.grpo.mismatch import combined
+
+    generator = torch.Generator().manual_seed(3)
+    train = torch.randn(6, 5, generator=generator, dtype=torch.float64)
+    sampling = train + 0.3 * torch.randn(6, 5, generator=generator, dtype=torch.float64)
+    mask = torch.rand(6, 5, generator=generator) > 0.3
+    parts = [logp_mismatch(train[rows], sampling[rows], mask[rows]) for rows in (slice(0, 2), slice(2, 6))]
+    assert combined(parts).row() == pytest.approx(logp_mismatch(train, sampling, mask).row(), rel=1e-12)
+    assert combined([]) is None

@@ -25,6 +25,8 @@ and the rooms both sides of the wire use:
   output.py ranks.py script.py persist.py         engines' output and errors, rank lists, torchrun
                                                   scripts, the record a later kernel attaches by
   debugger.py postmortem.py pull.py               a rank debugged in place, variables pulled
+  generator_engines.py                            GRPO's generator engines: a second cluster joined
+                                                  to the trainers' by a bridge, one controller here
 """
 import importlib
 from typing import Any

@@ -16,36 +16,39 @@ never runs code from the checkpoint (`checkpoint_format.py` says how).
 """
 from __future__ import annotations
 
-import base64
-import hashlib
 import inspect
 import json
 import os
 import shutil
 import socket
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from colab_par.training.checkpoint_files import (COMMIT_MARKER, LATEST, barrier as _barrier,
+                                                file_digests as _file_digests, fsync_dir as _fsync_dir,
+                                                gathered as _gathered, prune as _prune,
+                                                rng_state as _rng_state, set_rng_state as _set_rng_state,
+                                                shared_random_id, this_rank as _rank, unique as _unique,
+                                                world_size as _world, write_json as _write_json,
+                                                write_text_atomically as _write_text_atomically)
 from colab_par.training.checkpoint_format import (FORMAT, NON_TENSORS, CheckpointError, TensorOnlyReader, from_json,
                                          split_state, to_json)
+from colab_par.training.checkpoint_background import wait_for_saves
 from colab_par.training.checkpoint_ties import read_through_aliases, tied_sources
 from colab_par.training.checkpoint_pages import PagedLoadPlanner, PagedSavePlanner, disk_pages, drop_pages
 from colab_par.parallel.pipeline.stages import stages_as_one
-from colab_par.parallel.rng import ModelStream
 
-__all__ = ["save", "load", "relayout", "latest_checkpoint", "saved_history", "CheckpointError"]
+__all__ = ["save", "stage", "commit", "StagedSave", "load", "relayout", "latest_checkpoint", "saved_history", "CheckpointError"]
 
-COMMIT_MARKER = "COMMITTED"
-LATEST = "LATEST"
 META = "meta.json"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -54,8 +57,34 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 def save(pm: Any, path: str | os.PathLike, *, trainer: Any = None, keep: int = 2) -> Path:
     """Save `pm` (and the trainer's loop state) under the checkpoint root `path`; call on every rank.
 
-    Returns the committed version folder. The `keep` newest versions are kept.
+    Returns the committed version folder. The `keep` newest versions are kept. An asynchronous
+    save still writing (`checkpoint_async.save_async`) is waited for first.
     """
+    wait_for_saves()
+    return commit(stage(pm, path, trainer=trainer, keep=keep))
+
+
+@dataclass
+class StagedSave:
+    """A save between its two halves: this rank's tensors and JSON files as of the step it was
+    called at, and the staging folder every rank sees. `commit` writes it; an asynchronous save
+    does so on another thread, with `tensors` copied to host memory first."""
+
+    tensors: dict[str, dict]
+    files: dict[str, Any]  # this rank's JSON files: name -> value
+    pages: dict[int, Any]  # the memory tiers' disk chunks among `tensors` (checkpoint_pages.py)
+    root: Path
+    staging: Path
+    final: Path
+    step: int
+    keep: int
+
+
+def stage(pm: Any, path: str | os.PathLike, *, trainer: Any = None, keep: int = 2,
+          to_host: Callable[[dict], dict] | None = None) -> StagedSave:
+    """The first half of a save, collective on the default group: gather the state, refuse what
+    JSON cannot hold, make the staging folder, and (`to_host`) copy the tensors where training
+    will not change them."""
     if keep < 1:
         raise ValueError(f"keep={keep} must be >= 1 (the version just written is always kept)")
     pages = disk_pages(_local_optimizer(pm))
@@ -63,30 +92,56 @@ def save(pm: Any, path: str | os.PathLike, *, trainer: Any = None, keep: int = 2
     root, rank = Path(path), _rank()
     token = shared_random_id()
     step = int(trainer.step) if trainer is not None else 0
+    files: dict[str, Any] = {f"rng-rank{rank}.json": _rng_state(pm.rng)}
+    if trainer is not None:
+        files[f"history-rank{rank}.json"] = [dict(row) for row in trainer.history]
+    if rank == 0:
+        files[NON_TENSORS] = non_tensors
+        files[META] = {"format": FORMAT, "layout": str(pm.layout), "world_size": _world(), "step": step,
+                       "trainer": trainer.state_dict() if trainer is not None else None}
     staging = root / f".tmp-{token:016x}"
     _make_staging(root, staging)
-    dcp.save(tensors, checkpoint_id=str(staging), planner=PagedSavePlanner(pages))
-    drop_pages(pages)
-    _write_json(staging / f"rng-rank{rank}.json", _rng_state(pm.rng))
-    if trainer is not None:
-        _write_json(staging / f"history-rank{rank}.json", trainer.history)
-    if rank == 0:
-        _write_json(staging / NON_TENSORS, non_tensors)
-        _write_json(staging / META, {
-            "format": FORMAT, "layout": str(pm.layout), "world_size": _world(), "step": step,
-            "trainer": trainer.state_dict() if trainer is not None else None})
-    _barrier()
-    files = _file_digests(staging, sorted(p.name for p in staging.iterdir()))
-    final = root / f"step-{step:08d}-{token:016x}"
-    if rank == 0:
-        _write_json(staging / COMMIT_MARKER, {"step": step, "files": files})
-        _fsync_dir(staging)
-        os.rename(staging, final)
-        _write_text_atomically(root / LATEST, final.name)
-        _fsync_dir(root)
-        _prune(root, keep)
-    _barrier()
+    if to_host is not None:
+        tensors = to_host(tensors)
+    return StagedSave(tensors, files, pages, root, staging, root / f"step-{step:08d}-{token:016x}", step, keep)
+
+
+def commit(staged: StagedSave, group: Any = None) -> Path:
+    """The second half, collective on `group` (default: the default group): write through DCP,
+    record every file's digest in the commit marker, rename the folder into place, point LATEST
+    at it, prune. A failure on any rank is raised on every rank (no rank waits at a barrier for
+    one that gave up); the previous version stays the latest."""
+    staging, final, rank = staged.staging, staged.final, _rank()
+    dcp.save(staged.tensors, checkpoint_id=str(staging), planner=PagedSavePlanner(staged.pages),
+             process_group=group)
+    drop_pages(staged.pages)
+    _agreed(lambda: [_write_json(staging / name, value) for name, value in staged.files.items()],
+            f"writing {staging}", group)
+    files = _file_digests(staging, sorted(p.name for p in staging.iterdir()), group)
+
+    def publish() -> None:
+        if rank == 0:
+            _write_json(staging / COMMIT_MARKER, {"step": staged.step, "files": files})
+            _fsync_dir(staging)
+            os.rename(staging, final)
+            _write_text_atomically(staged.root / LATEST, final.name)
+            _fsync_dir(staged.root)
+            _prune(staged.root, staged.keep)
+    _agreed(publish, f"committing {final}", group)
     return final
+
+
+def _agreed(action: Callable[[], Any], doing: str, group: Any) -> None:
+    """Run this rank's `action`, then raise on every rank if it failed on any (naming which)."""
+    failure = None
+    try:
+        action()
+    except Exception as error:  # any: the other ranks must not wait for this one
+        failure = f"{type(error).__name__}: {error}"
+    failures = [(rank, found) for rank, found in enumerate(_gathered(failure, group)) if found]
+    if failures:
+        where = "; ".join(f"rank {rank}: {found}" for rank, found in failures)
+        raise CheckpointError(f"{doing} failed ({where})")
 
 
 def _savable_state(pm: Any, trainer: Any) -> tuple[dict[str, dict], dict[str, Any]]:
@@ -252,23 +307,6 @@ def _check_resumable(meta: dict, trainer: Any, version: Path) -> None:
 
 
 # ---- integrity: checksums recorded at commit, verified at load -------------------------------------
-def _file_digests(folder: Path, names: list[str]) -> dict[str, dict]:
-    """{name: {"bytes", "sha256"}} for `names` in `folder`; collective: each rank hashes every
-    world-th file, so each file is read once in all."""
-    rank, world = _rank(), _world()
-    mine = {name: _digest(folder / name) for name in names[rank::world]}
-    return _merged(mine)
-
-
-def _digest(path: Path) -> dict:
-    sha, size = hashlib.sha256(), 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 22):
-            sha.update(chunk)
-            size += len(chunk)
-    return {"bytes": size, "sha256": sha.hexdigest()}
-
-
 def _damage(version: Path) -> list[str]:
     """What differs from the commit record (same list on every rank)."""
     try:
@@ -349,26 +387,6 @@ def _refuse_misfit(tensors: dict[str, dict], others: dict[str, Any], metadata: A
                                             (len(unexpected), "unexpected")) if n]
     raise CheckpointError(f"checkpoint {version} does not fit this model: {reasons[0]} "
                           f"({', '.join(counts)} in all); build the model it was saved from")
-
-
-def _unique(items: Any) -> list:
-    return list(dict.fromkeys(items))
-
-
-def _gathered(value: Any) -> list:
-    """`value` from every rank, in rank order."""
-    if not dist.is_initialized():
-        return [value]
-    values: list = [None] * _world()
-    dist.all_gather_object(values, value)
-    return values
-
-
-def _merged(mine: dict) -> dict:
-    merged: dict = {}
-    for part in _gathered(mine):
-        merged.update(part)
-    return merged
 
 
 # ---- relayout ------------------------------------------------------------------------------------
@@ -480,76 +498,3 @@ def _stages(pm: Any) -> torch.nn.Module:
         return stages_as_one(list(pm.model_parts))
     except ValueError as error:
         raise CheckpointError(f"cannot save or load this rank's pipeline stages: {error}") from None
-
-
-# ---- small state: RNG, files, ranks -----------------------------------------------------------------
-def _rng_state(stream: ModelStream) -> dict:
-    """The model's stream (parallel/rng.py) as text: one base64 generator state per device kind."""
-    names = {"cpu": "torch", "cuda": "cuda"}
-    return {names[kind]: base64.b64encode(state.numpy().tobytes()).decode() for kind, state in stream.state().items()}
-
-
-def _set_rng_state(stream: ModelStream, saved: dict) -> None:
-    """Continue the saved stream where it drew on the same devices (a CPU run's masks cannot
-    continue on a GPU: there dropout draws from the device's generator)."""
-    decoded = {kind: torch.frombuffer(bytearray(base64.b64decode(saved[name])), dtype=torch.uint8)
-               for kind, name in (("cpu", "torch"), ("cuda", "cuda")) if name in saved}
-    if decoded.keys() == stream.state().keys():
-        stream.load_state(decoded)
-
-
-def _write_json(path: Path, value: Any) -> None:
-    with open(path, "w") as handle:
-        json.dump(value, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _write_text_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(partial, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _prune(root: Path, keep: int) -> None:
-    """Drop versions beyond the newest `keep` and staging folders of saves that died."""
-    current = (root / LATEST).read_text().strip()
-    versions = sorted((p for p in root.glob("step-*") if (p / COMMIT_MARKER).is_file()),
-                      key=lambda p: p.stat().st_mtime)
-    stale = [p for p in versions[:-keep] if p.name != current] + list(root.glob(".tmp-*"))
-    for folder in stale:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def shared_random_id() -> int:
-    """A random 62-bit id, the same on every rank (drawn on rank 0, broadcast)."""
-    token = torch.tensor([int.from_bytes(os.urandom(8), "little") >> 2], dtype=torch.int64)
-    if dist.is_initialized():
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        token = token.to(device)
-        dist.broadcast(token, src=0)
-    return int(token.item())
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

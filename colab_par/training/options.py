@@ -43,12 +43,15 @@ class Checkpoints:
     """DCP checkpoints in `dir` (a folder every rank sees) at the end of every `fit` and every
     `every` steps. `on_failure="restart"` (needs `every`): when an engine dies while the cell runs,
     the kit restarts the engines and runs the cell again, whose `fit` resumes from the last
-    committed checkpoint, at most `max_restarts` times (`Cluster.execute`); "raise" fails the cell."""
+    committed checkpoint, at most `max_restarts` times (`Cluster.execute`); "raise" fails the cell.
+    `asynchronous=True`: a save pauses the step only to copy the state to host memory and is
+    written and committed beside training (`checkpoint_async.py`); `fit` waits for it at its end."""
 
     dir: str | os.PathLike
     every: int | None = None
     on_failure: str = "raise"
     max_restarts: int = 3
+    asynchronous: bool = False
 
     def __post_init__(self) -> None:
         if self.dir is None:
@@ -62,6 +65,8 @@ class Checkpoints:
                              "(e.g. Checkpoints(dir, every=50, on_failure='restart'))")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts={self.max_restarts!r} must be a whole number >= 0, e.g. 3")
+        if not isinstance(self.asynchronous, bool):
+            raise ValueError(f"asynchronous={self.asynchronous!r} must be True or False")
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,8 @@ from colab_par.data.batch import batch_size, batch_to, check_batch
 from colab_par.profiling import recorder
 from colab_par.profiling.steps import ProfileSteps, StepProfiler
 from colab_par.training.options import Checkpoints, Evaluation, Logs, check_positive, grouped_legacy_options
+from colab_par.training.checkpoint import LATEST, load, save, saved_history
+from colab_par.training.checkpoint_async import check_async_supported, save_async, wait_for_saves
 from colab_par.training.live_rows import LiveRows
 from colab_par.training.step_measures import StepMeasures, telemetry_flops_per_token
 
@@ -133,18 +135,25 @@ class Trainer:
         if self.checkpoints is not None and self.checkpoints.on_failure == "restart" and \
                 recovery.resume_requested(self.ckpt_dir):
             self._resume()
+        asynchronous = self.checkpoints is not None and self.checkpoints.asynchronous
+        if asynchronous:
+            check_async_supported(self.pm)  # before any step
         first = len(self.history)
         header = {"total_steps": self.steps, "layout": str(self.pm.layout)}
         try:
             with self._live.fit(self.history, self.step, header, torch.device(self.pm.device)) as sinks:
                 while self.step < stop_at:
-                    sinks.after_step(self.train_step(), self.step >= stop_at)
-                    if self._eval_due():
+                    row = self.train_step()
+                    evaluated = self._eval_due()
+                    if evaluated:
                         self.evaluate()
+                    if self._save_due(stop_at):
+                        self._save_in_fit(row)  # before the row goes out: it carries the save's pause
+                    sinks.after_step(row, self.step >= stop_at)
+                    if evaluated:
                         sinks.refresh()
-                    every = self.checkpoints.every if self.checkpoints is not None else None
-                    if self.checkpoints is not None and ((every and self.step % every == 0) or self.step == stop_at):
-                        self.save_checkpoint()
+            if asynchronous:
+                wait_for_saves()  # an asynchronous save's failure fails the fit
         finally:
             if isinstance(self.data, DataSource):
                 self.data.close()
@@ -287,7 +296,6 @@ class Trainer:
     def _resume(self) -> None:
         """The engines were restarted after one died: go on from the last committed checkpoint,
         or from the start when none was committed before the loss."""
-        from colab_par.training.checkpoint import LATEST
 
         recovery.take_resume_request(self.ckpt_dir)
         if not (Path(self.ckpt_dir) / LATEST).is_file():
@@ -299,14 +307,28 @@ class Trainer:
 
     # ---- checkpoints & history ------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike | None = None) -> None:
-        from colab_par.training.checkpoint import save
         save(self.pm, path or self.ckpt_dir, trainer=self)
+
+    def _save_due(self, stop_at: int) -> bool:
+        """Every `checkpoints.every` steps and at the fit's last step."""
+        every = self.checkpoints.every if self.checkpoints is not None else None
+        return self.checkpoints is not None and ((every and self.step % every == 0) or self.step == stop_at)
+
+    def _save_in_fit(self, row: dict | None) -> None:
+        """Save as `checkpoints` asks. An asynchronous save's logged step carries in its row what
+        the save held the step (`ckpt_pause_s`) and whether the previous save was still in flight
+        (`ckpt_in_flight`); the checkpoint's history has that row as it was when the save began."""
+        if not self.checkpoints.asynchronous:
+            self.save_checkpoint()
+            return
+        started = save_async(self.pm, self.ckpt_dir, trainer=self)
+        if row is not None:
+            row.update(ckpt_pause_s=started.pause_s, ckpt_in_flight=started.waited)
 
     def resume(self, path: str | os.PathLike | None = None) -> dict:
         """Continue from the latest checkpoint under `path` (default `checkpoints.dir`): the model, the
         optimizer, the loop's state and `history` with its evaluation rows, as that checkpoint saved
         them (`checkpoint.load` alone leaves `history` as it is). Returns the checkpoint's metadata."""
-        from colab_par.training.checkpoint import load, saved_history
         path = path or self.ckpt_dir
         if path is None:
             raise ValueError("no checkpoint folder: pass resume(path) or Trainer(..., checkpoints='<folder>')")

@@ -24,6 +24,10 @@ split every activation by batch as well as by hidden: each rank's attention keep
 its batch rows and heads, and a batch the grid's batch split does not divide is padded with copies
 of its last row, dropped from the logits. Refused: stages traced by torch's pipeline() (fixed
 shapes).
+
+Rollouts (`generate_rollout`) draw each row from its own seeded generator instead of the batch's
+one, and under pure data parallel each rank decodes only its share of the rows, alone (no
+chooser, no broadcast), the shares gathered after (`row_shards.py`).
 """
 from __future__ import annotations
 
@@ -42,9 +46,10 @@ from colab_par.models.gpt import GPT, KVCache
 from colab_par.models.hf import decode_keywords, is_hf_model, shifts_labels
 from colab_par.parallel.pipeline.decode import StageChain
 from colab_par.parallel.pipeline.stages import stage_owner
-from colab_par.parallel.inference.sampling import Sampling
+from colab_par.parallel.inference.row_shards import decoded_share, gathered_shares
+from colab_par.parallel.inference.sampling import Sampling, row_generator
 
-__all__ = ["generate", "generate_with_logps", "Generated"]
+__all__ = ["generate", "generate_with_logps", "generate_rollout", "Generated"]
 
 
 @dataclass(frozen=True)
@@ -86,9 +91,22 @@ def generate_with_logps(pm: Any, input_ids: torch.Tensor, max_new_tokens: int, s
     return _generated(pm, input_ids, max_new_tokens, sampling, True, **keywords)
 
 
+def generate_rollout(pm: Any, input_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling,
+                     **keywords: Any) -> Generated:
+    """`generate_with_logps` (the same arguments) for a rollout: row r draws from its own generator
+    (`sampling.row_generator`: seeded with (seed * 1_000_003 + r) mod 2**64), so its completion
+    depends neither on the other rows nor on the layout; greedy decoding is the argmax as ever.
+    Under pure data parallel each rank decodes only its contiguous share of the rows (the rows
+    `Rollout.rows` gives it to train on) with no per-token collective, and one all-gather after
+    gives every rank the whole batch (`row_shards.py`); other layouts decode the whole batch on
+    every rank with the same draws. Every rank returns the same tokens and log-probabilities."""
+    return _generated(pm, input_ids, max_new_tokens, sampling, True, rows_seeded=True, **keywords)
+
+
 def _generated(pm: Any, input_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling, scored: bool, *,
                eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
-               attention_mask: torch.Tensor | None = None, seed: int = 0, use_cache: bool = True) -> Generated:
+               attention_mask: torch.Tensor | None = None, seed: int = 0, use_cache: bool = True,
+               rows_seeded: bool = False) -> Generated:
     decoder, model = _decoder_class(pm), bare_module(pm.model_parts[0])
     vocab, limit = decoder.sizes(model)
     one_prompt = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1
@@ -106,22 +124,41 @@ def _generated(pm: Any, input_ids: torch.Tensor, max_new_tokens: int, sampling: 
     if width > 1 and not use_cache:
         raise ValueError("under sequence parallel only the cached path feeds a multiple of tp tokens per "
                          "forward; use use_cache=True")
+    share = decoded_share(pm, prompts.shape[0]) if rows_seeded else None
+    prompts, mask = prompts.to(pm.device), mask.to(pm.device)
     with training_state_kept(pm), weights_gathered(pm), pm._autocast():
-        chooser = _agreed_chooser(pm, prompts, mask, max_new_tokens, sampling, eos, pad_id, seed, use_cache)
-        generator = torch.Generator(device=pm.device).manual_seed(seed) if sampling.do_sample else None
-        run = _Run(decoder(pm, use_cache), sampling, generator, chooser, eos, pad_id, width, scored)
-        tokens = run(prompts.to(pm.device), mask.to(pm.device), max_new_tokens)
+        chooser = _agreed_chooser(pm, prompts, mask, max_new_tokens, sampling, eos, pad_id, seed, use_cache,
+                                  rows_seeded)
+        mine = share if share is not None else slice(0, prompts.shape[0])
+        run = _Run(decoder(pm, use_cache), sampling, _drawing(sampling, seed, rows_seeded, mine, pm.device),
+                   None if share is not None else chooser, eos, pad_id, width, scored)
+        tokens = run(prompts[mine], mask[mine], max_new_tokens)
         logps = run.logps(tokens.shape[0], tokens.shape[1] - prompts.shape[1])
+        if share is not None:
+            completions, logps = gathered_shares(pm, tokens[:, prompts.shape[1]:], logps, max_new_tokens, pad_id)
+            tokens = torch.cat([prompts, completions], dim=1)
     tokens, logps = tokens.to(input_ids.device), logps.to(input_ids.device)
     return Generated(tokens[0], logps[0]) if one_prompt else Generated(tokens, logps)
 
 
-class _Run:
-    """The decode loop (see the module docstring): prefill, then one token per step."""
+def _drawing(sampling: Sampling, seed: int, rows_seeded: bool, rows: slice,
+             device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """scores -> token ids: one generator seeded `seed` for the batch, or each row's own."""
+    if rows_seeded:
+        generators = ([row_generator(seed, row, device) for row in range(rows.start, rows.stop)]
+                      if sampling.do_sample else [])
+        return lambda scores: sampling.draw_rows(scores, generators)
+    generator = torch.Generator(device=device).manual_seed(seed) if sampling.do_sample else None
+    return lambda scores: sampling.draw(scores, generator)
 
-    def __init__(self, decoder: "_Decoder", sampling: Sampling, generator: torch.Generator | None,
-                 chooser: int, eos: list[int], pad_id: int, width: int, scored: bool):
-        self.decoder, self.sampling, self.generator = decoder, sampling, generator
+
+class _Run:
+    """The decode loop (see the module docstring): prefill, then one token per step. `chooser`:
+    the rank that draws and broadcasts the tokens, or None where this rank decodes its rows alone."""
+
+    def __init__(self, decoder: "_Decoder", sampling: Sampling, draw: Callable[[torch.Tensor], torch.Tensor],
+                 chooser: int | None, eos: list[int], pad_id: int, width: int, scored: bool):
+        self.decoder, self.sampling, self.draw = decoder, sampling, draw
         self.chooser, self.eos, self.pad_id, self.width = chooser, eos, pad_id, width
         self.scored, self.chosen_logps = scored, []
 
@@ -153,22 +190,26 @@ class _Run:
 
     def _choose(self, logits: torch.Tensor | None, batch: int, finished: torch.Tensor,
                 device: torch.device) -> torch.Tensor:
-        if dist.get_rank() == self.chooser:
+        alone = self.chooser is None
+        if alone or dist.get_rank() == self.chooser:
             scores = self.sampling.scores(logits)
-            chosen = self.sampling.draw(scores, self.generator)
+            chosen = self.draw(scores)
             if self.scored:
                 logp = scores.log_softmax(dim=-1).gather(-1, chosen[:, None]).squeeze(-1)
                 self.chosen_logps.append(logp.masked_fill(finished, 0.0))
         else:
             chosen = torch.empty(batch, dtype=torch.int64, device=device)
-        dist.broadcast(chosen, src=self.chooser)
+        if not alone:
+            dist.broadcast(chosen, src=self.chooser)
         return chosen
 
     def logps(self, batch: int, steps: int) -> torch.Tensor:
         """The chosen tokens' log-probabilities (batch, steps), on every rank: one broadcast from the
-        chooser after the loop (an empty tensor when not `scored`)."""
+        chooser after the loop (none when decoding alone; an empty tensor when not `scored`)."""
         if not self.scored:
             return torch.empty(batch, 0)
+        if self.chooser is None:
+            return torch.stack(self.chosen_logps, dim=1)
         device = self.decoder.pm.device
         logps = (torch.stack(self.chosen_logps, dim=1) if dist.get_rank() == self.chooser
                  else torch.empty(batch, steps, dtype=torch.float32, device=device))

@@ -5,7 +5,11 @@ are divided by `temperature`, cut to the `top_k` largest (ties with the k-th kep
 smallest set of most likely tokens whose probability reaches `top_p` (the most likely token always
 stays), and one token per row is drawn from the softmax of what is left with
 ``torch.multinomial(probs, 1, generator=generator)``. The generator is generation's own, seeded from
-its `seed`: the training RNG streams are never drawn from. The log-probability of a drawn token
+its `seed`: the training RNG streams are never drawn from. Rollouts draw row by row instead
+(`draw_rows`): row r of a call seeded s has its own generator (`row_generator`: seeded with
+(s * 1_000_003 + r) mod 2**64, on the device), and each step draws ``torch.multinomial(probs[r:r+1],
+1, generator=its generator)``, so a row's tokens depend neither on the other rows of the batch nor
+on which rank decodes it. The log-probability of a drawn token
 under that distribution is log_softmax(`scores`) at the token (`generate_with_logps`): without
 top_k/top_p cuts the same quantity a training forward computes from logits / temperature.
 """
@@ -16,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Sampling"]
+__all__ = ["Sampling", "row_generator", "ROW_SEED_STRIDE"]
+
+ROW_SEED_STRIDE = 1_000_003  # row r of a call seeded s: seed (s * ROW_SEED_STRIDE + r) mod 2**64
 
 
 @dataclass(frozen=True)
@@ -73,3 +79,17 @@ class Sampling:
         if not self.do_sample:
             return scores.argmax(dim=-1)
         return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+    def draw_rows(self, scores: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+        """(batch,) token ids from `scores`: the argmax, or row i drawn alone with `generators[i]`
+        (module docstring), one multinomial per row."""
+        if not self.do_sample:
+            return scores.argmax(dim=-1)
+        probs = scores.softmax(dim=-1)
+        return torch.cat([torch.multinomial(row[None], 1, generator=generator)[0]
+                          for row, generator in zip(probs, generators)])
+
+
+def row_generator(seed: int, row: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator of row `row` of a rollout seeded `seed` (module docstring)."""
+    return torch.Generator(device=device).manual_seed((seed * ROW_SEED_STRIDE + row) % 2**64)

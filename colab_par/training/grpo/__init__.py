@@ -18,6 +18,12 @@ The loop on a ParallelModel (colocated: the engines that train also generate):
   mismatch.py    the trainer-generator mismatch of the sampled tokens' log-probabilities
   samples.py     a few prompts with their best and worst completions, for the dashboard's table
   prompts.py     PromptRows: lists or Datasets of prompts, drawn seeded and alike on every rank
+
+Generator engines apart from the trainers (each side its own cluster and world; the notebook's
+controller is `colab_par.cluster.generator_engines.Generators`):
+  generators.py  each side's loop: generators sample and score rollouts from weights at most
+                 `max_offpolicy_steps` behind, trainers train on them and send the new weights
+  bridge.py      the point-to-point link between the two worlds (a gloo group over a TCPStore)
 (its rows reach the dashboard, TensorBoard and loggers through `training/live_rows.py`, as the
 Trainer's do)
 """

@@ -38,6 +38,7 @@ from colab_par.models.hf import is_hf_model
 from colab_par.parallel.adapters.model import is_auxiliary_wrapper, is_tuner_layer
 from colab_par.parallel.inference.state import bare_module, training_state_kept
 from colab_par.parallel.pipeline import stage_owner
+from colab_par.training.grpo.mismatch import LogpMismatch, combined, logp_mismatch
 from colab_par.training.grpo.objective import GrpoLoss, grpo_loss
 from colab_par.training.grpo.options import GrpoLossOptions
 from colab_par.training.grpo.rollout import Rollout
@@ -174,7 +175,10 @@ class RolloutLoss:
     dr_grpo are means over equal shares of rows already; dapo's sum over the global token count is
     multiplied by the dp size and the microbatches; bnpo is each rank's own token mean (as TRL's
     bnpo is per process), so a microbatch's sum is divided by the rank's tokens, times the
-    microbatches. `measures()` gives the calls' token measures since it was last asked."""
+    microbatches. `measures()` gives the calls' token measures since it was last asked; while
+    `measuring_mismatch` is set (the first forward, at the weights that sampled), each call also
+    compares its log-probabilities with the rows' sampling ones (`mismatch()`), free of a forward
+    of its own."""
 
     def __init__(self, rows: Rollout, options: GrpoLossOptions, temperature: float, num_items_in_batch: int,
                  dp_size: int, vocab: int, microbatches: int = 1, trailing: int = 0):
@@ -186,6 +190,8 @@ class RolloutLoss:
             self.scale = dp_size * microbatches if options.loss_type == "dapo" else 1
         self.options, self.num_items_in_batch = options, num_items_in_batch
         self._scored: dict[int, GrpoLoss] = {}  # by first row: torch's shape inference scores one twice
+        self.measuring_mismatch = False
+        self._mismatches: dict[int, LogpMismatch] = {}
 
     def __call__(self, outputs: Any, batch: Any) -> torch.Tensor:
         index = batch.get(ROW_INDEX) if isinstance(batch, dict) else None
@@ -195,7 +201,20 @@ class RolloutLoss:
         scored = grpo_loss(logps, old, rows.advantages, rows.mask, self.options, ref_logps=rows.ref_logps,
                            num_items_in_batch=self.num_items_in_batch, logits=scores)
         self._scored[0 if index is None else int(index[0])] = scored
+        if self.measuring_mismatch and rows.sampling_logps is not None:
+            self._mismatches[0 if index is None else int(index[0])] = logp_mismatch(logps, rows.sampling_logps,
+                                                                                    rows.mask)
         return scored.loss * self.scale
+
+    def mismatch(self, empty: Rollout) -> LogpMismatch:
+        """This rank's calls' mismatch since measuring began (none scored here: no tokens, from the
+        shapes of `empty`'s rows)."""
+        mine = combined(list(self._mismatches.values()))
+        self._mismatches.clear()
+        if mine is None:
+            nothing = empty.mask[:0]
+            return logp_mismatch(nothing.float(), nothing.float(), nothing)
+        return mine
 
     def measures(self, device: torch.device) -> torch.Tensor:
         """(each of `TOKEN_MEASURES` times its tokens, summed; the tokens), float64, over the calls
@@ -214,7 +233,8 @@ def _picked(rows: Rollout, index: torch.Tensor) -> Rollout:
     """The rows `index` of what the loss reads of `rows`."""
     return dataclasses.replace(rows, **{name: getattr(rows, name)[index] for name in
                                         ("prompt_ids", "prompt_mask", "completion_ids", "mask", "advantages",
-                                         "old_logps", "ref_logps") if getattr(rows, name) is not None})
+                                         "old_logps", "ref_logps", "sampling_logps")
+                                        if getattr(rows, name) is not None})
 
 
 @contextlib.contextmanager

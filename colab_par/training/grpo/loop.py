@@ -2,8 +2,9 @@
 engine with the same arguments; each step then runs on every rank:
 
 1. the step's `prompts_per_step` prompts (`prompts.py`: seeded, the same on every rank), each
-   repeated `group_size` times, completions sampled by `pm.generate` with seed `seed + step`,
-   scored by the reward functions on every rank, group-relative advantages (`rollout.py`);
+   repeated `group_size` times, completions sampled by `generate_rollout` (each row from its own
+   generator seeded from `seed + step` and the row; under pure data parallel each rank decodes
+   its own rows and they are gathered), scored by the reward functions on every rank, group-relative advantages (`rollout.py`);
 2. this rank's data-parallel share of the rows; with `iterations > 1` the sampling policy's
    log-probabilities once, without gradient (later iterations are off-policy: importance
    ratios); with `loss.beta > 0` the reference's (`reference.py`: with LoRA the base with the
@@ -54,7 +55,7 @@ from colab_par.parallel.inference.state import bare_module
 from colab_par.training.checkpoint import load, save, saved_history
 from colab_par.training.grpo.logprobs import (TOKEN_MEASURES, RolloutLoss, forward_logps,
                                               loss_installed, policy_batch, trailing_positions, vocab_size)
-from colab_par.training.grpo.mismatch import logp_mismatch, mismatch_over_ranks
+from colab_par.training.grpo.mismatch import LogpMismatch, logp_mismatch, mismatch_over_ranks
 from colab_par.training.grpo.objective import completion_mask
 from colab_par.training.grpo.options import GrpoLossOptions
 from colab_par.training.grpo.prompts import PromptDraw, PromptRows
@@ -130,15 +131,21 @@ class GRPO:
         """One rollout and its `iterations` optimizer steps; returns the step's row on log steps."""
         started = time.perf_counter()
         prompts, columns = self.prompts.take(self.step, self.prompts_per_step, self.seed)
-        rollout = self.last_rollout = sample_rollout(self.pm, self.plan, prompts, columns, self.seed + self.step)
-        sampled = time.perf_counter()
+        rollout = sample_rollout(self.pm, self.plan, prompts, columns, self.seed + self.step)
+        return self.step_on(rollout, time.perf_counter() - started)
+
+    def step_on(self, rollout: Rollout, rollout_s: float, **extra: float) -> dict[str, Any] | None:
+        """Train on a sampled `rollout` (`train_on`) and count the step; on log steps its row, with
+        `rollout_s` (what sampling it took) and the `extra` columns (separate generators add theirs)."""
+        self.last_rollout = rollout
+        started = time.perf_counter()
         logged = self.live.logged(self.step + 1, self.steps)
         trained = self.train_on(rollout, measure=logged)
         self.step += 1
         if not logged:
             return None
         row = {"step": self.step, "rank": self.rank, **trained, **_rollout_row(rollout, self.plan.eos),
-               "rollout_s": sampled - started, "train_s": time.perf_counter() - sampled}
+               "rollout_s": rollout_s, "train_s": time.perf_counter() - started, **extra}
         if self.rank == 0:  # the same rollout on every rank: one table is enough
             row[SAMPLES_COLUMN] = rollout_samples(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
                                                   rollout.scores.total, self.plan.group_size, self.plan.eos,
@@ -150,32 +157,39 @@ class GRPO:
         """`iterations` optimizer steps on `rollout` (the whole batch, identical on every rank), its
         missing log-probabilities computed first; the means over the steps of the loss, gradient
         norm and token measures (over every rank's unmasked tokens), and with `measure` the
-        trainer-generator mismatch (which costs a forward when `iterations` is 1)."""
+        trainer-generator mismatch (from the old log-probabilities, else the first step's forward)."""
         pm, temperature = self.pm, self.plan.completions.temperature
         rows = rollout.rows(pm.dp_size, pm.dp_rank).to(pm.device)
         if rows.old_logps is None and self.iterations > 1:
             rows = dataclasses.replace(rows, old_logps=forward_logps(pm, rows, temperature))
-        mismatch = self._mismatch(rows, temperature) if measure and rows.sampling_logps is not None else {}
+        measure = measure and rows.sampling_logps is not None
+        mismatch = self._mismatch(logp_mismatch(rows.old_logps, rows.sampling_logps, rows.mask), ("dp",)) \
+            if measure and rows.old_logps is not None else {}
         if rows.ref_logps is None and self.reference is not None:
             rows = dataclasses.replace(rows, ref_logps=self.reference.logps(pm, rows, temperature))
         microbatches = pm.layout.microbatches if pm.layout.pp > 1 else 1
         loss = RolloutLoss(rows, self.loss, temperature, int(rollout.mask.sum()), pm.dp_size, vocab_size(pm.model),
                            microbatches, trailing_positions(pm, rows))
         steps = []
+        loss.measuring_mismatch = measure and rows.old_logps is None
         with loss_installed(pm, loss):
             for _ in range(self.iterations):
                 value = pm.forward_backward_tensor(policy_batch(pm, rows), local=True)
+                if loss.measuring_mismatch:  # the policy that sampled is the one just scored: only now
+                    mismatch, loss.measuring_mismatch = self._mismatch(loss.mismatch(rows), ("dp", "pp")), False
                 norm = pm.clip_grad_norm_tensor(self.grad_clip or math.inf)
                 pm.optimizer_step()
                 steps.append(_step_measures(loss.measures(value.device), value, norm))
         return {**self._means(torch.stack(steps), has_kl=rows.ref_logps is not None), **mismatch}
 
-    def _mismatch(self, rows: Rollout, temperature: float) -> dict[str, float]:
+    def _mismatch(self, mine: LogpMismatch, dims: tuple[str, ...]) -> dict[str, float]:
         """How far the training forward's log-probabilities of the sampled tokens are from those
-        generation sampled them with, at the same weights (over every rank's rows)."""
-        train_logps = rows.old_logps if rows.old_logps is not None else forward_logps(self.pm, rows, temperature)
-        group = self.pm.mesh["dp"].get_group() if self.pm.dp_size > 1 else None
-        return mismatch_over_ranks(logp_mismatch(train_logps, rows.sampling_logps, rows.mask), group).row()
+        generation sampled them with, at the same weights: `mine` over the ranks of `dims` (the
+        pipeline's too when only its last stage scored)."""
+        for dim in dims:
+            if self.pm.mesh[dim].size() > 1:
+                mine = mismatch_over_ranks(mine, self.pm.mesh[dim].get_group())
+        return mine.row()
 
     # ---- checkpoints ------------------------------------------------------------------------------
     @property

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["LogpMismatch", "logp_mismatch", "mismatch_over_ranks"]
+__all__ = ["LogpMismatch", "logp_mismatch", "mismatch_over_ranks", "combined"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,21 @@ def logp_mismatch(train_logps: torch.Tensor, sampling_logps: torch.Tensor, mask:
         return LogpMismatch(zero, zero, one, one, one, tokens)
     ratio = delta.exp()
     return LogpMismatch(delta.abs().mean(), delta.abs().max(), ratio.mean(), ratio.min(), ratio.max(), tokens)
+
+
+def combined(parts: list[LogpMismatch]) -> LogpMismatch | None:
+    """The measures over the tokens of all `parts` (one rank's microbatches): means weighted by
+    tokens, the extremes of all; None for no parts."""
+    counted = [part for part in parts if int(part.tokens) > 0]
+    if not counted:
+        return parts[0] if parts else None
+    tokens = sum(part.tokens for part in counted)
+    weight = [part.tokens.to(part.logp_difference_mean.dtype) / tokens for part in counted]
+    return LogpMismatch(sum(w * p.logp_difference_mean for w, p in zip(weight, counted)),
+                        torch.stack([p.logp_difference_max for p in counted]).max(),
+                        sum(w * p.importance_ratio_mean for w, p in zip(weight, counted)),
+                        torch.stack([p.importance_ratio_min for p in counted]).min(),
+                        torch.stack([p.importance_ratio_max for p in counted]).max(), tokens)
 
 
 def mismatch_over_ranks(mine: LogpMismatch, group: dist.ProcessGroup | None) -> LogpMismatch:

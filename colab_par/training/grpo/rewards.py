@@ -19,7 +19,7 @@ import torch
 
 from colab_par.training.grpo.advantages import nanstd
 
-__all__ = ["RewardFunction", "RewardFunctionError", "RewardScores", "score_completions"]
+__all__ = ["RewardFunction", "RewardFunctionError", "RewardScores", "score_completions", "function_names"]
 
 RewardFunction = Callable[..., Sequence[Any]]
 
@@ -58,7 +58,7 @@ def score_completions(functions: RewardFunction | Sequence[RewardFunction], prom
     functions = [functions] if callable(functions) else list(functions)
     columns = dict(columns or {})
     _check_batch(functions, prompts, completions, columns, weights)
-    names = _unique_names(functions)
+    names = function_names(functions)
     rewards = [_rewards(function, name, prompts, completions, columns) for function, name in zip(functions, names)]
     per_function = torch.tensor(rewards, dtype=torch.float64).T
     weight = torch.tensor([1.0] * len(functions) if weights is None else list(weights), dtype=torch.float64)
@@ -144,7 +144,7 @@ def _first_failing_row(function: RewardFunction, prompts: Sequence[Any], complet
     return None, None
 
 
-def _unique_names(functions: list[RewardFunction]) -> list[str]:
+def function_names(functions: list[RewardFunction]) -> list[str]:
     """Each function's `__name__` (a partial's function's; else its class's), numbered when two
     share one (two lambdas)."""
     names: list[str] = []

@@ -1,8 +1,10 @@
 """One rollout phase of GRPO on a ParallelModel, the same on every rank: each prompt repeated
-`group_size` times, completions sampled with `pm.generate`'s decoding (seeded, so every rank draws
-the same tokens; `generate_with_logps`, which also keeps each token's sampling log-probability for
-the trainer–generator mismatch, `mismatch.py`), the completion mask, rewards from the user's
-functions and group-relative advantages.
+`group_size` times, completions sampled with `pm.generate`'s decoding (`generate_rollout`: each row
+drawn from its own generator seeded from the step's seed and the row, so the completions do not
+depend on the layout; under pure data parallel each rank decodes only the rows it trains on and the
+rows are gathered after, so every rank holds the whole batch; each token's sampling
+log-probability is kept for the trainer–generator mismatch, `mismatch.py`), the completion mask,
+rewards from the user's functions and group-relative advantages.
 
 Every rank scores every completion itself rather than rank 0 scoring and broadcasting: the
 rewards are then there without a collective, and a reward function that raises raises on every
@@ -21,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from colab_par.parallel.inference.generation import generate_with_logps
+from colab_par.parallel.inference.generation import generate_rollout
 from colab_par.parallel.inference.sampling import Sampling
 from colab_par.training.grpo.advantages import group_advantages
 from colab_par.training.grpo.objective import completion_mask
@@ -116,9 +118,9 @@ def sample_rollout(pm: Any, plan: RolloutPlan, prompts: list[list[int]], columns
     """Completions of `prompts` (`group_size` each, next to each other), scored (module docstring)."""
     repeated = [row for row in prompts for _ in range(plan.group_size)]
     prompt_ids, prompt_mask = left_padded(repeated, plan.pad)
-    generated = generate_with_logps(pm, prompt_ids, plan.max_completion_length, plan.completions.sampling(),
-                                    eos_token_id=plan.eos, pad_token_id=plan.pad,
-                                    attention_mask=prompt_mask.long(), seed=seed)
+    generated = generate_rollout(pm, prompt_ids, plan.max_completion_length, plan.completions.sampling(),
+                                 eos_token_id=plan.eos, pad_token_id=plan.pad,
+                                 attention_mask=prompt_mask.long(), seed=seed)
     completion_ids = generated.tokens[:, prompt_ids.shape[1]:]
     ended = completion_mask(completion_ids, plan.eos)  # what a reward function reads: up to the end token
     decode = plan.completions.decode or (lambda ids: ids)
