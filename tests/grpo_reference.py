@@ -187,20 +187,21 @@ def optimizer_for(kind: str):
     return lambda params: torch.optim.SGD(params, lr=LR)
 
 
-def engine_whole_step(layout: str, state: dict, optimizer: str = "sgd") -> dict:
+def engine_whole_step(layout: str, state: dict, optimizer: str = "sgd", lora: bool = False) -> dict:
     import torch.distributed as dist
 
     from colab_par import parallelize
     from colab_par.training.grpo import GRPO, Completions, GrpoLossOptions
 
     torch.manual_seed(dist.get_rank())  # nothing may depend on a rank's own generator
-    model = gpt()
-    model.load_state_dict(state)
+    model = gpt(lora)
+    (model.get_base_model() if lora else model).load_state_dict(state)
     pm = parallelize(model, layout, optimizer_fn=optimizer_for(optimizer))
     grpo = GRPO(pm, PROMPTS, count_fives, group_size=GROUP, max_completion_length=LENGTH, steps=1,
                 prompts_per_step=PER_STEP, iterations=ITERATIONS, seed=SEED,
                 completions=Completions(temperature=TEMPERATURE, eos_token_id=EOS, pad_token_id=PAD),
-                loss=GrpoLossOptions(loss_type="dapo", epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH))
+                loss=GrpoLossOptions(loss_type="dapo", epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH,
+                                     beta=BETA if lora else 0.0))
     row = grpo.fit()[0]
     return {"row": row, "completions": grpo.last_rollout.completion_ids, "state": pm.full_state_dict()}
 
@@ -231,10 +232,11 @@ def reference_rollout(model, prompts: list[list[int]], seed: int, temperature: f
     return completions, torch.tensor(logps, dtype=torch.float32)
 
 
-def reference_whole_step(optimizer: str = "sgd") -> dict:
+def reference_whole_step(optimizer: str = "sgd", lora: bool = False) -> dict:
     """The step in one process: prompts by the documented shuffle, sampling, rewards, advantages,
-    the sampling policy's log-probabilities, two optimizer steps of the dapo loss."""
-    model = gpt()
+    the sampling policy's log-probabilities, two optimizer steps of the dapo loss (with LoRA plus
+    the KL term to peft's own base without the adapters). `state`: the model's (LoRA: peft's names)."""
+    model = gpt(lora)
     order = torch.randperm(len(PROMPTS), generator=torch.Generator().manual_seed(SEED)).tolist()
     prompts = [PROMPTS[i] for i in order[:PER_STEP] for _ in range(GROUP)]
     completions, _ = reference_rollout(model, prompts, SEED)
@@ -245,10 +247,14 @@ def reference_whole_step(optimizer: str = "sgd") -> dict:
     pairs = list(zip(prompts, completions))
     with torch.no_grad():
         old = [row_logps(model, p, c, TEMPERATURE) for p, c in pairs]
-    step, losses = optimizer_for(optimizer)(model.parameters()), []
+        ref = None
+        if lora:
+            with model.disable_adapter():
+                ref = [row_logps(model, p, c, TEMPERATURE) for p, c in pairs]
+    step, losses = optimizer_for(optimizer)([p for p in model.parameters() if p.requires_grad]), []
     for _ in range(ITERATIONS):
         logps = [row_logps(model, p, c, TEMPERATURE) for p, c in pairs]
-        loss = reference_loss(logps, old, None, advantages.float(), lengths, "dapo")
+        loss = reference_loss(logps, old, ref, advantages.float(), lengths, "dapo", BETA if lora else 0.0)
         loss.backward()
         step.step()
         step.zero_grad()

@@ -8,9 +8,10 @@ per-row seeded sampling (row r's generator seeded (seed * 1_000_003 + r) mod 2**
 1. Fixed prompts (of two lengths: left padding), completions, advantages and old log-probabilities
    far from the policy's (so ratios clip on both sides): the loss and every gradient of one
    optimizer step under dp2 and dp2 zero3, for grpo, bnpo (each rank's own token mean, as TRL's
-   bnpo per process), dr_grpo and dapo; and LoRA with a KL term under dp2 zero3.
+   bnpo per process), dr_grpo and dapo; and each of them with LoRA and a KL term under dp2 zero3.
 2. A whole step, sampling seeded, two iterations (the second off-policy): the same completions,
-   rewards, loss and updated weights as the one-process step.
+   rewards, loss and updated weights as the one-process step, under dp2 with full weights and
+   under dp2 zero3 with LoRA and a KL term to the base.
 """
 from __future__ import annotations
 
@@ -39,13 +40,13 @@ def test_fixed_rollout_loss_and_gradients_equal_one_process(cluster2, layout: st
 def test_fixed_rollout_with_lora_and_kl_to_the_base_equals_one_process(cluster2) -> None:
     batch = fixed_batch()
     state = gpt(lora=True).get_base_model().state_dict()
-    results = cluster2.run(engine_fixed_step, "dp2 zero3", state, fixed_rollout(batch), ["dapo"], True)
-    row, grads = results[0][0]
-    expected_loss, expected_grads = reference_grads(batch, "dapo", lora=True)
-    assert abs(row["loss"] - expected_loss) <= 1e-6 * abs(expected_loss)
-    assert set(grads) == set(expected_grads) and all("lora_" in name for name in grads)
-    assert_close_grads(grads, expected_grads)
-    assert row["kl"] > 1e-3
+    results = cluster2.run(engine_fixed_step, "dp2 zero3", state, fixed_rollout(batch), LOSS_TYPES, True)
+    for loss_type, (row, grads) in zip(LOSS_TYPES, results[0]):
+        expected_loss, expected_grads = reference_grads(batch, loss_type, lora=True)
+        assert abs(row["loss"] - expected_loss) <= 1e-6 * abs(expected_loss), loss_type
+        assert set(grads) == set(expected_grads) and all("lora_" in name for name in grads)
+        assert_close_grads(grads, expected_grads)
+        assert row["kl"] > 1e-3
 
 
 def test_a_whole_sampled_step_under_dp2_equals_one_process(cluster2) -> None:
@@ -62,3 +63,23 @@ def test_a_whole_sampled_step_under_dp2_equals_one_process(cluster2) -> None:
         assert torch.allclose(results[0]["state"][name], value, rtol=1e-6, atol=1e-7), name
     moved = max((results[0]["state"][n] - v).abs().max().item() for n, v in gpt().state_dict().items())
     assert moved > 1e-3  # the step changed the weights, so equal weights mean equal gradients
+
+
+def test_a_whole_sampled_step_under_dp2_zero3_with_lora_equals_one_process(cluster2) -> None:
+    """Sampling from the adapted policy, the KL term to the base with the adapters off, two
+    optimizer steps on the adapters only: the same completions, loss and adapter weights."""
+    results = cluster2.run(engine_whole_step, "dp2 zero3", gpt(lora=True).get_base_model().state_dict(), "sgd", True)
+    expected = reference_whole_step(lora=True)
+    assert torch.equal(results[0]["completions"], results[1]["completions"])
+    assert torch.equal(results[0]["completions"], expected["completions"])
+    row = results[0]["row"]
+    assert row["loss"] == pytest.approx(expected["loss"], rel=1e-6) and row["kl"] > 0
+    adapters = {name.removeprefix("base_model.model."): value for name, value in expected["state"].items()
+                if "lora_" in name}
+    got = {name.removeprefix("base_model.model."): value for name, value in results[0]["state"].items()
+           if "lora_" in name}
+    assert got.keys() == adapters.keys() and adapters
+    for name, value in adapters.items():
+        assert torch.allclose(got[name], value, rtol=1e-6, atol=1e-7), name
+    start = {name.removeprefix("base_model.model."): value for name, value in gpt(True).state_dict().items()}
+    assert max((got[name] - start[name]).abs().max().item() for name in adapters) > 1e-3  # the step moved them

@@ -87,7 +87,7 @@ def stage(pm: Any, path: str | os.PathLike, *, trainer: Any = None, keep: int = 
     will not change them."""
     if keep < 1:
         raise ValueError(f"keep={keep} must be >= 1 (the version just written is always kept)")
-    pages = disk_pages(_local_optimizer(pm))
+    pages = disk_pages(local_optimizer(pm))
     tensors, non_tensors = _savable_state(pm, trainer)
     root, rank = Path(path), _rank()
     token = shared_random_id()
@@ -231,7 +231,7 @@ def load(pm: Any, path: str | os.PathLike, *, trainer: Any = None) -> dict:
     meta = json.loads((version / META).read_text())
     if trainer is not None:
         _check_resumable(meta, trainer, version)
-    pages = disk_pages(_local_optimizer(pm))
+    pages = disk_pages(local_optimizer(pm))
     state = _state(pm, trainer)
     tensors, others = split_state(state)
     reader = TensorOnlyReader(version)
@@ -251,7 +251,7 @@ def load(pm: Any, path: str | os.PathLike, *, trainer: Any = None) -> dict:
     for part in pm.model_parts:
         own = get_model_state_dict(part)
         set_model_state_dict(part, {key: state["model"][key] for key in own})
-    set_optimizer_state_dict(_stages(pm), _local_optimizer(pm), state["optim"], options=_OPTIONS)
+    set_optimizer_state_dict(_stages(pm), local_optimizer(pm), state["optim"], options=_OPTIONS)
     _expose_loaded_settings(pm.optimizer)
     if trainer is not None:
         trainer.load_state_dict(meta["trainer"])
@@ -468,7 +468,7 @@ def _state(pm: Any, trainer: Any = None) -> dict[str, dict]:
     model: dict[str, Any] = {}
     for part in pm.model_parts:
         model.update(get_model_state_dict(part))
-    state = {"model": model, "optim": get_optimizer_state_dict(_stages(pm), _local_optimizer(pm),
+    state = {"model": model, "optim": get_optimizer_state_dict(_stages(pm), local_optimizer(pm),
                                                                options=_OPTIONS)}
     own = getattr(trainer, "checkpoint_tensors", None)
     if own is not None:
@@ -476,7 +476,7 @@ def _state(pm: Any, trainer: Any = None) -> dict[str, dict]:
     return state
 
 
-def _local_optimizer(pm: Any) -> torch.optim.Optimizer:
+def local_optimizer(pm: Any) -> torch.optim.Optimizer:
     """The optimizer holding this rank's state. ZeRO-1 keeps each parameter's state on one rank in
     an inner optimizer over the parameters it owns: every rank saves its own FQNs, and the union
     is the full state, which DCP reshards into any layout."""

@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from colab_par.compat import dtensor_over
 from colab_par.training import checkpoint_background as background
-from colab_par.training.checkpoint import LATEST, CheckpointError, _local_optimizer, commit, stage
+from colab_par.training.checkpoint import LATEST, CheckpointError, local_optimizer, commit, stage
 from colab_par.training.checkpoint_background import wait_for_saves
 from colab_par.training.checkpoint_files import gathered
 from colab_par.training.checkpoint_pages import disk_pages
@@ -67,7 +68,7 @@ def save_async(pm: Any, path: str | os.PathLike, *, trainer: Any = None, keep: i
 
 def check_async_supported(pm: Any) -> None:
     """Refuse, on every rank, a model whose state the memory tiers keep on disk."""
-    on_disk = any(gathered(bool(disk_pages(_local_optimizer(pm)))))
+    on_disk = any(gathered(bool(disk_pages(local_optimizer(pm)))))
     if on_disk:
         raise CheckpointError(
             f"an asynchronous save copies each rank's state to host memory, but this model's layout "
@@ -112,7 +113,7 @@ class _HostCopies:
     def _copied(self, name: tuple[str, str], value: torch.Tensor) -> torch.Tensor:
         if isinstance(value, DTensor):  # the local shard, under the same placements and mesh
             local = self._buffer(name, value.to_local())
-            return DTensor(local, value._spec, requires_grad=False)
+            return dtensor_over(local, value)
         return self._buffer(name, value)
 
     def _buffer(self, name: tuple[str, str], tensor: torch.Tensor) -> torch.Tensor:

@@ -13,11 +13,14 @@ Every wait is bounded by the group's timeout, and a side that fails closes its b
 its peers' pending operations then fail at once ("closed by peer") instead of at the timeout. A
 gloo wait cannot be cut short from its own process (neither `abort` nor `shutdown` wakes it), only
 by its peer's sockets closing, which is why every loop closes its bridge on the way out.
+
+Nothing that crosses is unpickled: small values and each message's description are JSON (numbers,
+strings, lists, dicts), tensors raw bytes with their shape and dtype by name.
 """
 from __future__ import annotations
 
+import json
 import math
-import pickle
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -61,7 +64,8 @@ class BridgeLink:
 
 @dataclass
 class Message:
-    """What travels: small picklable `info` and named tensors (any dtype, on the CPU)."""
+    """What travels: small JSON-able `info` (tuples arrive as lists) and named tensors (any dtype,
+    on the CPU)."""
 
     info: dict[str, Any]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -111,11 +115,11 @@ class Bridge:
 
     # ---- small values through the store ---------------------------------------------------------------
     def put(self, key: str, value: Any) -> None:
-        self._through_store(lambda: self.store.set(key, pickle.dumps(value)), f"publishing {key!r}")
+        self._through_store(lambda: self.store.set(key, json.dumps(value)), f"publishing {key!r}")
 
     def get(self, key: str) -> Any:
         """`key`'s value, waiting (at most the timeout) until another rank `put` it."""
-        return pickle.loads(self._through_store(lambda: self.store.get(key), f"reading {key!r}"))
+        return json.loads(self._through_store(lambda: self.store.get(key), f"reading {key!r}"))
 
     def _through_store(self, operation: Any, what: str) -> Any:
         try:
@@ -128,8 +132,9 @@ class Bridge:
     def post(self, message: Message, dst: int, kind: int, step: int) -> Posted:
         """Start sending `message` to bridge rank `dst` under (`kind`, `step`); returns at once."""
         tensors = {name: t.detach().cpu().contiguous() for name, t in message.tensors.items()}
-        described = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
-        description = torch.frombuffer(bytearray(pickle.dumps((message.info, described))), dtype=torch.uint8)
+        described = [[name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in tensors.items()]
+        encoded = json.dumps({"info": message.info, "tensors": described}).encode()
+        description = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
         body = torch.cat([_padded_bytes(t) for t in tensors.values()]) if tensors else torch.zeros(0, dtype=torch.uint8)
         buffers = [torch.tensor([description.numel(), body.numel()], dtype=torch.int64), description, body]
         base = _tag(kind, step)
@@ -147,13 +152,16 @@ class Bridge:
         description, body = torch.empty(int(header[0]), dtype=torch.uint8), torch.empty(int(header[1]), dtype=torch.uint8)
         self.waited(self.group.recv([description], src, base + 1), what)
         self.waited(self.group.recv([body], src, base + 2), what)
-        info, described = pickle.loads(description.numpy().tobytes())
+        decoded = json.loads(description.numpy().tobytes())
         tensors, offset = {}, 0
-        for name, shape, dtype in described:
+        for name, shape, dtype_name in decoded["tensors"]:
+            dtype = getattr(torch, dtype_name, None)
+            if not isinstance(dtype, torch.dtype):
+                raise BridgeClosed(f"bridge rank {self.rank}, {what}: tensor {name!r} has no dtype {dtype_name!r}")
             size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             tensors[name] = body[offset:offset + size].view(dtype).reshape(shape)
             offset += -(-size // _ALIGN) * _ALIGN
-        return Message(info, tensors)
+        return Message(decoded["info"], tensors)
 
     def waited(self, work: Any, what: str) -> None:
         """`work.wait()`, its failure said as the bridge's: closed by the other side or timed out."""
