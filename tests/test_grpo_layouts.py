@@ -48,7 +48,11 @@ def run_fixed(cluster, layout: str, loss_types: list[str], lora: bool, layers: i
 
 def assert_equals_one_process(batch: dict, loss_type: str, lora: bool, row: dict, grads: dict, layers: int = 2):
     expected_loss, expected_grads = reference_grads(batch, loss_type, lora, ranks=1, layers=layers)
-    assert abs(row["loss"] - expected_loss) <= 1e-6 * abs(expected_loss), (loss_type, row["loss"], expected_loss)
+    # the loss is a mean of per-token terms of the advantages' size (about 1) that largely cancel:
+    # float32 rounds those terms (tp sums each logit's halves in another order), so the bound is
+    # relative to them, not to their small mean (grpo's 0.016 here moved by 3e-8 under avx2)
+    scale = max(abs(expected_loss), batch["advantages"].abs().mean().item())
+    assert abs(row["loss"] - expected_loss) <= 1e-6 * scale, (loss_type, row["loss"], expected_loss)
     assert_close_grads(grads, expected_grads)
     assert row["clip_low"] > 0 and row["clip_high"] > 0
     assert ("kl" in row) == lora and (not lora or row["kl"] > 1e-3)
