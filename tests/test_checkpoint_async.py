@@ -34,6 +34,7 @@ def train(root: str, asynchronous: bool) -> dict:
     trainer.fit()
     return {"losses": [row["loss"] for row in trainer.history],
             "saves": [(row["step"], row["ckpt_in_flight"]) for row in trainer.history if "ckpt_pause_s" in row],
+            "writing": [row["step"] for row in trainer.history if row.get("ckpt_writing")],
             "live": local_state(trainer.pm)}
 
 
@@ -62,6 +63,9 @@ def test_async_saves_train_as_sync_saves_and_write_the_same_checkpoints(cluster2
     roots, results = runs
     assert results["async"][0]["losses"] == results["sync"][0]["losses"]  # bit for bit
     assert [step for step, _ in results["async"][0]["saves"]] == [2, 4, 6]
+    # a save's own row goes out with its write running (a DCP write over gloo takes milliseconds);
+    # the dashboard shows it
+    assert set(results["async"][0]["writing"]) >= {2, 4, 6} and not results["sync"][0]["writing"]
     for step in (4, 6):  # step 4's write ran beside steps 5 and 6
         version = {mode: str(next(Path(root).glob(f"step-{step:08d}-*"))) for mode, root in roots.items()}
         restored = {mode: cluster2.run(loaded, path) for mode, path in version.items()}

@@ -224,6 +224,23 @@ def test_a_compiling_step_says_how_long_and_its_compile_is_left_out_of_the_eta()
     assert "compiled" not in progress_line({0: row(2, 0)}, total_steps=10)
 
 
+def test_asynchronous_saves_get_their_plot_and_the_line_says_a_write_is_in_flight():
+    saves = {2: dict(ckpt_pause_s=0.004, ckpt_writing=True), 3: dict(ckpt_writing=True), 4: dict(ckpt_pause_s=0.006)}
+    dash = LiveDashboard(mode="text", stream=io.StringIO())
+    dash.update([{METRICS_KEY: {"rank": 0, "run": 1, "total_steps": 10}, f"{ROWS_KEY}0": [row(1, 0)]}])
+    assert all("checkpoint" not in plot.title for plot in dash.plots())  # no save yet: no plot
+    dash.update([{METRICS_KEY: {"rank": 0, "run": 1, "total_steps": 10},
+                  f"{ROWS_KEY}0": [row(s, 0, **saves.get(s, {})) for s in range(1, 6)]}])
+    plot = next(plot for plot in dash.plots() if plot.title.startswith("checkpoint pause"))
+    pause, step_time = plot.lines
+    assert list(pause.x) == [2, 4] and list(pause.y) == pytest.approx([4.0, 6.0])  # ms
+    assert list(step_time.x) == [1, 2, 3, 4, 5]
+    assert dash.panels()[-1].title == plot.title  # the PNG picture draws it too
+    assert "checkpoint writing in the background" in progress_line({0: row(3, 0, **saves[3])}, 10)
+    assert "the step paused 4 ms" in progress_line({0: row(2, 0, **saves[2])}, 10)
+    assert "checkpoint" not in progress_line({0: row(5, 0)}, 10)
+
+
 def test_bad_mode_is_refused():
     with pytest.raises(ValueError, match="choose 'auto'"):
         LiveDashboard(mode="html")

@@ -23,6 +23,7 @@ import sys
 import cloudpickle
 import pytest
 import torch
+from grpo_reference import kept, row_logps
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -68,23 +69,12 @@ def fixed_rollout():
 
 
 # ---- the one-process reference ------------------------------------------------------------------------
-def row_logps(model, prompt: list[int], completion: torch.Tensor) -> torch.Tensor:
-    tokens = torch.cat([torch.tensor(prompt), completion])[None]
-    logits = model(tokens)[0, len(prompt) - 1:len(prompt) - 1 + len(completion)].float() / TEMPERATURE
-    return logits.log_softmax(-1).gather(-1, completion[:, None])[:, 0]
-
-
-def kept(completion: torch.Tensor) -> int:
-    ends = (completion == EOS).nonzero()
-    return int(ends[0]) + 1 if len(ends) else len(completion)
-
-
 def one_process_loss(policy, ref: list[torch.Tensor], rollout) -> tuple[torch.Tensor, torch.Tensor]:
     """(dapo with one iteration (ratio 1, its gradient through logp) plus beta * k3, token by token;
     the KL term's share of it)."""
     surrogate, kl, total = [], [], 0
     for prompt, completion, advantage, ref_row in zip(PROMPTS, rollout.completion_ids, rollout.advantages, ref):
-        logps = row_logps(policy, prompt, completion)
+        logps = row_logps(policy, prompt, completion, TEMPERATURE)
         for t in range(kept(completion)):
             ratio = torch.exp(logps[t] - logps[t].detach())
             gap = ref_row[t] - logps[t]
@@ -105,7 +95,7 @@ def frozen_start_logps(lora: bool = False) -> list[torch.Tensor]:
     """The reference in one process: a frozen copy of the starting weights (LoRA: peft's base)."""
     model = gpt(lora)
     with torch.no_grad(), (model.disable_adapter() if lora else contextlib.nullcontext()):
-        return [row_logps(model, p, c) for p, c in zip(PROMPTS, fixed_rollout().completion_ids)]
+        return [row_logps(model, p, c, TEMPERATURE) for p, c in zip(PROMPTS, fixed_rollout().completion_ids)]
 
 
 # ---- engine side ------------------------------------------------------------------------------------
@@ -204,7 +194,7 @@ def test_full_weight_reference_is_the_start_while_the_policy_trains(full_weights
     moved = max((results[0]["trained"][n] - v).abs().max().item() for n, v in gpt().state_dict().items())
     assert moved > 1e-2  # the policy trained away from its reference
     with torch.no_grad():
-        now = [row_logps(trained, p, c) for p, c in zip(PROMPTS, rollout.completion_ids)]
+        now = [row_logps(trained, p, c, TEMPERATURE) for p, c in zip(PROMPTS, rollout.completion_ids)]
     for result in results:
         assert result["is_copy"] and result["unchanged"] and result["frozen"] and result["apart"]
         assert largest_gap(result["ref_logps"], expected) <= 1e-6
@@ -257,7 +247,7 @@ def test_lora_reference_is_the_base_without_adapters(cluster2) -> None:
     results = cluster2.run(engine_lora, "dp2 zero3", state, fixed_rollout())
     expected, adapted_model, rollout = frozen_start_logps(lora=True), gpt(lora=True), fixed_rollout()
     with torch.no_grad():
-        adapted = [row_logps(adapted_model, p, c) for p, c in zip(PROMPTS, rollout.completion_ids)]
+        adapted = [row_logps(adapted_model, p, c, TEMPERATURE) for p, c in zip(PROMPTS, rollout.completion_ids)]
     for result in results:
         assert result["is_base"] and result["nbytes"] == 0
         assert largest_gap(result["ref_logps"], expected) <= 1e-6

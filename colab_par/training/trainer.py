@@ -32,6 +32,7 @@ from colab_par.profiling.steps import ProfileSteps, StepProfiler
 from colab_par.training.options import Checkpoints, Evaluation, Logs, check_positive, grouped_legacy_options
 from colab_par.training.checkpoint import LATEST, load, save, saved_history
 from colab_par.training.checkpoint_async import check_async_supported, save_async, wait_for_saves
+from colab_par.training.checkpoint_background import in_flight as checkpoint_writing
 from colab_par.training.live_rows import LiveRows
 from colab_par.training.step_measures import StepMeasures, telemetry_flops_per_token
 
@@ -149,6 +150,8 @@ class Trainer:
                         self.evaluate()
                     if self._save_due(stop_at):
                         self._save_in_fit(row)  # before the row goes out: it carries the save's pause
+                    if asynchronous and row is not None and checkpoint_writing():
+                        row["ckpt_writing"] = True  # the dashboard shows the save in flight
                     sinks.after_step(row, self.step >= stop_at)
                     if evaluated:
                         sinks.refresh()
@@ -317,7 +320,8 @@ class Trainer:
     def _save_in_fit(self, row: dict | None) -> None:
         """Save as `checkpoints` asks. An asynchronous save's logged step carries in its row what
         the save held the step (`ckpt_pause_s`) and whether the previous save was still in flight
-        (`ckpt_in_flight`); the checkpoint's history has that row as it was when the save began."""
+        (`ckpt_in_flight`); the checkpoint's history has that row as it was when the save began.
+        Every row logged while a write runs in the background says so (`ckpt_writing`)."""
         if not self.checkpoints.asynchronous:
             self.save_checkpoint()
             return

@@ -88,6 +88,11 @@ TIER_PANEL = PanelSpec("state per tier by rank (MiB)", parts=TIER_PARTS, scale=2
                        limit=("mem_tier_budget", "budget per rank"))
 # a GRPO run (rows with a mean `reward`) adds this plot after those (training/grpo)
 REWARD_PANEL = PanelSpec("reward by step", (Curve((("reward", "reward"),), GREEN),))
+# a run saving asynchronously (rows with `ckpt_pause_s`, training/checkpoint_async) adds what each
+# save held the step, beside the step time itself
+SAVE_PANEL = PanelSpec("checkpoint pause of the step (ms)",
+                       (Curve((("ckpt_pause_s", "save pause"),), ORANGE, scale=1e3),
+                        Curve((("step_time", "step time"),), BLUE, scale=1e3)))
 # MoE models add a row per heat map of the latest step's per-expert counts (layer × expert):
 # the heat map of a MoE model's routed tokens (`telemetry.expert_counts`); a dense model's frame has none
 EXPERT_MAP_TITLE = "tokens per expert"
@@ -250,8 +255,12 @@ class LiveDashboard:
         """What a frame shows, plot by plot: the SVG frames and the PNG picture draw these. A MoE
         run adds its heat maps below the curves and bars."""
         latest = self.latest()
-        return ([self._plot(spec, latest) for spec in _panel_specs(latest)]
+        return ([self._plot(spec, latest) for spec in _panel_specs(latest, self._saves())]
                 + [plot for _, plot in self._expert_maps(latest)])
+
+    def _saves(self) -> bool:
+        """Whether any rank has reported an asynchronous save (its pause) so far."""
+        return any("ckpt_pause_s" in columns for columns in self._columns.values())
 
     def _expert_maps(self, latest: dict[int, dict]) -> list[tuple[str, Plot]]:
         """(title, plot) of the layer × expert heat map of the newest step's routed tokens, from the
@@ -303,7 +312,8 @@ class LiveDashboard:
         plots = self.plots()
         boxes = self._picture.boxes(plots, _frame_inches(plots))
         latest = self.latest()
-        specs = [(_default_title(spec), spec.colours, bool(spec.parts), False) for spec in _panel_specs(latest)]
+        specs = [(_default_title(spec), spec.colours, bool(spec.parts), False)
+                 for spec in _panel_specs(latest, self._saves())]
         specs += [(title, HEAT_COLOURS, False, True) for title, _ in self._expert_maps(latest)]
         return [Panel(title, box, colours, bars, heat) for (title, colours, bars, heat), box in zip(specs, boxes)]
 
@@ -396,12 +406,12 @@ def _frame_inches(plots: list[Plot]) -> tuple[float, float]:
     return FRAME_INCHES[0], FRAME_INCHES[1] + ROW_INCHES * (rows - len(PANELS) // COLUMNS)
 
 
-def _panel_specs(latest: dict[int, dict]) -> tuple[PanelSpec, ...]:
-    """PANELS, the tiers plot when a rank's newest row reports memory tiers, and the reward plot
-    when it reports a reward."""
+def _panel_specs(latest: dict[int, dict], saves: bool) -> tuple[PanelSpec, ...]:
+    """PANELS, the tiers plot when a rank's newest row reports memory tiers, the reward plot when
+    it reports a reward, and the save plot once a row has reported an asynchronous save."""
     tiers = any(row.get("mem_tier_device") is not None for row in latest.values())
     rewards = any(row.get("reward") is not None for row in latest.values())
-    return PANELS + (TIER_PANEL,) * tiers + (REWARD_PANEL,) * rewards
+    return PANELS + (TIER_PANEL,) * tiers + (REWARD_PANEL,) * rewards + (SAVE_PANEL,) * saves
 
 
 def _default_title(spec: PanelSpec) -> str:
@@ -443,6 +453,10 @@ def progress_line(latest: dict[int, dict], total_steps: int) -> str:
         parts.append(f"bubble {100 * row['bubble']:.0f}%")
     if row.get("compile_s"):
         parts.append(f"compiled in {row['compile_s']:.1f} s")
+    if row.get("ckpt_pause_s") is not None:
+        parts.append(f"saved, the step paused {1e3 * row['ckpt_pause_s']:.0f} ms")
+    if row.get("ckpt_writing"):
+        parts.append("checkpoint writing in the background")
     if total_steps and row.get("step_time") and step < total_steps:
         seconds = int(round((row["step_time"] - row.get("compile_s", 0.0)) * (total_steps - step)))
         parts.append(f"ETA {seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}")
