@@ -47,7 +47,7 @@ from colab_par.training.checkpoint_ties import read_through_aliases, tied_source
 from colab_par.training.checkpoint_pages import PagedLoadPlanner, PagedSavePlanner, disk_pages, drop_pages
 from colab_par.parallel.pipeline.stages import stages_as_one
 
-__all__ = ["save", "stage", "commit", "StagedSave", "load", "relayout", "latest_checkpoint", "saved_history", "CheckpointError"]
+__all__ = ["save", "stage", "commit", "StagedSave", "load", "rank_state", "install_state", "relayout", "latest_checkpoint", "saved_history", "CheckpointError"]
 
 META = "meta.json"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -148,7 +148,7 @@ def _savable_state(pm: Any, trainer: Any) -> tuple[dict[str, dict], dict[str, An
     """This rank's tensors (for DCP) and every rank's non-tensor values as JSON (ZeRO-1 and pipeline
     ranks each hold some parameters' optimizer settings). A value JSON cannot hold exactly is
     refused on every rank, naming it, before any folder is made."""
-    tensors, others = split_state(_state(pm, trainer))
+    tensors, others = split_state(rank_state(pm, trainer))
     gathered = _gathered(to_json(others))
     refused = _unique(name for _, names in gathered for name in names)
     if refused:
@@ -232,7 +232,7 @@ def load(pm: Any, path: str | os.PathLike, *, trainer: Any = None) -> dict:
     if trainer is not None:
         _check_resumable(meta, trainer, version)
     pages = disk_pages(local_optimizer(pm))
-    state = _state(pm, trainer)
+    state = rank_state(pm, trainer)
     tensors, others = split_state(state)
     reader = TensorOnlyReader(version)
     saved_others, metadata = _saved_non_tensors(version), reader.read_metadata()
@@ -248,11 +248,7 @@ def load(pm: Any, path: str | os.PathLike, *, trainer: Any = None) -> dict:
     for name in others:
         part, key = name.split(".", 1)
         state[part][key] = from_json(saved_others[sources.get(name, name)], name)
-    for part in pm.model_parts:
-        own = get_model_state_dict(part)
-        set_model_state_dict(part, {key: state["model"][key] for key in own})
-    set_optimizer_state_dict(_stages(pm), local_optimizer(pm), state["optim"], options=_OPTIONS)
-    _expose_loaded_settings(pm.optimizer)
+    install_state(pm, state)
     if trainer is not None:
         trainer.load_state_dict(meta["trainer"])
     rng_file = version / f"rng-rank{_rank()}.json"
@@ -460,7 +456,7 @@ def _default_factory(pm: Any) -> Callable[[], torch.nn.Module]:
 
 
 # ---- model and optimizer state ---------------------------------------------------------------------
-def _state(pm: Any, trainer: Any = None) -> dict[str, dict]:
+def rank_state(pm: Any, trainer: Any = None) -> dict[str, dict]:
     """{"model": ..., "optim": ...} with DCP-style flat names; mostly tensors, plus the optimizer's
     hyper-parameters (`checkpoint_format.split_state` separates them). A loop with tensors of its
     own (GRPO's frozen reference weights) adds them as more parts by `checkpoint_tensors(pm)`:
@@ -474,6 +470,16 @@ def _state(pm: Any, trainer: Any = None) -> dict[str, dict]:
     if own is not None:
         state.update(own(pm))
     return state
+
+
+def install_state(pm: Any, state: dict[str, dict]) -> None:
+    """Set `state` (`rank_state`'s dict, its tensors filled in place and its values replaced) into
+    this rank's model parts and optimizer."""
+    for part in pm.model_parts:
+        own = get_model_state_dict(part)
+        set_model_state_dict(part, {key: state["model"][key] for key in own})
+    set_optimizer_state_dict(_stages(pm), local_optimizer(pm), state["optim"], options=_OPTIONS)
+    _expose_loaded_settings(pm.optimizer)
 
 
 def local_optimizer(pm: Any) -> torch.optim.Optimizer:

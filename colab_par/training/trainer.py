@@ -30,10 +30,11 @@ from colab_par.data.batch import batch_size, batch_to, check_batch
 from colab_par.profiling import recorder
 from colab_par.profiling.steps import ProfileSteps, StepProfiler
 from colab_par.training.options import Checkpoints, Evaluation, Logs, check_positive, grouped_legacy_options
-from colab_par.training.checkpoint import LATEST, load, save, saved_history
+from colab_par.training.checkpoint import LATEST, CheckpointError, load, save, saved_history
 from colab_par.training.checkpoint_async import check_async_supported, save_async, wait_for_saves
 from colab_par.training.checkpoint_background import in_flight as checkpoint_writing
 from colab_par.training.live_rows import LiveRows
+from colab_par.training.resilience.keeper import Keeper
 from colab_par.training.step_measures import StepMeasures, telemetry_flops_per_token
 
 __all__ = ["Trainer", "WarmupCosine", "Evaluation", "Checkpoints", "Logs", "telemetry_flops_per_token"]
@@ -122,7 +123,9 @@ class Trainer:
         self._measures = StepMeasures(pm, data.seq_len if isinstance(data, TokenDataset) else None, grad_accum,
                                       logs.telemetry)
         self._compile_s = 0.0  # torch.compile's seconds since the last row (layout "compile")
+        self._keeper = None  # what this engine keeps in memory to recover a lost peer (training/resilience)
         if checkpoints is not None and checkpoints.on_failure == "restart":
+            self._keeper = Keeper(checkpoints.dir, checkpoints.snapshot_every)
             self._announce_recovery()
 
     @property
@@ -144,7 +147,10 @@ class Trainer:
         try:
             with self._live.fit(self.history, self.step, header, torch.device(self.pm.device)) as sinks:
                 while self.step < stop_at:
+                    began = time.perf_counter()
                     row = self.train_step()
+                    if self._keeper is not None:
+                        self._keeper.step_done(self, time.perf_counter() - began)
                     evaluated = self._eval_due()
                     if evaluated:
                         self.evaluate()
@@ -199,6 +205,8 @@ class Trainer:
             with clock.phase("clip"):
                 grad_norm = pm.clip_grad_norm_tensor(self.grad_clip if self.grad_clip else math.inf)
         grads = telem.grad_bytes(pm) if measure else 0
+        if self._keeper is not None:
+            self._keeper.step_begins()  # from here to the step's row this rank is no peer's source
         with clock.phase("optimizer"):
             pm.optimizer_step()
         clock.stop()
@@ -301,6 +309,14 @@ class Trainer:
         or from the start when none was committed before the loss."""
 
         recovery.take_resume_request(self.ckpt_dir)
+        try:  # an asynchronous save the lost engine took part in cannot commit any more
+            wait_for_saves()
+        except CheckpointError as error:
+            print(f"colab_par: {error}")
+        from_memory = self._keeper.recover(self)
+        if from_memory is not None:
+            print(f"colab_par: {from_memory}")
+            return
         if not (Path(self.ckpt_dir) / LATEST).is_file():
             print("colab_par: no checkpoint was committed before the engine was lost; training "
                   "again from step 0")

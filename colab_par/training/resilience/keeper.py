@@ -1,0 +1,57 @@
+"""The Trainer's side of in-memory recovery: mark each whole step, take snapshots when due, and
+recover from what the engines keep before a disk checkpoint is read."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from colab_par.training.resilience import memory, peers
+from colab_par.training.resilience.rank_copy import loop_state
+from colab_par.training.resilience.recover import recover
+
+__all__ = ["Keeper"]
+
+
+class Keeper:
+    """For a Trainer with `Checkpoints(on_failure="restart")`. `snapshot_every`: None (live replicas
+    only), K steps, or "auto": K from the measured cost of a snapshot and of a step, so that
+    snapshots take at most `memory.SNAPSHOT_BUDGET` of the time."""
+
+    def __init__(self, run: Any, snapshot_every: int | str | None):
+        self.run, self.snapshot_every = str(run), snapshot_every
+        self.kept = memory.kept_for(self.run)
+        self._every = snapshot_every if isinstance(snapshot_every, int) else 1
+        self._last: int | None = None  # the step of the newest snapshot ("auto")
+        self._stride_known = False
+
+    def step_begins(self) -> None:
+        """Just before the optimizer step: this rank's state is in flux until `step_done`."""
+        self.kept.live = None
+
+    def step_done(self, trainer: Any, step_seconds: float) -> None:
+        """The step's row is recorded: this rank's state is whole at `trainer.step`."""
+        self.kept.live, self.kept.live_loop = trainer, loop_state(trainer.pm, trainer)
+        if not self._due(trainer.step):
+            return
+        if not self._stride_known:
+            self.kept.stride, self._stride_known = memory.buddy_stride(peers.host_group()), True
+        seconds = memory.take_snapshot(self.kept, trainer.pm, trainer)
+        self._last = trainer.step
+        if self.snapshot_every == "auto":
+            self._every = max(1, math.ceil(seconds / (memory.SNAPSHOT_BUDGET * max(step_seconds, 1e-9))))
+
+    def _due(self, step: int) -> bool:
+        """Every K-th step; under "auto" the first step, then K steps after the last snapshot."""
+        if self.snapshot_every is None:
+            return False
+        if self.snapshot_every != "auto":
+            return step % self._every == 0
+        return self._last is None or step - self._last >= self._every
+
+    @property
+    def every(self) -> int:
+        """The snapshot cadence in steps (measured under "auto")."""
+        return self._every
+
+    def recover(self, trainer: Any) -> str | None:
+        return recover(trainer)

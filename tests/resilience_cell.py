@@ -1,0 +1,93 @@
+"""The training cell the resilience tests run on real engines, with kills injected where a test says.
+
+A kills file holds the kills still to come, in order: [rank, where, step] with `where` one of
+"forward" (in the step's forward: mid-step), "optimizer" (before the optimizer step: after the
+gradients were reduced), "snapshot" (while the in-memory snapshot's bytes are in flight) and
+"async save" (in the background write of an asynchronous save). The rank that meets the first one
+removes it and SIGKILLs itself. Rank 0 writes every logged step's loss to a file, and each
+engine that runs the cell its pid."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CELL = r'''
+import json, os, signal, time
+import colab_par
+import colab_par.training.checkpoint_async as checkpoint_async
+import colab_par.training.resilience.peers as peers
+from colab_par.data import SyntheticDataset
+from colab_par.models import GPT
+from colab_par.training.options import Checkpoints, Logs
+
+with open(CKPT + ".pids", "a") as handle:
+    handle.write(f"{os.getpid()}\n")
+
+def die_if(where, step):
+    pending = json.loads(open(KILLS).read())
+    if pending and pending[0] == [rank, where, step]:
+        with open(KILLS + ".next", "w") as handle:
+            handle.write(json.dumps(pending[1:]))
+        os.replace(KILLS + ".next", KILLS)
+        with open(CKPT + ".killed_at", "w") as handle:
+            handle.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+cell_began = time.time()
+def first_forward_after_a_kill(*_):  # when training runs again (benchmarks/resilience.py)
+    killed_at = CKPT + ".killed_at"
+    if os.path.exists(killed_at) and float(open(killed_at).read()) < cell_began and not os.path.exists(CKPT + ".again_at"):
+        with open(CKPT + ".again_at", "w") as handle:
+            handle.write(repr(time.time()))
+
+swap = getattr(peers, "undying_swap", peers._swap)  # the cell may run several times
+peers.undying_swap = swap
+def swap_that_may_die(outgoing, to, incoming, source, group, tag):
+    if tag == 73:  # the snapshot's bytes
+        die_if("snapshot", trainer.step)
+    return swap(outgoing, to, incoming, source, group, tag)
+peers._swap = swap_that_may_die
+
+commit = getattr(checkpoint_async, "undying_commit", checkpoint_async.commit)
+checkpoint_async.undying_commit = commit
+def commit_that_may_die(staged, group):
+    die_if("async save", staged.step)
+    return commit(staged, group)
+checkpoint_async.commit = commit_that_may_die
+
+model = GPT(config)
+model.layers["0"].register_forward_pre_hook(lambda *_: die_if("forward", trainer.step + 1))
+model.register_forward_pre_hook(first_forward_after_a_kill)
+pm = colab_par.parallelize(model, LAYOUT)
+pm.optimizer.register_step_pre_hook(lambda *_: die_if("optimizer", trainer.step + 1))
+trainer = colab_par.Trainer(pm, SyntheticDataset(vocab_size=config.vocab_size, seq_len=config.seq_len, batch_size=BATCH),
+                            steps=STEPS,
+                            checkpoints=Checkpoints(CKPT, every=EVERY, on_failure="restart", max_restarts=MAX_RESTARTS,
+                                                    asynchronous=ASYNC, snapshot_every=SNAPSHOT),
+                            logs=Logs(telemetry=False))
+started = time.perf_counter()
+trainer.fit()
+if rank == 0:
+    with open(CKPT + ".losses", "w") as handle:
+        handle.write(json.dumps([row["loss"] for row in trainer.history]))
+    with open(CKPT + ".seconds", "w") as handle:
+        handle.write(repr(time.perf_counter() - started))
+'''
+
+
+def run_cell(cluster, folder: Path, name: str, kills: list, *, layout: str, steps: int = 8, every: int = 4,
+             snapshot_every=None, asynchronous: bool = False, batch: int = 4,
+             max_restarts: int = 3, model=None) -> tuple[list[float], set[int]]:
+    """(rank 0's loss at every step, the pid of every engine that ran the cell); the notebook's
+    messages go to the test's capsys. `model`: a GPTConfig (default a 2-layer GPT of width 32)."""
+    from colab_par.models import GPTConfig
+
+    kills_file, ckpt = folder / f"{name}.kills", folder / name
+    kills_file.write_text(json.dumps(kills))
+    config = model or GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, kernels="torch")
+    cluster.execute(CELL, namespace=dict(config=config, CKPT=str(ckpt), KILLS=str(kills_file), LAYOUT=layout,
+                                         STEPS=steps, EVERY=every, SNAPSHOT=snapshot_every, ASYNC=asynchronous,
+                                         BATCH=batch, MAX_RESTARTS=max_restarts))
+    assert json.loads(kills_file.read_text()) == [], "a kill was never reached"
+    pids = {int(line) for line in Path(f"{ckpt}.pids").read_text().split()}
+    return json.loads(Path(f"{ckpt}.losses").read_text()), pids

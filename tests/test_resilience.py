@@ -1,0 +1,120 @@
+"""In-memory recovery on a real 2-engine cluster (training/resilience): a SIGKILLed engine of
+`dp2 zero3` or `tp2` comes back from its buddy's in-memory snapshot, losing only the steps since
+(named); a kill while the snapshot's bytes are in flight leaves every rank the snapshot before; a
+kill during an asynchronous save leaves the previous checkpoint loadable and the next save commits.
+Each run ends with every step's loss equal to an uninterrupted run's (same global batches)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from colab_par import Cluster
+from colab_par.training.options import Checkpoints
+from resilience_cell import run_cell
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster(n=2, backend="gloo", timeout=120.0, dashboard=False) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, tmp_path_factory):
+    """Each layout's losses without a kill (the engines seeded afresh first)."""
+    folder, losses = tmp_path_factory.mktemp("reference"), {}
+
+    def of(layout: str) -> list[float]:
+        if layout not in losses:
+            cluster.restart()
+            losses[layout] = run_cell(cluster, folder, layout.replace(" ", "-"), [], layout=layout)[0]
+        return losses[layout]
+    return of
+
+
+def killed_run(cluster, tmp_path, capsys, kills, **options) -> tuple[list[float], str]:
+    cluster.restart()
+    generation = cluster.generation
+    losses, _ = run_cell(cluster, tmp_path, "killed", kills, **options)
+    assert cluster.generation == generation  # the dead engine alone was replaced
+    return losses, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("layout, kill, said", [
+    # killed in step 8's forward: step 7 was done after the snapshot of step 6
+    ("dp2 zero3", [1, "forward", 8], "resumed at step 6 from in-memory snapshots (ranks 1<-0), "
+                                     "1 step(s) lost: 7..7, trained again"),
+    # rank 0 killed before its optimizer step 6; rank 1 finished step 6, then its snapshot failed
+    ("tp2", [0, "optimizer", 6], "resumed at step 4 from in-memory snapshots (ranks 0<-1), "
+                                 "2 step(s) lost: 5..6, trained again"),
+])
+def test_a_lost_shard_comes_back_from_its_buddys_snapshot(cluster, tmp_path, capsys, uninterrupted, layout, kill,
+                                                          said) -> None:
+    losses, out = killed_run(cluster, tmp_path, capsys, [kill], layout=layout, snapshot_every=2)
+    assert said in out, out
+    assert losses == pytest.approx(uninterrupted(layout), rel=1e-6) and len(losses) == 8
+
+
+def test_a_kill_while_the_snapshot_is_copied_leaves_the_one_before(cluster, tmp_path, capsys, uninterrupted) -> None:
+    losses, out = killed_run(cluster, tmp_path, capsys, [[1, "snapshot", 4]], layout="dp2 zero3", snapshot_every=2)
+    assert "resumed at step 2 from in-memory snapshots (ranks 1<-0), 2 step(s) lost: 3..4" in out, out
+    assert losses == pytest.approx(uninterrupted("dp2 zero3"), rel=1e-6)
+
+
+def test_a_kill_during_an_asynchronous_save_keeps_the_previous_checkpoint(cluster, tmp_path, capsys,
+                                                                          uninterrupted) -> None:
+    losses, out = killed_run(cluster, tmp_path, capsys, [[1, "async save", 4]], layout="dp2 zero3", every=2,
+                             asynchronous=True)
+    assert "resumed from the checkpoint of step 2" in out, out  # step 4's write never committed
+    assert losses == pytest.approx(uninterrupted("dp2 zero3"), rel=1e-6)
+    root = tmp_path / "killed"
+    committed = sorted(path.name for path in root.glob("step-*"))
+    assert re.fullmatch(r"step-00000008-\w+", (root / "LATEST").read_text().strip())  # later saves committed
+    assert [name[:13] for name in committed] == ["step-00000006", "step-00000008"]  # the newest two kept
+    assert not list(root.glob(".tmp-*"))  # no staging left behind
+
+
+def test_snapshot_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="snapshot_every= keeps state for recovery: pass on_failure='restart'"):
+        Checkpoints("somewhere", every=2, snapshot_every=2)
+    with pytest.raises(ValueError, match=r"snapshot_every=0 must be a positive integer \(steps\) or 'auto'"):
+        Checkpoints("somewhere", every=2, on_failure="restart", snapshot_every=0)
+    assert Checkpoints("somewhere", every=2, on_failure="restart", snapshot_every="auto").snapshot_every == "auto"
+
+
+def test_plans_from_what_each_rank_keeps() -> None:
+    from colab_par.training.resilience.recover import replica_plan, snapshot_plan
+
+    # rows: [live step, own snapshots x2, held snapshots x2, replica key]; rank 1 is the new engine
+    dp4 = [[5, -1, -1, -1, -1, 0], [-1, -1, -1, -1, -1, 0], [6, -1, -1, -1, -1, 0], [6, -1, -1, -1, -1, 0]]
+    assert replica_plan(dp4) == (6, {0: 2, 1: 2, 2: 2, 3: 3})  # the newest step; rank 0 behind takes it too
+    dp2_tp2 = [[4, -1, -1, -1, -1, 0], [4, -1, -1, -1, -1, 1], [4, -1, -1, -1, -1, 0], [-1, -1, -1, -1, -1, 1]]
+    assert replica_plan(dp2_tp2) == (4, {0: 0, 2: 2, 1: 1, 3: 1})  # a peer in the same tp place
+    assert replica_plan([[4, -1, -1, -1, -1, 0], [-1, -1, -1, -1, -1, 1]]) is None  # tp2: no peer holds rank 1's
+    assert replica_plan([[4, -1, -1, -1, -1, -1], [-1, -1, -1, -1, -1, -1]]) is None  # zero3: peers differ
+    # snapshots every 2 steps, stride 1: rank r's copy is held by rank r + 1
+    ring = [[7, 6, 4, 6, 4, -1], [-1, -1, -1, -1, -1, -1], [7, 6, 4, 6, 4, -1], [7, 6, 4, 4, -1, -1]]
+    assert snapshot_plan(ring, 1) == (6, {0: 0, 1: 2, 2: 2, 3: 3})
+    ring[2][3:5] = [4, -1]  # rank 2 never received rank 1's newest copy
+    assert snapshot_plan(ring, 1) == (4, {0: 0, 1: 2, 2: 2, 3: 3})
+    ring[2] = [-1] * 6  # two neighbours lost: rank 1's copy died with rank 2
+    assert snapshot_plan(ring, 1) is None
+
+
+def test_a_copy_crosses_as_json_and_bytes_whatever_its_dtypes() -> None:
+    import torch
+
+    from colab_par.training.resilience.rank_copy import RankCopy, from_bytes, to_bytes
+
+    tensors = {"optim.step": torch.tensor(3.0), "model.mask": torch.tensor([True, False, True]),
+               "model.w": torch.randn(3, 5), "model.h": torch.randn(7, dtype=torch.bfloat16),
+               "optim.count": torch.arange(5, dtype=torch.int64)}  # unaligned offsets after the bools
+    copy = RankCopy(3, "dp2 zero3", 2, tensors, {"trainer": {"step": 3}, "history": [{"loss": 1.5}]})
+    header, payload = to_bytes(copy)
+    assert isinstance(header, bytes) and payload.dtype == torch.uint8
+    back = from_bytes(header, payload)
+    assert (back.step, back.layout, back.world_size, back.values) == (3, "dp2 zero3", 2, copy.values)
+    assert back.tensors.keys() == tensors.keys()
+    assert all(torch.equal(back.tensors[name], tensor) and back.tensors[name].dtype == tensor.dtype
+               for name, tensor in tensors.items())
