@@ -27,6 +27,8 @@ _EXPORTS = {
     "ParallelModel": "colab_par.parallel",
     "plan": "colab_par.planning.planner",
     "Plan": "colab_par.planning.planner",
+    "verify": "colab_par.planning.dry_run.verify",
+    "Verification": "colab_par.planning.dry_run.verify",
     "LayoutPicker": "colab_par.notebook.picker",
     "Trainer": "colab_par.training.trainer",
     "Evaluation": "colab_par.training.options",

@@ -73,8 +73,8 @@ class Execution:
                 how = ("restarted every engine" if self.state.generation != generation else
                        "replaced its engine (the other ranks kept theirs)")
                 print(f"colab_par: rank(s) {ranks_text(dead)} died during the cell; {how}; running "
-                      f"the cell again, resuming from the last checkpoint in {policy['ckpt_dir']} "
-                      f"(restart {len(attempts)} of {policy['max_restarts']})", file=sys.stderr)
+                      f"the cell again, resuming from the engines' memory or the last checkpoint in "
+                      f"{policy['ckpt_dir']} (restart {len(attempts)} of {policy['max_restarts']})", file=sys.stderr)
                 self.run(recovery.request_resume, policy["ckpt_dir"])
                 namespace = fresh_namespace() if fresh_namespace is not None else namespace
 
