@@ -160,7 +160,7 @@ def save_then_plant(layout: str, root: str, marker: str) -> None:
 
     pm = build_trainer(layout, STEPS).pm
     version = save(pm, root)
-    state = checkpoint._state(pm)
+    state = checkpoint.rank_state(pm)
     for key in state["optim"]:
         if key.startswith("param_groups.") and key.endswith(".lr"):
             state["optim"][key] = _Boom(f"touch {marker}")

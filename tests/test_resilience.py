@@ -56,6 +56,15 @@ def test_a_lost_shard_comes_back_from_its_buddys_snapshot(cluster, tmp_path, cap
     assert losses == pytest.approx(uninterrupted(layout), rel=1e-6) and len(losses) == 8
 
 
+def test_snapshots_at_a_measured_cadence_bring_a_lost_rank_back(cluster, tmp_path, capsys, uninterrupted) -> None:
+    """snapshot_every="auto": the first after step 1, then every K steps, K the largest any rank
+    measured to keep snapshots within 3 % of its step (the ranks must agree, or they deadlock)."""
+    losses, out = killed_run(cluster, tmp_path, capsys, [[1, "forward", 6]], layout="dp2 zero3",
+                             snapshot_every="auto")
+    assert re.search(r"resumed at step [1-5] from in-memory snapshots \(ranks 1<-0\)", out), out
+    assert losses == pytest.approx(uninterrupted("dp2 zero3"), rel=1e-6)
+
+
 def test_a_kill_while_the_snapshot_is_copied_leaves_the_one_before(cluster, tmp_path, capsys, uninterrupted) -> None:
     losses, out = killed_run(cluster, tmp_path, capsys, [[1, "snapshot", 4]], layout="dp2 zero3", snapshot_every=2)
     assert "resumed at step 2 from in-memory snapshots (ranks 1<-0), 2 step(s) lost: 3..4" in out, out

@@ -83,8 +83,8 @@ class StagedSave:
 def stage(pm: Any, path: str | os.PathLike, *, trainer: Any = None, keep: int = 2,
           to_host: Callable[[dict], dict] | None = None) -> StagedSave:
     """The first half of a save, collective on the default group: gather the state, refuse what
-    JSON cannot hold, make the staging folder, and (`to_host`) copy the tensors where training
-    will not change them."""
+    JSON cannot hold, and (`to_host`) copy the tensors where training will not change them. The
+    staging folder is made by `commit` (off the training thread when the save is asynchronous)."""
     if keep < 1:
         raise ValueError(f"keep={keep} must be >= 1 (the version just written is always kept)")
     pages = disk_pages(local_optimizer(pm))
@@ -100,18 +100,19 @@ def stage(pm: Any, path: str | os.PathLike, *, trainer: Any = None, keep: int = 
         files[META] = {"format": FORMAT, "layout": str(pm.layout), "world_size": _world(), "step": step,
                        "trainer": trainer.state_dict() if trainer is not None else None}
     staging = root / f".tmp-{token:016x}"
-    _make_staging(root, staging)
     if to_host is not None:
         tensors = to_host(tensors)
     return StagedSave(tensors, files, pages, root, staging, root / f"step-{step:08d}-{token:016x}", step, keep)
 
 
 def commit(staged: StagedSave, group: Any = None) -> Path:
-    """The second half, collective on `group` (default: the default group): write through DCP,
+    """The second half, collective on `group` (default: the default group): make the staging
+    folder every rank must see, write through DCP,
     record every file's digest in the commit marker, rename the folder into place, point LATEST
     at it, prune. A failure on any rank is raised on every rank (no rank waits at a barrier for
     one that gave up); the previous version stays the latest."""
     staging, final, rank = staged.staging, staged.final, _rank()
+    _make_staging(staged.root, staging, group)
     dcp.save(staged.tensors, checkpoint_id=str(staging), planner=PagedSavePlanner(staged.pages),
              process_group=group)
     drop_pages(staged.pages)
@@ -163,7 +164,7 @@ def _savable_state(pm: Any, trainer: Any) -> tuple[dict[str, dict], dict[str, An
     return tensors, merged
 
 
-def _make_staging(root: Path, staging: Path) -> None:
+def _make_staging(root: Path, staging: Path, group: Any = None) -> None:
     """Rank 0 makes the staging folder and every rank must then see it. Rank 0's failure to make it
     (no permission, a file in the way, a full disk) is every rank's error, so no rank waits for it
     at a barrier; a folder local to one host would otherwise fail deep inside DCP on the others."""
@@ -174,11 +175,11 @@ def _make_staging(root: Path, staging: Path) -> None:
             staging.mkdir()
         except OSError as error:
             failure = f"{type(error).__name__}: {error}"
-    failure = _gathered(failure)[0]
+    failure = _gathered(failure, group)[0]
     if failure is not None:
         raise CheckpointError(f"rank 0 cannot create the checkpoint folder {root} ({failure}); save to a "
                               "folder every rank can write, e.g. one under your home directory")
-    seen = _gathered((staging.is_dir(), socket.gethostname()))
+    seen = _gathered((staging.is_dir(), socket.gethostname()), group)
     unseen = [rank for rank, (visible, _) in enumerate(seen) if not visible]
     if not unseen:
         return

@@ -37,8 +37,9 @@ class Keeper:
             self.kept.stride, self._stride_known = memory.buddy_stride(peers.host_group()), True
         seconds = memory.take_snapshot(self.kept, trainer.pm, trainer)
         self._last = trainer.step
-        if self.snapshot_every == "auto":
-            self._every = max(1, math.ceil(seconds / (memory.SNAPSHOT_BUDGET * max(step_seconds, 1e-9))))
+        if self.snapshot_every == "auto":  # the ranks must agree: the largest K any of them needs
+            needed = math.ceil(seconds / (memory.SNAPSHOT_BUDGET * max(step_seconds, 1e-9)))
+            self._every = max(1, peers.agreed_max(needed, peers.host_group()))
 
     def _due(self, step: int) -> bool:
         """Every K-th step; under "auto" the first step, then K steps after the last snapshot."""

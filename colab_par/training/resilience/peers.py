@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from colab_par.training.resilience.rank_copy import RankCopy, from_bytes, to_bytes
 
-__all__ = ["host_group", "exchange", "send_copies", "gathered_ints"]
+__all__ = ["host_group", "exchange", "send_copies", "gathered_ints", "agreed_max"]
 
 _group: tuple[Any, Any] | None = None  # (the world it was made for, its gloo group)
 
@@ -30,6 +30,13 @@ def gathered_ints(values: list[int], group: Any) -> list[list[int]]:
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     return [row.tolist() for row in everyone]
+
+
+def agreed_max(value: int, group: Any) -> int:
+    """The largest of every rank's `value`."""
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return int(tensor)
 
 
 def _swap(outgoing: torch.Tensor | None, to: int | None, incoming: torch.Tensor | None, source: int | None,
