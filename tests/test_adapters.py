@@ -217,7 +217,7 @@ def test_planner_counts_gradients_and_optimizer_state_for_trainable_parameters_o
     option = estimate(spec, layout, device="cpu", global_batch=4, seq_len=SEQ)
     for report in cluster2.run(_measured, layout):
         assert report["backward"]["params"] == pytest.approx(option.resting.params, rel=1e-12)
-        assert report["backward"]["grads"] == pytest.approx(option.memory.grads, rel=1e-12)
+        assert report["backward"]["grads"] == pytest.approx(option.resting.grads, rel=1e-12)
         assert report["step"]["optimizer"] == pytest.approx(option.resting.optimizer, rel=1e-12)
 
 
@@ -229,9 +229,9 @@ def test_planner_counts_whole_adapters_on_every_rank_of_a_tensor_grid(cluster4) 
     model = build_model("gpt+lora", SEED)
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     option = estimate(ModelSpec.of(model), "tp4 2d", device="cpu", global_batch=4, seq_len=16)
-    assert option.memory.grads == pytest.approx(4 * adapters, rel=1e-12)
+    assert option.resting.grads == pytest.approx(4 * adapters, rel=1e-12)
     for report in cluster4.run(_measured, "tp4 2d", "gpt+lora"):
-        assert report["backward"]["grads"] == pytest.approx(option.memory.grads, rel=1e-12)
+        assert report["backward"]["grads"] == pytest.approx(option.resting.grads, rel=1e-12)
         assert report["backward"]["params"] == pytest.approx(option.resting.params, rel=1e-12)
         assert report["step"]["optimizer"] == pytest.approx(option.resting.optimizer, rel=1e-12)
 

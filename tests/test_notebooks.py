@@ -17,6 +17,7 @@ from notebook_run import execute
 from picture import MIN_LINE_PIXELS, assert_selection_shows_data, assert_shows_data, data_pixels
 
 from colab_par.layout import Layout
+from colab_par.planning.devices import GiB, get_device
 from colab_par.models import GPT, GPTConfig
 from colab_par.selection import Trial, grid, train_alone
 
@@ -138,6 +139,27 @@ def test_05_planning_at_scale(kernel_path, tmp_path):
     assert "application/vnd.jupyter.widget-view+json" in mime_types(cell_of(notebook, "picker.widget"))
     messages = text_of(cell_of(notebook, "picker.auto()")).splitlines()
     assert messages[-1].startswith("✓") and "fits" in messages[-1] and "NOT" not in messages[-1]
+    assert_traced_beside_predicted(text_of(cell_of(notebook, "LLAMA3_8B = ")))
+    phases = text_of(cell_of(notebook, "for verification in checked.values()"))
+    for row in ("forward", "backward", "optimizer", "step peak", "planner", "error"):
+        assert len(re.findall(rf"^  {row} +[\d.+-]", phases, re.M)) == 2, (row, phases)
+
+
+def assert_traced_beside_predicted(table: str) -> None:
+    """Llama-3 8B on 8 and 64 H100s: the planner's rows, one dry-run per world size with traced
+    columns, its verdict the dry run's rule (compare's: the traced peak within 90 % of the
+    device's memory less the process baseline)."""
+    rows = re.findall(r"^\s*(\d+)  (\S.*?)\s+([\d.]+)\s+([\d.]+)\s+(fits|OOM) \|(.*)$", table, re.M)
+    assert sorted({int(gpus) for gpus, *_ in rows}) == [8, 64] and len(rows) >= 6, table
+    device = get_device("H100-80GB")
+    room = 0.9 * device.memory - device.process_memory
+    traced = [(int(gpus), layout, rest.split()) for gpus, layout, *_, rest in rows if rest.strip()]
+    assert [gpus for gpus, *_ in traced] == [8, 64], table
+    for gpus, layout, (gib, ms, verdict, error) in traced:
+        assert Layout.parse(layout).validate(gpus).pp == 1
+        assert 0 < float(gib) * GiB and 0 < float(ms)
+        assert (verdict == "fits") == (float(gib) * GiB <= room), (layout, gib, room)
+        assert error.endswith("%")
 
 
 # 06_model_selection's trials, defined again here: the solo runs its results are compared with are

@@ -140,20 +140,20 @@ def test_grid_modes_partition_activations_over_all_p_ranks(p: int, modes: list[s
     """The papers' claim: 2D, 2.5D and 3D split every activation over all p ranks (per-layer
     activations × p the same for each), where 1d splits only the heads and FFN and sequence
     parallel leaves the projections' gathered inputs whole."""
-    whole = kept_activation_bytes(LARGE, Layout(), 8, 4096, 2)[0]
+    whole = kept_activation_bytes(LARGE, Layout(), 8, 4096)[0]  # fp32: in bf16 the GPT's norms keep an fp32 copy
     for mode in modes:
-        assert kept_activation_bytes(LARGE, Layout.parse(mode), 8, 4096, 2)[0] * p == \
+        assert kept_activation_bytes(LARGE, Layout.parse(mode), 8, 4096)[0] * p == \
             pytest.approx(whole, rel=2e-3)
-    # what 1d keeps whole grows with p: 2.2x / 5.6x the partitioned total at p=16, 5.8x / 20x at 64
-    assert kept_activation_bytes(LARGE, Layout.parse(f"tp{p} sp"), 8, 4096, 2)[0] * p > 2 * whole
-    assert kept_activation_bytes(LARGE, Layout.parse(f"tp{p}"), 8, 4096, 2)[0] * p > 5 * whole
+    # what 1d keeps whole grows with p: 2.2x / 4.7x the partitioned total at p=16, 6.2x / 17x at 64
+    assert kept_activation_bytes(LARGE, Layout.parse(f"tp{p} sp"), 8, 4096)[0] * p > 2 * whole
+    assert kept_activation_bytes(LARGE, Layout.parse(f"tp{p}"), 8, 4096)[0] * p > 4 * whole
 
 
 def test_the_planner_weighs_grid_modes() -> None:
     """The planner searches the grid modes and counts their activations as the kit keeps them."""
     plan = estimate(LARGE, "tp64 3d bf16", device="H100", global_batch=16, seq_len=4096)
     per_layer, outside = kept_activation_bytes(LARGE, plan.layout, 16, 4096, 2)
-    assert plan.memory.activations == pytest.approx(8 * per_layer + outside + 16 * 4096 * 32000 * 2)
+    assert plan.memory.activations == pytest.approx(8 * per_layer + outside)  # the loss's logits: buffers
     assert plan.times["tp"] > 0
     from colab_par.planning.planner import candidate_layouts
     modes = {layout.tp_mode for layout in candidate_layouts(LARGE, 64, global_batch=64, seq_len=4096,

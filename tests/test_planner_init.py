@@ -50,7 +50,7 @@ def test_meta_init_of_a_model_whose_largest_tensor_dominates() -> None:
     1 Mi × 256 embedding (twice: record + materialise) sets the peak, above training's."""
     params, largest = _counts(WIDE_VOCAB)
     assert largest == WIDE_VOCAB.vocab_size * WIDE_VOCAB.d_model
-    option = estimate(WIDE_VOCAB, "tp8 sp", device="A100-80GB", global_batch=8, seq_len=16)
+    option = estimate(WIDE_VOCAB, "tp8 sp", device="A100-80GB", global_batch=8, seq_len=8)
     norms = (2 * WIDE_VOCAB.n_layer + 1) * WIDE_VOCAB.d_model  # replicated on every tp rank
     local = (params - norms) / 8 + norms
     assert option.memory.init == pytest.approx((local + 2 * largest) * 4)
@@ -58,7 +58,7 @@ def test_meta_init_of_a_model_whose_largest_tensor_dominates() -> None:
     # a device holding the training peak but not the build: the plan must not fit
     between = DeviceSpec("between", (option.memory.total + option.memory.init) / 2 / 0.9,
                          {"fp32": 1e13}, 1e12, 1e11, 1e10, 1e10)
-    assert not estimate(WIDE_VOCAB, "tp8 sp", device=between, global_batch=8, seq_len=16).fits
+    assert not estimate(WIDE_VOCAB, "tp8 sp", device=between, global_batch=8, seq_len=8).fits
 
 
 def test_full_build_is_refused_where_meta_fits() -> None:
@@ -78,13 +78,14 @@ def test_full_build_is_refused_where_meta_fits() -> None:
 
 
 # capacity 2.6 GiB: the wide-vocabulary model trains in it under heavy tensor parallelism, built on
-# meta (peak 2.25 GiB), but not when every rank first builds all of it (3 GiB)
+# meta (peak 2.25 GiB), but not when every rank first builds all of it (3 GiB); 8-token sequences keep the
+# loss's token x vocabulary tensors (3 x 64 x 1 Mi x 4 bytes) under the build's peak
 SMALL_DEVICE = DeviceSpec("small", 2.6 * GiB / 0.9, {"fp32": 1e13}, 1e12, 1e11, 1e10, 1e10)
 
 
 def test_plan_never_calls_fitting_what_cannot_be_built() -> None:
     params, largest = _counts(WIDE_VOCAB)
-    options = dict(device=SMALL_DEVICE, global_batch=8, seq_len=16, top=None)
+    options = dict(device=SMALL_DEVICE, global_batch=8, seq_len=8, top=None)
     full = plan(WIDE_VOCAB, 8, init="full", **options)
     assert not any(p.fits for p in full)
     assert all(p.memory.init == pytest.approx((params + largest) * 4) for p in full)
@@ -115,24 +116,27 @@ def test_picker_hides_plans_that_cannot_be_built() -> None:
     meta.auto()
     assert meta.estimate.fits and meta.estimate.memory.peak <= meta.estimate.capacity
 
-    built_whole = LayoutPicker(8, model=WIDE_VOCAB, device=SMALL_DEVICE, global_batch=8, seq_len=16,
+    built_whole = LayoutPicker(8, model=WIDE_VOCAB, device=SMALL_DEVICE, global_batch=8, seq_len=8,
                                init="full", top=50)
-    on_meta = LayoutPicker(8, model=WIDE_VOCAB, device=SMALL_DEVICE, global_batch=8, seq_len=16, top=50)
+    on_meta = LayoutPicker(8, model=WIDE_VOCAB, device=SMALL_DEVICE, global_batch=8, seq_len=8, top=50)
     assert built_whole.plans == [] and "<code>tp8 sp</code>" in on_meta._table_html.value
     with pytest.raises(ValueError, match="init='eager'"):
-        LayoutPicker(8, model=WIDE_VOCAB, device=SMALL_DEVICE, global_batch=8, seq_len=16, init="eager")
+        LayoutPicker(8, model=WIDE_VOCAB, device=SMALL_DEVICE, global_batch=8, seq_len=8, init="eager")
 
 
 def test_cpu_engines_count_their_process_and_the_fsdp_root() -> None:
-    """On CPU engines the peak includes the process baseline; under zero3 the root unit (embedding,
-    head, final norm) stays gathered, and the largest unit's reduce-scatter holds two copies."""
+    """On CPU engines the peak includes the process baseline. With few activations the fullest
+    instant of a zero3 step is the root unit's reduce-scatter at the end of backward: every
+    gradient shard, the root (embedding, head, final norm) gathered, its gradients in two copies."""
     config = GPTConfig(vocab_size=32000, seq_len=128, n_layer=8, n_head=8, d_model=1024)
     params, largest = _counts(config)
     option = estimate(config, "dp2 zero3", device=CPU, global_batch=2, seq_len=128)
     assert option.memory.baseline == CPU_PROCESS_BYTES
     root = 2 * config.vocab_size * config.d_model + config.d_model
     layer = (params - root) / config.n_layer
-    assert option.memory.params == pytest.approx(params / 2 * 4 + (root + 2 * layer) * 4)
+    assert option.memory.phase == "backward end" and option.memory.activations == 0
+    assert option.memory.params == pytest.approx(params / 2 * 4 + root * 4)
+    assert option.memory.grads == pytest.approx(params / 2 * 4) and root > layer
     assert option.memory.buffers == pytest.approx(2 * root * 4)
     assert option.memory.init == pytest.approx((params / 2 + 2 * largest) * 4)
     assert option.memory.peak == pytest.approx(CPU_PROCESS_BYTES + option.memory.total)

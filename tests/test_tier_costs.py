@@ -214,8 +214,10 @@ def test_the_predicted_peak_stays_within_the_budget() -> None:
     option = estimate(config, f"dp2 zero3 mem{budget} disk", device="cpu", global_batch=2, seq_len=128)
     assert option.fits and sum(option.tiers.disk.values()) > 0
     filled = budget * (1 - SLACK)  # the runtime keeps SLACK of the budget free; so does the plan
-    assert option.memory.total == pytest.approx(filled)
-    assert option.memory.peak == pytest.approx(option.memory.baseline + filled)
+    # sized for the largest working memory of any moment of the step (memory_estimate.step_instants),
+    # reported at the fullest moment: within the budget, and using most of it (86 % here)
+    assert 0.8 * filled <= option.memory.total <= filled * (1 + 1e-12)
+    assert option.memory.peak <= option.memory.baseline + filled * (1 + 1e-12)
     over = estimate(config, f"dp2 zero3 mem{budget}", device="cpu", global_batch=2, seq_len=128)
     assert not over.fits and "disk tier" in over.tiers.reason
 

@@ -7,12 +7,14 @@ message comes from `Layout.validate`, every estimate from `colab_par.planning.pl
 from __future__ import annotations
 
 import html
+import threading
 from typing import Any
 
 import ipywidgets as w
 import traitlets
 
 from colab_par.layout import FIELDS, Layout, LayoutError, default_microbatches, field_options
+from colab_par.planning.dry_run.verify import Verification, check_verifiable, tensors_for, verify
 from colab_par.planning.module_spec import ModuleSpec
 from colab_par.planning.planner import GiB, DeviceSpec, ModelSpec, Plan, estimate, get_device, plan
 from colab_par.layout.tier_options import DEFAULT_DISK, MemoryTiers, format_bytes
@@ -67,7 +69,8 @@ class TierSelector(w.HBox):
 
 class LayoutPicker:
     """Selectors for every `Layout` field over `world_size` devices, a validation message, a
-    per-device memory bar, predicted step time / tokens/s / MFU, an Auto button and the top plans.
+    per-device memory bar, predicted step time / tokens/s / MFU, an Auto button, a Verify button
+    (the chosen layout's dry run beside the prediction, `verify`) and the top plans.
 
     ``picker.layout`` is the chosen Layout (raises `LayoutError` saying why when it is not valid);
     ``%%colossal --layout picker`` hands it to the cell. Only plans that fit, building the model
@@ -85,6 +88,7 @@ class LayoutPicker:
         self.world_size, self.global_batch, self.seq_len = world_size, global_batch, seq_len
         self.init = init
         self.gpus_per_node = gpus_per_node
+        self.model = model
         self.spec = (ModuleSpec.probe(model, example_batch, **probe_options) if example_batch is not None
                      else ModelSpec.of(model))
         self.device = get_device(device, world_size)
@@ -101,6 +105,10 @@ class LayoutPicker:
         self.auto_button = w.Button(description="Auto", button_style="primary",
                                     tooltip="apply the planner's best fitting layout")
         self.auto_button.on_click(lambda _: self.auto())
+        self.verification: Verification | None = None
+        self._verifying: threading.Thread | None = None
+        self._verify_html = w.HTML()
+        self.verify_button = self._build_verify_button()
         self._table_html = w.HTML(self._plans_table())
         for name, control in self.controls.items():
             control.observe(self._on_change(name), names="value")
@@ -137,7 +145,54 @@ class LayoutPicker:
             return
         self.apply(self.plans[0].layout)
 
+    def verify(self, *, timeout: float = 600.0) -> Verification:
+        """Dry-run the chosen layout's rank roles (`dry_run.verify`: spawned processes, fake
+        tensors where the layout allows) and show their traced memory per phase beside the
+        prediction; what the Verify button runs, in a thread (`verify_in_background`)."""
+        layout = self.layout
+        self._verify_html.value = f"verifying <code>{html.escape(str(layout))}</code>…"
+
+        def progress(role: str, index: int, count: int) -> None:
+            self._verify_html.value = (f"verifying <code>{html.escape(str(layout))}</code>: dry run of "
+                                       f"{html.escape(role)} ({index + 1} of {count})…")
+
+        self.verification = verify(self.model, layout, self.world_size, device=self.device,
+                                   batch=(self.global_batch, self.seq_len), tensors=tensors_for(layout),
+                                   timeout=timeout, progress=progress)
+        self._verify_html.value = self.verification._repr_html_()
+        return self.verification
+
+    def verify_in_background(self, *, timeout: float = 600.0) -> threading.Thread:
+        """Start `verify` in a thread, so the kernel stays free while the dry runs take their
+        seconds to minutes; the button is disabled until it ends (each dry run stops by `timeout`
+        seconds) and a failure is shown in the widget, not raised."""
+        def run() -> None:
+            try:
+                self.verify(timeout=timeout)
+            except Exception as error:  # shown where the user clicked
+                self._verify_html.value = (f"<span style='color:#c62828'>✗ verify failed: "
+                                           f"{html.escape(str(error))}</span>")
+            finally:
+                self.verify_button.disabled = False
+                self._verifying = None
+
+        self.verify_button.disabled = True
+        self._verifying = thread = threading.Thread(target=run, name="LayoutPicker.verify", daemon=True)
+        thread.start()
+        return thread
+
     # ---- widgets --------------------------------------------------------------------------------
+    def _build_verify_button(self) -> w.Button:
+        """Enabled for a model the dry run can build (a GPTConfig or Hugging Face config)."""
+        button = w.Button(description="Verify", tooltip="dry-run the chosen layout's rank roles and show "
+                          "their traced memory per phase beside the prediction")
+        try:
+            check_verifiable(self.model)
+        except TypeError as why:
+            button.disabled, button.tooltip = True, str(why)
+        button.on_click(lambda _: self.verify_in_background())
+        return button
+
     def _build_controls(self) -> dict[str, w.ValueWidget]:
         """A dropdown per field offering the values that some valid layout for this world, model,
         device and batch takes (`field_options`: the picker knows no rule itself)."""
@@ -190,10 +245,10 @@ class LayoutPicker:
         rows = [w.HBox(degrees),
                 w.HBox([c["zero"], c["offload"], c["sequence_parallel"], c["precision"]]),
                 w.HBox([c["cp_mode"], c["pp_schedule"], c["microbatches"], c["virtual_stages"]]),
-                w.HBox([c["checkpointing"], c["compile"], self.auto_button]),
+                w.HBox([c["checkpointing"], c["compile"], self.auto_button, self.verify_button]),
                 c["tiers"]]
         return w.VBox([title, *rows, self._message_html, self._memory_html, self._estimate_html,
-                       self._table_html])
+                       self._verify_html, self._table_html])
 
     def _on_change(self, name: str):
         def handler(change: dict) -> None:
@@ -245,6 +300,8 @@ class LayoutPicker:
         self._message_html.value = f"<span style='color:{colour}'>{html.escape(self.message)}</span>"
         self._memory_html.value = self._memory_bar()
         self._estimate_html.value = html.escape(self._estimate_line())
+        if self._verifying is None:  # a result shown belongs to the layout it names; a new choice clears it
+            self._verify_html.value = ""
 
     def _verdict(self, option: Plan) -> str:
         if option.fits:

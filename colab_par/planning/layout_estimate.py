@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from colab_par.layout import Layout
@@ -106,11 +106,11 @@ def estimate(model: Any, layout: "Layout | str", *, device: "str | DeviceSpec", 
     precision = layout.precision if layout.precision in dev.peak_flops else "fp32"
     act_bytes = 2 if layout.precision == "bf16" else 4
     rank = rank_params(spec, layout)
-    memory, resting = decoder_memory(spec, layout, rank, dev, global_batch=global_batch, seq_len=seq_len,
-                                     optimizer=optimizer, init=init)
+    instants, resting = decoder_memory(spec, layout, rank, dev, global_batch=global_batch, seq_len=seq_len,
+                                       optimizer=optimizer, init=init)
     times = step_times(spec, layout, dev, precision, global_batch, seq_len, gpus_per_node,
                        rank.local, act_bytes, resting, rank.trainable, rank.experts, expert_load)
-    memory, tiers = _place_in_tiers(layout, memory, resting, times, dev, gpus_per_node,
+    memory, tiers = _place_in_tiers(layout, instants, resting, times, dev, gpus_per_node,
                                     STATE_BYTES[state_precision(layout), optimizer][2], grad_clip)
     step = sum(times.values())
     tokens = global_batch * seq_len
@@ -176,7 +176,7 @@ def _estimate_module(spec: ModuleSpec, layout: Layout, dev: DeviceSpec, *, globa
     times["optimizer"] = 2 * (resting.total + resting.host_total) / dev.hbm_bandwidth
     if layout.offload:
         times["offload"] = 2 * local / layout.dp * act_bytes / dev.host_bandwidth
-    memory, tiers = _place_in_tiers(layout, memory, resting, times, dev, gpus_per_node,
+    memory, tiers = _place_in_tiers(layout, {"step": memory}, resting, times, dev, gpus_per_node,
                                     STATE_BYTES[precision_of_state, optimizer][2], grad_clip)
     step = sum(times.values())
     mfu = flops / (step * layout.world_size * dev.peak_flops[precision])
@@ -184,29 +184,38 @@ def _estimate_module(spec: ModuleSpec, layout: Layout, dev: DeviceSpec, *, globa
                 0.0, 0.9 * dev.memory, resting, times, samples_per_s=global_batch / step, init=init, tiers=tiers)
 
 
-def _place_in_tiers(layout: Layout, memory: MemoryBreakdown, resting: MemoryBreakdown, times: dict[str, float],
-                    dev: DeviceSpec, gpus_per_node: int, optimizer_bytes_per_param: float,
+def _place_in_tiers(layout: Layout, instants: dict[str, MemoryBreakdown], resting: MemoryBreakdown,
+                    times: dict[str, float], dev: DeviceSpec, gpus_per_node: int, optimizer_bytes_per_param: float,
                     grad_clip: bool) -> tuple[MemoryBreakdown, TierPlan | None]:
-    """The training memory with the rank's local state (`resting`) placed by `layout.tiers`
-    (`tier_costs.tier_plan`), adding the exposed seconds to `times["tiers"]`; as is without tiers.
-    Working memory is the peak less that state: activations, gathered parameters, buffers. A CPU
-    (host bandwidth infinite: the host is the device) is one memory shared by all its ranks."""
+    """The fullest of the step's `instants` (`memory_estimate.step_instants`), with the rank's
+    local state (`resting`) placed by `layout.tiers` (`tier_costs.tier_plan`) and the exposed
+    seconds added to `times["tiers"]`; without tiers the fullest instant as it is. The placement
+    is sized for the largest working memory of any instant (what it holds beside the state:
+    activations, gathered parameters, buffers); at each instant the device keeps its share of
+    each kind of state present then. A CPU (host bandwidth infinite: the host is the device) is
+    one memory shared by all its ranks."""
     if not layout.tiers.enabled:
-        return memory, None
+        return max(instants.values(), key=lambda instant: instant.total), None
     state = {"params": resting.params, "grads": resting.grads, "optimizer": resting.optimizer}
+    present = {name: {kind: min(getattr(instant, kind), state[kind]) for kind in state}
+               for name, instant in instants.items()}
+    working = max(instant.total - sum(present[name].values()) for name, instant in instants.items())
     one_memory = math.isinf(dev.host_bandwidth)
     ranks = layout.world_size if one_memory else min(layout.world_size, gpus_per_node)
     host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     host = HostShare(one_memory, ranks=ranks, core_share=dev.core_share, capacity=host_memory / ranks,
                      link_bandwidth=dev.host_bandwidth)
-    tiers = tier_plan(state, layout.tiers, memory.total - sum(state.values()), host=host,
+    tiers = tier_plan(state, layout.tiers, working, host=host,
                       compute=times["compute"], optimizer_time=times["optimizer"],
                       optimizer_bytes_per_param=optimizer_bytes_per_param, clip=grad_clip)
     if tiers.tight_heap:  # every part of the step pays the mapped blocks' page faults
         times["heap"] = (HEAP_COSTS.tight_step_ratio - 1) * sum(times.values())
     times["tiers"] = tiers.seconds
-    placed = MemoryBreakdown(
-        *(getattr(memory, kind) - state[kind] + tiers.device[kind] for kind in ("params", "grads", "optimizer")),
-        memory.activations, tiers.host["params"], tiers.host["grads"], tiers.host["optimizer"],
-        memory.buffers + tiers.streaming, memory.init, memory.baseline, memory.reference)
-    return placed, tiers
+
+    def placed(name: str, instant: MemoryBreakdown) -> MemoryBreakdown:
+        kept = {kind: getattr(instant, kind) - present[name][kind]
+                + (present[name][kind] * tiers.device[kind] / state[kind] if state[kind] else 0.0) for kind in state}
+        return replace(instant, **kept, host_params=tiers.host["params"], host_grads=tiers.host["grads"],
+                       host_optimizer=tiers.host["optimizer"], buffers=instant.buffers + tiers.streaming)
+
+    return max((placed(name, instant) for name, instant in instants.items()), key=lambda m: m.total), tiers

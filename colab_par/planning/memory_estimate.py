@@ -7,7 +7,7 @@ paper (Rajbhandari et al. 2020, Table 1), activations from Korthikanti et al. 20
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from colab_par.layout import Layout
@@ -15,11 +15,12 @@ from colab_par.layout.tier_options import bf16_working_shards
 from colab_par.planning.devices import DeviceSpec
 from colab_par.planning.expert_costs import local_expert_params
 from colab_par.planning.flops import ModelSpec
-from colab_par.planning.tensor_costs import grid_local_params, kept_activation_bytes
+from colab_par.planning.tensor_costs import GridShape, grid_local_params, holds_ends, kept_activation_bytes
 
 __all__ = ["MemoryBreakdown", "STATE_BYTES", "FROZEN_BYTES", "INIT_MODES", "INIT_BYTES", "state_precision",
            "model_state_bytes", "check_init", "init_peak_bytes", "activation_bytes_per_layer",
-           "microbatches_in_flight", "RankParams", "rank_params", "decoder_memory"]
+           "microbatches_in_flight", "kept_activations", "RankParams", "rank_params", "decoder_memory",
+           "step_instants"]
 
 
 # ---- model state (ZeRO paper) --------------------------------------------------------------------
@@ -27,9 +28,11 @@ __all__ = ["MemoryBreakdown", "STATE_BYTES", "FROZEN_BYTES", "INIT_MODES", "INIT
 class MemoryBreakdown:
     """Bytes per device; ``host_*`` is what CPU offload keeps in host memory instead.
 
-    `total` is the training peak (model state, activations, the step's communication `buffers`
-    and the frozen copies of the trainable parameters a run keeps beside them, `reference`:
-    GRPO's reference policy with full weights, `ModelSpec.frozen_copies`); `init` the peak while
+    `total` is the training peak: what is alive at the step's fullest instant, `phase`
+    (`step_instants`; "" where the step is not split into instants): parameters as held then,
+    gradients, optimizer state, activations, the temporaries and communication `buffers`, and the
+    frozen copies of the trainable parameters a run keeps beside them (`reference`: GRPO's
+    reference policy with full weights, `ModelSpec.frozen_copies`); `init` the peak while
     the model is built or loaded and sharded, before training; `baseline` what the process holds
     before any model (a CPU engine's torch and gloo). `peak`, what must fit, is the baseline plus
     the larger of the two phases.
@@ -46,6 +49,7 @@ class MemoryBreakdown:
     init: float = 0.0
     baseline: float = 0.0
     reference: float = 0.0
+    phase: str = ""
 
     @property
     def total(self) -> float:
@@ -179,36 +183,21 @@ def microbatches_in_flight(layout: Layout) -> float:
     return float(min(m, p))
 
 
-def _grid_activations(spec: ModelSpec, layout: Layout, micro: int, seq: int,
-                      act_bytes: int) -> tuple[float, float]:
-    """(bytes a layer keeps, bytes outside the layers) under a 2d / 2.5d / 3d grid: what the kit's
-    grid layers keep (`tensor_costs`), a layer's input only under full recompute (selective is
-    counted as none), plus the gathered logits alive next to the loss."""
+def kept_activations(spec: ModelSpec, layout: Layout, micro: int, seq: int, act_bytes: int) -> tuple[float, float]:
+    """(bytes the fullest rank keeps for backward at the end of its forward, of which the loss's
+    fp32 log-probabilities): what the kit's layers save (`tensor_costs.kept_activation_bytes`:
+    RMSNorm, SwiGLU, grouped heads, SDPA's output and log-sum-exp, no s² scores) times the layers
+    and microbatches in flight, the final norm, rotary tables and log-probabilities beside them.
+    Full recompute keeps a layer's input only, selective its matmul and SDPA outputs (1d; a grid
+    counts it as none), and backward rebuilds one layer whole."""
     per_layer, outside = kept_activation_bytes(spec, layout, micro, seq, act_bytes)
+    whole = kept_activation_bytes(spec, layout.replace(checkpointing="none"), micro, seq, act_bytes)[0]
     if layout.checkpointing == "full":
-        per_layer = micro * seq * spec.d_model / layout.tp * act_bytes
-    return per_layer, outside + micro * seq * spec.vocab_size * act_bytes
-
-
-def _decoder_activations(spec: ModelSpec, layout: Layout, micro: int, s_local: int, act_bytes: int) -> float:
-    """Activation bytes of the fullest rank: the first stage holds the most microbatches in flight,
-    and backward under recompute rebuilds one layer at a time, whole."""
-    grid = layout.tp_mode != "1d"
-    if grid:
-        per_layer, logits = _grid_activations(spec, layout, micro, s_local, act_bytes)
-    else:
-        per_layer = activation_bytes_per_layer(s_local, micro, spec.d_model, spec.n_head, tp=layout.tp,
-                                               sp=layout.sequence_parallel,
-                                               recompute=layout.checkpointing, dtype_bytes=act_bytes)
-        logits = micro * s_local * spec.vocab_size * (act_bytes + 4)  # gathered logits + fp32 loss
-    activations = spec.n_layer / layout.pp * per_layer * microbatches_in_flight(layout) + logits
-    if layout.checkpointing != "none":
-        whole = (_grid_activations(spec, layout.replace(checkpointing="none"), micro, s_local, act_bytes)[0]
-                 if grid else activation_bytes_per_layer(s_local, micro, spec.d_model, spec.n_head,
-                                                         tp=layout.tp, sp=layout.sequence_parallel,
-                                                         dtype_bytes=act_bytes))
-        activations += whole - per_layer
-    return activations
+        split = layout.tp if layout.tp_mode == "1d" else GridShape.of(layout).matrix_pieces
+        per_layer = micro * seq * spec.d_model / split * act_bytes
+    log_probs = micro * seq * spec.vocab_size * 4 if holds_ends(layout)[1] else 0.0
+    layers = spec.n_layer / layout.pp * per_layer * microbatches_in_flight(layout)
+    return layers + whole - per_layer + outside - micro * seq * spec.vocab_size * 4 + log_probs, log_probs
 
 
 # ---- what the fullest rank holds ----------------------------------------------------------------
@@ -277,22 +266,19 @@ def _state(local: float, experts: float, layout: Layout, shard: int, zero: int,
         return dense
     own = model_state_bytes(experts, zero=zero, dp=shard // layout.ep, **options)
     return MemoryBreakdown(**{part.name: getattr(dense, part.name) + getattr(own, part.name)
-                              for part in fields(MemoryBreakdown)})
+                              for part in fields(MemoryBreakdown) if part.name != "phase"})
 
 
 def decoder_memory(spec: ModelSpec, layout: Layout, rank: RankParams, dev: DeviceSpec, *, global_batch: int,
-                   seq_len: int, optimizer: str, init: str) -> tuple[MemoryBreakdown, MemoryBreakdown]:
-    """(the training and build peak, the model state at rest between steps) of a decoder's fullest
-    rank holding `rank`.
+                   seq_len: int, optimizer: str, init: str) -> tuple[dict[str, MemoryBreakdown], MemoryBreakdown]:
+    """({instant: the memory then} over the step's fullest instants, `step_instants`; the model
+    state at rest between steps) of a decoder's fullest rank holding `rank`. Every instant carries
+    the build's peak (`init`), the process baseline and the host's share.
 
     Model state: the ZeRO accounting; zero=2 is FSDP with reshard_after_forward=False, which keeps
-    the gathered parameters from forward to backward (peak = ZeRO-2) and reshards after backward
-    (at rest = ZeRO-3). CPU offload moves state to host memory; where the host is the device (a
-    CPU: host bandwidth infinite) it moves nothing and the state stays in the peak. FSDP (zero
-    2/3): the root unit (embedding, head, final norm) stays gathered from forward to the end of
-    backward, with the current and the prefetched layer; a unit's reduce-scatter holds its
-    unsharded gradients and the flat fp32 input they are copied into (on gloo: the input and a
-    staging copy of the same size), the largest unit's at the peak.
+    the gathered parameters from forward to backward and reshards after backward (at rest =
+    ZeRO-3). CPU offload moves state to host memory; where the host is the device (a CPU: host
+    bandwidth infinite) it moves nothing and the state stays on the device.
     """
     act_bytes = 2 if layout.precision == "bf16" else 4
     shard = layout.dp * layout.cp if layout.zero >= 2 else layout.dp
@@ -302,11 +288,6 @@ def decoder_memory(spec: ModelSpec, layout: Layout, rank: RankParams, dev: Devic
                          trainable=rank.trainable)
     state = _state(local, experts, layout, shard, layout.zero, **state_options)
     resting = _state(local, experts, layout, shard, 3 if layout.zero == 2 else layout.zero, **state_options)
-    root = local - spec.n_layer / layout.pp * layer_params
-    gathered = (root + 2 * layer_params) * act_bytes if layout.zero == 3 else 0.0
-    buffers = 2 * max(root, layer_params) * 4 if layout.zero >= 2 else 0.0
-    micro = global_batch // layout.dp // layout.microbatches
-    activations = _decoder_activations(spec, layout, micro, seq_len // layout.cp, act_bytes)
     init_bytes = init_peak_bytes(init, model_params=spec.n_params,
                                  local_params=local / shard if layout.zero >= 2 else local,
                                  largest_tensor=spec.largest_tensor,
@@ -315,10 +296,68 @@ def decoder_memory(spec: ModelSpec, layout: Layout, rank: RankParams, dev: Devic
                                  shard_bytes=2 if bf16_working_shards(layout.tiers, layout.precision,
                                                                       layout.zero) else None)
     copies = _frozen_copies(spec, rank, layout, shard, state_options)
-    memory = MemoryBreakdown(state.params + gathered, state.grads, state.optimizer, activations,
-                             state.host_params + copies.host_params, state.host_grads, state.host_optimizer,
-                             buffers, init_bytes, dev.process_memory, copies.params)
-    return memory, resting
+    micro = global_batch // layout.dp // layout.microbatches
+    instants = step_instants(spec, layout, rank, state, resting, micro=micro, seq=seq_len // layout.cp,
+                             act_bytes=act_bytes, shard=shard, adam=optimizer == "adam")
+    extra = dict(host_params=state.host_params + copies.host_params, host_grads=state.host_grads,
+                 host_optimizer=state.host_optimizer, init=init_bytes, baseline=dev.process_memory,
+                 reference=copies.params)
+    return {name: replace(instant, **extra) for name, instant in instants.items()}, resting
+
+
+def step_instants(spec: ModelSpec, layout: Layout, rank: RankParams, state: MemoryBreakdown,
+                  resting: MemoryBreakdown, *, micro: int, seq: int, act_bytes: int, shard: int,
+                  adam: bool = True) -> dict[str, MemoryBreakdown]:
+    """The device memory of the fullest rank at the instants a traced step peaks (docs/planner.md,
+    "The step's fullest instants"; checked by `dry_run` at 8-512 ranks):
+
+    - "loss": forward done, the loss computed. Every layer's kept activations; no gradients (the
+      last step's were set to None; earlier microbatches' where a step accumulates); FSDP has
+      resharded every zero3 unit after its forward (zero2 keeps them gathered); the loss's fp32
+      log-probabilities (among the activations) and two more token x vocabulary fp32 tensors beside
+      them (the float logits and log-softmax's result before it is kept).
+    - "head": backward through the output head. The log-probabilities are freed; the gradient of
+      the logits (compute dtype) and the head's weight gradient twice (computed, then accumulated);
+      zero3 has gathered the root unit (embedding, head, final norm) again.
+    - "layer" (zero 2/3): the last layer's backward done, its reduce-scatter running while the next
+      layer is gathered: the head's and that layer's unsharded gradients (compute dtype) among the
+      gradients with the layer's first shard, the layer's gradients again in compute dtype and
+      as the fp32 reduce-scatter input among the temporaries; its activations freed.
+    - "optimizer": activations gone, every gradient present (tp alone keeps the embedding's whole,
+      vocabulary-parallel gradient), Adam's update holding two fp32 temporaries of the largest tensor.
+    - "backward end" (zero 2/3): the root unit's reduce-scatter, its unsharded gradients and the
+      flat fp32 input they are copied into (on gloo a staging copy too; measured on the engines).
+    """
+    split = layout.tp if layout.tp_mode == "1d" else GridShape.of(layout).matrix_pieces
+    root = rank.local - spec.n_layer / layout.pp * rank.layer
+    sharded = resting.params if layout.zero >= 2 else state.params
+    kept_gathered = rank.local * act_bytes if layout.zero == 2 else 0.0
+    root_gathered = root * act_bytes if layout.zero == 3 else 0.0
+    accumulated = state.grads if layout.microbatches > 1 else 0.0
+    activations, log_probs = kept_activations(spec, layout, micro, seq, act_bytes)
+    head = spec.vocab_size * spec.d_model / split if log_probs else 0.0
+    logits = micro * seq * spec.vocab_size if log_probs else 0.0
+    instants = {
+        "loss": MemoryBreakdown(sharded + kept_gathered, accumulated, state.optimizer, activations,
+                                buffers=2 * logits * 4, phase="loss"),
+        "head": MemoryBreakdown(sharded + kept_gathered + root_gathered, accumulated, state.optimizer,
+                                activations - log_probs, buffers=(logits + 2 * head) * act_bytes, phase="head"),
+    }
+    if layout.zero >= 2:
+        layer_gathered = rank.layer * act_bytes if layout.zero == 3 else 0.0
+        last_layer = kept_activation_bytes(spec, layout, micro, seq, act_bytes)[0]
+        instants["layer"] = MemoryBreakdown(
+            sharded + kept_gathered + root_gathered + layer_gathered,
+            accumulated + (head + rank.layer) * act_bytes + rank.layer * 4 / shard, state.optimizer,
+            activations - log_probs - last_layer, buffers=rank.layer * (act_bytes + 4), phase="layer")
+    whole_embedding = spec.vocab_size * spec.d_model * 4 * (1 - 1 / split) if layout.zero < 2 and split > 1 else 0.0
+    largest = spec.largest_tensor / split / (shard if layout.zero >= 2 else 1)
+    instants["optimizer"] = MemoryBreakdown(sharded, state.grads + whole_embedding, state.optimizer,
+                                            buffers=(2 if adam else 1) * largest * 4, phase="optimizer")
+    if layout.zero >= 2:
+        instants["backward end"] = MemoryBreakdown(sharded + root_gathered, state.grads, state.optimizer,
+                                                   buffers=2 * max(root, rank.layer) * 4, phase="backward end")
+    return instants
 
 
 def _frozen_copies(spec: ModelSpec, rank: RankParams, layout: Layout, shard: int,

@@ -6,13 +6,16 @@ from the bytes of `memory_estimate` and the seconds of `time_estimate`; the form
 sources, are in docs/planner.md: model state from the ZeRO paper (Rajbhandari et al. 2020,
 Table 1), activations from Korthikanti et al. 2022, collective volumes from the ring algorithms,
 the pipeline bubble from Narayanan et al. 2021 and compute from 6Ψ FLOPs per token plus attention.
+`plan(..., verify=k)` checks the best k by running them (`dry_run.verify`: spawned dry runs).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Any, Iterable
 
 from colab_par.layout import CP_MODES, TP_MODES, Choices, Layout, LayoutError, valid_layouts
 from colab_par.layout.tier_options import MemoryTiers
+from colab_par.planning.dry_run.verify import Verification, check_verifiable, tensors_for, verify as verify_layout
 from colab_par.planning.devices import (CPU_PROCESS_BYTES, CPU_WRAPPER_COST, DEVICES, GiB, DeviceSpec,
                                         cpu_compute_costs, cpu_device, get_device, measure_cpu_device)
 from colab_par.planning.flops import ModelSpec, flops_per_token
@@ -28,7 +31,7 @@ __all__ = ["MemoryBreakdown", "ModelSpec", "DeviceSpec", "Plan", "DEVICES", "GiB
            "activation_bytes_per_layer", "pipeline_bubble", "get_device", "measure_cpu_device",
            "cpu_device", "cpu_compute_costs", "estimate", "search_space", "preferred",
            "candidate_layouts", "plan", "flops_per_token", "packed_attention_bytes", "CPU_PROCESS_BYTES",
-           "CPU_WRAPPER_COST"]
+           "CPU_WRAPPER_COST", "VerifiedPlan"]
 
 
 # ---- the search ----------------------------------------------------------------------------------
@@ -97,7 +100,7 @@ def candidate_layouts(spec: ModelSpec, world_size: int, *, global_batch: int, se
 def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batch: int, seq_len: int,
          gpus_per_node: int = 8, top: int | None = 10, optimizer: str = "adam",
          init: str = "meta", expert_load: float = 1.0, tiers: MemoryTiers | None = None,
-         grad_clip: bool = False) -> list[Plan]:
+         grad_clip: bool = False, verify: int = 0) -> list[Plan]:
     """Valid layouts for `model` on `world_size` devices, best first: fitting before not fitting,
     then by predicted step time, then fewer parallel dimensions, then less memory.
     `model` is a GPTConfig, a Hugging Face config, a dict of sizes, or a `ModuleSpec` (any
@@ -107,8 +110,15 @@ def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batc
     (see `estimate`). A MoE model's layouts include ep, costed at
     `expert_load` (see `estimate`). `tiers` (e.g. ``MemoryTiers(budget="8GiB", disk="tmp")``)
     puts every candidate under that budget and those tiers instead of trying FSDP's offload;
-    `grad_clip` as in `estimate`."""
+    `grad_clip` as in `estimate`. `verify=k` dry-runs the first k (`dry_run.verify`, fake
+    tensors where the layout allows, every rank role; `model` a GPTConfig or Hugging Face config)
+    and returns them as `VerifiedPlan`s, whose `fits` is the trace's verdict too: one the planner
+    said fits but whose traced step does not moves behind those that fit."""
     check_init(init)
+    if not isinstance(verify, int) or verify < 0:
+        raise ValueError(f"verify={verify!r}: give how many of the best plans to dry-run, e.g. 1 (0: none)")
+    if verify:
+        check_verifiable(model)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer, e.g. 8")
     spec = spec_of(model)
@@ -125,10 +135,40 @@ def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batc
         raise LayoutError(f"no valid layout for this model on {world_size} devices with "
                           f"global_batch={global_batch}, seq_len={seq_len}; try a global batch "
                           f"that is a multiple of {world_size}")
-    plans.sort(key=lambda option: (not option.fits, round(option.step_time, 9),
-                                   sum(getattr(option.layout, d) > 1 for d in ("tp", "pp", "cp", "ep")),
-                                   option.memory.peak))
+    plans.sort(key=_rank)
+    if verify:
+        plans[:verify] = [_verified(option, model, dev, world_size, (global_batch, seq_len), optimizer)
+                          for option in plans[:verify]]
+        plans.sort(key=_rank)
     return plans[:top] if top else plans
+
+
+def _rank(option: Plan) -> tuple:
+    """Fitting first, then faster, then fewer parallel dimensions, then less memory."""
+    return (not option.fits, round(option.step_time, 9),
+            sum(getattr(option.layout, d) > 1 for d in ("tp", "pp", "cp", "ep")), option.memory.peak)
+
+
+@dataclass(frozen=True)
+class VerifiedPlan(Plan):
+    """A plan checked by dry runs of its rank roles (`plan(..., verify=k)`): `fits` holds only if
+    the planner and the trace both say so; the planner's own verdict is `verification.predicted_fits`."""
+
+    verification: Verification | None = None
+
+    def __str__(self) -> str:
+        checked = self.verification
+        return (f"{super().__str__()}  traced {checked.peak / GiB:.2f} GiB "
+                f"{'fits' if checked.fits else 'OOM: ' + checked.overflow}")
+
+
+def _verified(option: Plan, model: Any, device: DeviceSpec, world_size: int, batch: tuple[int, int],
+              optimizer: str) -> VerifiedPlan:
+    """`option` with the dry runs of its layout's rank roles on `device`."""
+    checked = verify_layout(model, option.layout, world_size, device=device, batch=batch,
+                            tensors=tensors_for(option.layout), optimizer=optimizer)
+    kept = {field.name: getattr(option, field.name) for field in fields(option)}
+    return VerifiedPlan(**{**kept, "fits": option.fits and checked.fits}, verification=checked)
 
 
 def _cheapest_fitting(spec: ModelSpec, layout: Layout, options: dict[str, Any]) -> Plan:

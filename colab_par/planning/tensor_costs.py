@@ -7,10 +7,13 @@ one basis (`benchmarks/tensor_modes.py`); the planner's own 1d figures follow Ko
 - **weights**: every matrix in q² pieces (2D, 2.5D: replicated over the depth) or q³ (3D); norm
   weights in q pieces (2D, 2.5D) or q² (3D).
 - **activations** a layer keeps for backward, with T = tokens per rank (a (micro)batch split in
-  q, q·d or q² pieces) and the hidden / head / FFN widths split in q: two RMSNorms (input, its
-  normalised copy, the output: 3·T·H/q, plus the fp32 scale), attention (rotated q, k, v at the
-  query heads' width and the attention output, whose [b, s, h, d] layout the output projection
-  reads without a copy: 4·T·H/q, plus the log-sum-exp),
+  q, q·d or q² pieces) and the hidden / head / FFN widths split in q: two RMSNorms (the fp32 input,
+  its normalised copy, the output: 3·T·H/q, plus the fp32 scale; in bf16 the copy is fp32 under
+  torch's rms_norm, the kit's 1d layers, and bf16 in Hugging Face's and the grid's norms), attention (rotated q, k, v and the
+  attention output, whose [b, s, h, d] layout the output projection reads without a copy, plus
+  the log-sum-exp; k and v at the query heads' width in the kit's GPT, which repeats them before
+  SDPA, at their own width in a Hugging Face decoder, whose SDPA call takes grouped heads:
+  2·T·(H + H_kv)/q),
   SwiGLU (gate, silu(gate), up, their product: 4·T·F/q).
 - **communication** per linear y = x·Wᵀ (W: out × in): forward gathers x (T·in) and W (out·in/q in
   2D, out·in/q² in 3D); backward gathers both again and reduce-scatters their gradients, so 3·T·in
@@ -26,7 +29,7 @@ from typing import Any
 
 from colab_par.layout import Layout, grid_batch_chunks, tensor_grid
 
-__all__ = ["GridShape", "grid_local_params", "kept_activation_bytes", "tensor_comm_bytes"]
+__all__ = ["GridShape", "grid_local_params", "holds_ends", "kept_activation_bytes", "tensor_comm_bytes"]
 
 FP32 = 4
 
@@ -96,17 +99,35 @@ def kept_activation_bytes(spec: Any, layout: Layout, micro: int, seq: int,
     else:
         grid = GridShape.of(layout)
         tokens, split, hidden = micro * seq / grid.batch_pieces, grid.q, spec.d_model / grid.q
+    hugging_face = getattr(spec, "hugging_face", False)
+    # the fp32 input and the normalised copy: Hugging Face's RMSNorm casts that copy back to the
+    # compute dtype before the weight, torch's rms_norm (the kit's) multiplies it in fp32
+    kept = FP32 + (act_bytes if hugging_face or layout.tp_mode != "1d" else FP32)
     if layout.sequence_parallel:  # input and normalised copy split; the output gathered whole
-        norm = (tokens * hidden * (FP32 + act_bytes) + tokens * FP32) / split + tokens * hidden * act_bytes
+        norm = (tokens * hidden * kept + tokens * FP32) / split + tokens * hidden * act_bytes
     else:
-        norm = tokens * hidden * (FP32 + 2 * act_bytes) + tokens * FP32
+        norm = tokens * hidden * (kept + act_bytes) + tokens * FP32
     if layout.tp_mode == "3d":
         norm += hidden * FP32  # the norm weight, gathered over x
     q_width = spec.n_head * spec.head_dim / split
-    attention = 4 * tokens * q_width * act_bytes + tokens * spec.n_head / split * FP32
+    kv_width = spec.n_kv_head * spec.head_dim / split if hugging_face else q_width
+    attention = 2 * tokens * (q_width + kv_width) * act_bytes + tokens * spec.n_head / split * FP32
     ffn = 4 * tokens * spec.ffn_hidden / split * act_bytes
     outside = norm + 2 * seq * spec.head_dim * act_bytes + micro * seq * spec.vocab_size * FP32
+    if layout.checkpointing == "selective" and layout.tp_mode == "1d":
+        return _matmul_outputs(spec, tokens, split, act_bytes), outside
     return 2 * norm + attention + ffn, outside
+
+
+def _matmul_outputs(spec: Any, tokens: float, split: int, act_bytes: int) -> float:
+    """What a 1d layer keeps under selective checkpointing (`parallel/checkpointing.py` saves the
+    matmul and SDPA outputs and recomputes the rest): its input, the q/k/v, output, gate, up and
+    down projections' outputs (the row-parallel ones whole, before their all-reduce) and SDPA's
+    output with its fp32 log-sum-exp."""
+    d, hd = spec.d_model, spec.head_dim
+    q_width, kv_width = spec.n_head * hd / split, spec.n_kv_head * hd / split
+    widths = d + (q_width + 2 * kv_width) + d + 2 * spec.ffn_hidden / split + d + q_width
+    return tokens * (widths * act_bytes + spec.n_head / split * FP32)
 
 
 def tensor_comm_bytes(spec: Any, layout: Layout, micro: int, seq: int, act_bytes: int = FP32) -> float:
@@ -141,7 +162,7 @@ def tensor_comm_bytes(spec: Any, layout: Layout, micro: int, seq: int, act_bytes
     recompute = layout.checkpointing == "full"
     total = spec.n_layer / layout.pp * (layer_forward * (2 if recompute else 1) + layer_backward)
 
-    first, last = _holds_ends(layout)
+    first, last = holds_ends(layout)
     if first:  # embedding: gather the fp32 table ([V/q.., H/q..] -> [V, H/q]); reduce-scatter its grad
         table = v * d / q + (v * d / q ** 2 if grid.cube else 0.0)
         depth_sum = v * d / q ** 2 * FP32 if grid.depth > 1 and not grid.cube else 0.0
@@ -170,12 +191,12 @@ def _megatron_comm_bytes(spec: Any, layout: Layout, micro: int, seq: int, act_by
     sp = 2 if layout.sequence_parallel else 1
     forward = 2 * sp * activation
     per_layer = forward * (2 if layout.checkpointing == "full" else 1) + 2 * sp * activation
-    first, last = _holds_ends(layout)
+    first, last = holds_ends(layout)
     ends = (sp * activation if first else 0.0) + (sp * activation + logits if last else 0.0)
     return spec.n_layer / layout.pp * per_layer + ends
 
 
-def _holds_ends(layout: Layout) -> tuple[bool, bool]:
+def holds_ends(layout: Layout) -> tuple[bool, bool]:
     """Whether the fullest rank (pipeline rank 0) holds the embedding and the head."""
     if layout.pp == 1:
         return True, True

@@ -11,7 +11,7 @@ from typing import Any
 
 from colab_par.layout import Layout
 from colab_par.planning.dry_run.report import DryRunReport
-from colab_par.planning.dry_run.run import child_main, model_factory
+from colab_par.planning.dry_run.run import child_main, model_factory, refuse_untraceable
 
 __all__ = ["dry_run"]
 
@@ -28,7 +28,8 @@ def dry_run(model: Any, layout: "Layout | str", world_size: int, *, rank: int = 
     not for DDP, zero 0/1 data parallel without tp or pp, whose C++ reducer reads tensor data).
     The child runs `steps` steps and traces the last (from the second on, Adam's
     state exists). Raises ValueError (LayoutError) before starting anything for a layout that does
-    not fit the world, RuntimeError with the child's traceback if the step fails, TimeoutError
+    not fit the world or that torch's tracker cannot follow (the zero-bubble V schedule),
+    RuntimeError with the child's traceback if the step fails, TimeoutError
     after `timeout` seconds. (A script calling it needs the `if __name__ == "__main__":` guard
     every spawned process needs; a notebook does not.)"""
     layout = Layout.parse(layout)
@@ -41,6 +42,7 @@ def dry_run(model: Any, layout: "Layout | str", world_size: int, *, rank: int = 
         raise ValueError(f"tensors={tensors!r}; choose 'real' (allocated: small models) or 'fake' (no storage)")
     if steps < 1 or len(batch) != 2 or min(batch) < 1:
         raise ValueError(f"steps={steps}, batch={batch!r}: give steps >= 1 and batch=(global batch, seq len)")
+    refuse_untraceable(layout)
     model_factory(model)  # refuses what cannot cross to the child, before it starts
     if not callable(model):  # a config: the layout's rules apply before any process starts
         layout.validate(world_size, model, global_batch=batch[0])

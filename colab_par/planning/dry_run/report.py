@@ -57,7 +57,22 @@ class DryRunReport:
     is the step's whole peak (the loss between forward and backward included); `collectives` are
     the step's, per mesh dimension ("world" for the whole-world group). `seconds` is the child's
     wall time for build and steps; `world` tells whether the world was "fake" or a real backend,
-    `tensors` whether the tensors were "real" (small models) or "fake" (no storage: any size)."""
+    `tensors` whether the tensors were "real" (small models) or "fake" (no storage: any size);
+    `flops` the traced step's floating-point operations on this rank (torch's FlopCounterMode:
+    matmuls and attention, forward, backward and recompute; `step_time.traced_step_seconds`).
+
+    `host`: the part of `peak` a GPU run keeps off the device: under `offload` (FSDP's
+    CPUOffloadPolicy) and for kinds the memory tiers pin to "host" or "disk", the resting model
+    state of those kinds (the sharded parameters and gradients as the optimizer step holds them,
+    the optimizer state); a parameter gathered for compute and a gradient before its
+    reduce-scatter are device bytes. A tier budget whose placement is decided while training
+    ("auto") counts as device. `device_peak` is what the device must hold: the question "does it
+    fit" asks of it."""
+
+    @property
+    def device_peak(self) -> int:
+        """Bytes of the step's peak on the device: `peak.total` less `host`."""
+        return self.peak.total - self.host.total
 
     layout: str
     world_size: int
@@ -70,6 +85,8 @@ class DryRunReport:
     world: str = "fake"
     steps: int = 2
     tensors: str = "real"
+    flops: float = 0.0
+    host: MemoryKinds = MemoryKinds()
 
     def collective_bytes(self) -> dict[str, int]:
         """Payload bytes per mesh dimension."""
@@ -85,6 +102,9 @@ class DryRunReport:
         for name, kinds in (*self.phases.items(), ("peak", self.peak)):
             sizes = [getattr(kinds, part) for part in MemoryKinds.__dataclass_fields__] + [kinds.total]
             lines.append(f"{name:<10}" + "".join(f"{size / MiB:10.2f} MiB" for size in sizes))
+        if self.host.total:
+            sizes = [getattr(self.host, part) for part in MemoryKinds.__dataclass_fields__] + [self.host.total]
+            lines.append(f"{'off device':<10}" + "".join(f"{size / MiB:10.2f} MiB" for size in sizes))
         lines += [f"  {row.dim:<6} {row.op:<32} x{row.calls:<4} {row.bytes / MiB:10.3f} MiB"
                   for row in self.collectives]
         return "\n".join(lines)

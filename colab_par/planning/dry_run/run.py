@@ -19,16 +19,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.flop_counter import FlopCounterMode
 
 from colab_par.compat import fake_world
 from colab_par.layout import Layout
 from colab_par.models import GPT, GPTConfig
 from colab_par.parallel import parallelize
-from colab_par.parallel.mesh import build_mesh
+from colab_par.parallel.mesh import GRID_DIMS, build_expert_mesh, build_grid_mesh, build_mesh
 from colab_par.planning.dry_run.collectives import CollectivesByDim, mesh_group_names
 from colab_par.planning.dry_run.report import DryRunReport, MemoryKinds
 
-__all__ = ["model_factory", "token_batch", "traced_step", "fake_rank_step", "child_main"]
+__all__ = ["model_factory", "token_batch", "traced_step", "fake_rank_step", "child_main", "pipeline_stage_inputs",
+           "off_device_kinds", "refuse_untraceable"]
 
 
 def model_factory(model: Any) -> Callable[[], nn.Module]:
@@ -63,6 +65,32 @@ def _vocab_size(factory: Callable[[], nn.Module]) -> int:
     return int(config.vocab_size)
 
 
+def pipeline_stage_inputs(factory: Callable[[], nn.Module], layout: Layout,
+                          inputs: torch.Tensor) -> dict[int, tuple[torch.Tensor, ...]]:
+    """{stage: the tensors it takes} for every pipeline stage past the first, on meta: one
+    microbatch of a dp rank's share through the whole model's stages (`split_model` of each pp
+    rank), in the dtype a stage boundary carries (bf16 where FSDP casts the parameters; float32
+    under autocast, whose residual stream stays float32). What a fake world's shape inference
+    answers in place of the neighbours it cannot hear (`fake_world.pipeline_metadata`)."""
+    from colab_par.parallel.pipeline import split_model, stage_ids, stage_owner
+
+    with torch.device("meta"):
+        model = factory()
+    if layout.precision == "bf16" and layout.zero >= 2:
+        model = model.to(torch.bfloat16)
+    rows = inputs.shape[0] // (layout.dp * layout.microbatches)
+    carried: tuple[torch.Tensor, ...] = (torch.empty((rows, inputs.shape[1] // layout.cp), dtype=inputs.dtype,
+                                                     device="meta"),)
+    taken = {}
+    for stage in range(layout.pp * layout.virtual_stages - 1):
+        owner = stage_owner(layout, stage)
+        part = split_model(model, layout, owner)[stage_ids(layout, owner).index(stage)]
+        out = part(*carried)
+        carried = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        taken[stage + 1] = carried
+    return taken
+
+
 def _answer_ddp_on_fake_world(pm: Any) -> None:
     """torch 2.13's fake group completes an all-reduce with no value, which DDP's reducer refuses;
     this hook issues the same in-place sum of the pre-divided bucket (DDP's default) and answers
@@ -89,13 +117,14 @@ def traced_step(pm: Any, inputs: torch.Tensor, targets: torch.Tensor, *, steps: 
                 world: str = "fake") -> DryRunReport:
     """Run `steps` training steps of `pm` on the global batch and trace the last one: its memory
     per phase and its collectives per mesh dimension (this rank's view)."""
+    refuse_untraceable(pm.layout)
     for _ in range(steps - 1):  # optimizer state exists from the first step on
         _train_step(pm, inputs, targets)
-    _, dp_cp = build_mesh(pm.layout, pm.device)
-    seen = CollectivesByDim(mesh_group_names(pm.mesh, {"dp_cp": dp_cp}))
+    seen = CollectivesByDim(mesh_group_names(pm.mesh, _named_meshes(pm.layout, pm.device)))
     tracker = fake_world.memory_tracker()
     tracker.track_external(*pm.model_parts, pm.optimizer)
-    with seen:
+    flops = FlopCounterMode(display=False)
+    with seen, flops:
         with tracker:
             pm.forward_backward_tensor(inputs, targets)
         phases = {"forward": {}, "backward": {}}
@@ -107,10 +136,43 @@ def traced_step(pm: Any, inputs: torch.Tensor, targets: torch.Tensor, *, steps: 
         with tracker:  # entering again restarts the peak: the optimizer step's own
             pm.optimizer_step()
         phases["optimizer"] = fake_world.tracked_kinds(tracker.get_tracker_snapshot("peak"))
-    peak = max((step_peak, phases["optimizer"]), key=lambda kinds: kinds.get("Total", 0))
+    peak = MemoryKinds.of(max((step_peak, phases["optimizer"]), key=lambda kinds: kinds.get("Total", 0)))
+    resting = MemoryKinds.of(phases["optimizer"])
+    host = MemoryKinds(**{kind: min(getattr(peak, kind), getattr(resting, kind)) for kind in off_device_kinds(pm.layout)})
     return DryRunReport(str(pm.layout), dist.get_world_size(), dist.get_rank(), tuple(inputs.shape),
                         {phase: MemoryKinds.of(kinds) for phase, kinds in phases.items()},
-                        MemoryKinds.of(peak), seen.rows(), world=world, steps=steps)
+                        peak, seen.rows(), world=world, steps=steps, flops=float(flops.get_total_flops()), host=host)
+
+
+def off_device_kinds(layout: Layout) -> tuple[str, ...]:
+    """The kinds of model state a GPU run of `layout` keeps on the host or disk (see
+    `DryRunReport.host`): all three under `offload`, else those the tiers pin off the device."""
+    if layout.offload:
+        return ("params", "grads", "optimizer")
+    return tuple(kind for kind in ("params", "grads", "optimizer") if getattr(layout.tiers, kind) in ("host", "disk"))
+
+
+def refuse_untraceable(layout: Layout) -> None:
+    """The layouts torch's tracker cannot follow, refused before any work."""
+    if layout.pp > 1 and layout.pp_schedule == "zbv":
+        raise ValueError(f"layout {layout}: the zero-bubble V schedule splits each stage's backward with "
+                         "autograd.grad on the stage's input leaves, which torch 2.13's memory tracker (its module "
+                         "backward hooks) cannot follow; trace the same pipeline with pp_schedule='interleaved' "
+                         "(also several stages per rank) or '1f1b'")
+
+
+def _named_meshes(layout: Layout, device: torch.device) -> dict[str, Any]:
+    """The meshes beyond (pp, dp, cp, tp) whose groups a step may use, by the name a collective's
+    row takes: the flattened "dp_cp", the expert mesh's "ep" and "edp", a tensor grid's dims."""
+    _, dp_cp = build_mesh(layout, device)
+    named = {"dp_cp": dp_cp}
+    if layout.ep > 1:
+        experts = build_expert_mesh(layout, device)
+        named.update(ep=experts["ep"], edp=experts["edp"])
+    if layout.tp_mode != "1d":
+        grid = build_grid_mesh(layout, device)
+        named.update({dim: grid[dim] for dim in GRID_DIMS[layout.tp_mode]})
+    return named
 
 
 def fake_rank_step(request: dict[str, Any]) -> DryRunReport:
@@ -120,10 +182,21 @@ def fake_rank_step(request: dict[str, Any]) -> DryRunReport:
     allocated). tensors="fake": nothing is allocated; the model is built on meta outside the fake
     mode (`to_empty` cannot swap a fake parameter for its shard: the fake mode holds a weak
     reference to it), then `parallelize` and the step run under `FakeTensorMode`."""
-    fake_world.init_fake_world(request["rank"], request["world_size"])
     layout = Layout.parse(request["layout"])
+    refuse_untraceable(layout)
+    fake_world.init_fake_world(request["rank"], request["world_size"])
     factory = model_factory(request["model"])
     inputs, targets = token_batch(_vocab_size(factory), request["batch"], request["seed"])
+    if layout.pp > 1:
+        stage_inputs = pipeline_stage_inputs(factory, layout, inputs)
+        with fake_world.pipeline_metadata(stage_inputs.__getitem__):
+            return _fake_rank_build_and_step(request, layout, factory, inputs, targets)
+    return _fake_rank_build_and_step(request, layout, factory, inputs, targets)
+
+
+def _fake_rank_build_and_step(request: dict[str, Any], layout: Layout, factory: Callable[[], nn.Module],
+                              inputs: torch.Tensor, targets: torch.Tensor) -> DryRunReport:
+    """`fake_rank_step` past the world and the batch: build with real or fake tensors, trace."""
     if request["tensors"] == "real":
         pm = parallelize(factory, layout)
         _answer_ddp_on_fake_world(pm)
