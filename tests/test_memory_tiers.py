@@ -328,6 +328,7 @@ def _check_parameters_in_files(result: dict) -> None:
     ("dp2 zero3 optimizer@disk", True),
     ("dp2 zero3 optimizer@disk grads@disk", True),
     ("tp2 optimizer@disk", True),  # DTensor local shards
+    ("tp2 optimizer@host", False),  # the vocabulary-sharded embedding: its gradient sharded like it
     ("pp2 optimizer@disk", True),  # each rank its stage's parameters
     ("dp2 params@disk optimizer@disk", True),  # parameters too: their storage is the chunk's file
     ("tp2 params@disk optimizer@disk", True),

@@ -94,7 +94,14 @@ def fake_tensors() -> Iterator[Any]:
     index tensors they build (a mesh's coordinates, `(mesh == rank).nonzero()`, when FSDP joins
     the dp and tp meshes; a shard's offsets, `int(torch.arange(...)[0])`), which a fake tensor
     cannot answer. An op runs for real when no fake tensor enters it and it is integer work: its
-    tensor inputs all integer or boolean, or, without tensor inputs, an integer result."""
+    tensor inputs all integer or boolean, or, without tensor inputs, an integer result; an op on
+    meta tensors alone stays on meta for real, unless it allocates on a device (`to_empty`'s
+    `empty_like(..., device=)`, which must give a fake tensor: a real one would be allocated, and
+    its views would not share its storage in the tracker's eyes).
+
+    Two ops a trace without data cannot run as torch's fake kernels do: a router's tokens per
+    expert (`_balanced_counts`: a balanced router's) and a float32 grouped matmul
+    (`_grouped_mm_any_dtype`)."""
     fake_module = _torch_private(_FAKE_TENSOR)
     mode_class = getattr(fake_module, "FakeTensorMode", None)
     unset = getattr(fake_module, "unset_fake_temporarily", None)
