@@ -54,9 +54,11 @@ ROWS = [
     ("llama3-70b w512 dp64 tp8 zero3 bf16", LLAMA3["70b"], "dp64 tp8 zero3 bf16", 64, 2048),
     ("llama3-70b w512 dp512 zero3", LLAMA3["70b"], "dp512 zero3", 512, 2048),
     ("llama3-70b w512 dp128 tp4 zero3", LLAMA3["70b"], "dp128 tp4 zero3", 128, 2048),
+    ("llama3-8b w8 tp8 bf16", LLAMA3["8b"], "tp8 bf16", 8, 2048),  # autocast (tp without FSDP)
     ("gpt2-small w64 dp64 zero3", GPT2_SMALL, "dp64 zero3", 64, 1024),
     ("gpt2-small w64 dp16 tp4 zero3 bf16", GPT2_SMALL, "dp16 tp4 zero3 bf16", 64, 1024),
     ("gpt2-small w4 tp4", GPT2_SMALL, "tp4", 4, 1024),
+    ("gpt2-small w8 dp4 cp2 zero3 ring", GPT2_SMALL, "dp4 cp2 zero3", 8, 1024),  # cp: the kit's GPT only
     ("small-gpt w4 dp2 tp2 zero3", SMALL_GPT, "dp2 tp2 zero3", 4, 256),  # the test's live row (~7 s)
 ]
 # The other layout families on the kit's small GPT with real tensors (a few seconds each):
@@ -77,7 +79,22 @@ FAMILY_ROWS = [
     ("small-gpt w4 dp4 zero3 ac-full", SMALL_GPT, "dp4 zero3 ac-full", 4, 256, 0),
     ("small-gpt w4 dp4 zero3 ac-selective", SMALL_GPT, "dp4 zero3 ac-selective", 4, 256, 0),
 ]
+# Pipeline stages and experts at GPT-2 small's shape, fake tensors: (name, model, layout, batch, seq, rank)
+SCALE_ROLE_ROWS = [
+    ("gpt2-small w2 pp2 1f1b stage 0", GPT2_SMALL, "pp2", 8, 1024, 0),
+    ("gpt2-small w2 pp2 1f1b stage 1", GPT2_SMALL, "pp2", 8, 1024, 1),
+    ("gpt2-small-moe w8 dp8 ep4", {**GPT2_SMALL, "n_experts": 8, "top_k": 2}, "dp8 ep4", 8, 1024, 0),
+]
 LIVE_ROW = "small-gpt w4 dp2 tp2 zero3"
+# Rows the planner misses by more than 5 %, with the error docs/planner.md ("What remains
+# different") explains; the test holds each to it within a point, so a change either way shows.
+EXPLAINED = {
+    "small-gpt w4 dp2 cp2 ring": -0.172,
+    "small-gpt w2 cp2 ulysses": -0.145,
+    "small-gpt w2 dp2 zero3 optimizer@disk": +0.166,
+    "small-gpt w4 dp4 zero3 ac-full": -0.246,
+    "small-gpt w4 dp4 zero3 ac-selective": -0.055,
+}
 
 
 def build_config(model: dict[str, Any]) -> Any:
@@ -104,8 +121,9 @@ def trace_row(model: dict[str, Any], layout: str, batch: int, seq: int, *, rank:
 
 def all_rows() -> list[tuple[str, dict[str, Any], str, int, int, int, str]]:
     """Every row as (name, model, layout, batch, seq, rank, tensors): the scale rows on fake
-    tensors, the family rows on real ones."""
-    return ([(*row, 0, "fake") for row in ROWS] + [(*row, "real") for row in FAMILY_ROWS])
+    tensors, the small family rows on real ones."""
+    return ([(*row, 0, "fake") for row in ROWS] + [(*row, "real") for row in FAMILY_ROWS]
+            + [(*row, "fake") for row in SCALE_ROLE_ROWS])
 
 
 def report_row(name: str, model: dict[str, Any], report: DryRunReport) -> dict[str, Any]:
@@ -137,13 +155,28 @@ def planner_total(row: dict[str, Any]) -> float:
     return plan.memory.total
 
 
+def fullest_traced(row: dict[str, Any], rows: "list[dict[str, Any]]") -> float:
+    """What the planner's peak (the fullest rank's) is compared with: the row's traced peak, or
+    under a pipeline the fullest of its layout's recorded rank roles."""
+    if Layout.parse(row["layout"]).pp == 1:
+        return sum(row["peak"].values())
+    same = [other for other in rows if (other["layout"], other["model"], other["batch"]) ==
+            (row["layout"], row["model"], row["batch"])]
+    return max(sum(other["peak"].values()) for other in same)
+
+
+def _size(size: float) -> str:
+    return f"{size / GiB:.2f} GiB" if size >= GiB else f"{size / 2 ** 20:.1f} MiB"
+
+
 def table(rows: dict[str, dict[str, Any]]) -> str:
     lines = ["| row | wall | traced peak / rank | planner | error |", "|---|---|---|---|---|"]
     for row in rows.values():
         traced = sum(row["peak"].values())
         planned = planner_total(row)
-        lines.append(f"| {row['name']} | {row['seconds']:.0f} s | {traced / GiB:.2f} GiB | {planned / GiB:.2f} GiB | "
-                     f"{(planned - traced) / traced:+.1%} |")
+        error = (planned - fullest_traced(row, list(rows.values()))) / fullest_traced(row, list(rows.values()))
+        lines.append(f"| {row['name']} | {row['seconds']:.0f} s | {_size(traced)} | {_size(planned)} | "
+                     f"{error:+.1%}{' (explained)' if row['name'] in EXPLAINED else ''} |")
     return "\n".join(lines)
 
 

@@ -9,7 +9,8 @@ memory and the step's peak within 3 %, the FLOPs equal. Two exceptions, each bou
 arithmetic: the experts' token all-to-alls (`assert_same_collectives`) and FSDP's asynchronous
 reduce-scatter (`memory_bound`). On fake tensors the experts' routing is a balanced router's
 (`compat.fake_world.fake_tensors`). Tiny GPTs (2 layers, width 32; 4 layers where
-interleaved stages need 4; 4 experts for ep). The zero-bubble V schedule is refused (see there).
+interleaved and V stages need 4; 4 experts for ep). The zero-bubble V schedule splits each stage's
+backward with autograd.grad; the trackers follow it (`compat.fake_world.following_split_backward`).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from colab_par import parallelize
 from colab_par.layout import Layout
 from colab_par.models import GPT, GPTConfig
 from colab_par.planning.devices import get_device
-from colab_par.planning.dry_run import dry_run, rank_roles, traced_step_seconds
+from colab_par.planning.dry_run import rank_roles, traced_step_seconds
 from colab_par.planning.dry_run.run import fake_rank_step, model_factory, token_batch, traced_step
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, kernels="torch")
@@ -37,7 +38,8 @@ MOE = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, kern
 BATCH = (4, 16)
 WORLDS = {
     2: ("dp2 zero1", "dp2 zero2", "dp2 zero3 offload", "tp2 sp", "cp2", "cp2 ulysses", "pp2 gpipe", "pp2 1f1b",
-        "pp2 interleaved v2", "dp2 ep2", "dp2 ep2 zero3", "dp2 zero3 bf16", "tp2 bf16", "dp2 ac-full",
+        "pp2 interleaved v2", "pp2 zbv v2", "dp2 ep2", "dp2 ep2 zero3", "dp2 zero3 bf16", "tp2 bf16",
+        "dp2 ac-full",
         "dp2 zero3 ac-selective", "dp2 zero3 optimizer@disk grads@disk", "dp2 params@disk", "dp2 compile",
         "dp2 zero3 compile"),
     4: ("tp4 2d", "dp2 pp2", "dp2 tp2 zero3"),
@@ -46,7 +48,7 @@ WORLDS = {
 # traced on fake tensors too (no storage: what a rank of a large model runs on), against the same
 # real runs; DDP (zero0/1, cp over DDP) cannot run on them (its reducer reads tensor data)
 FAKE_TENSORS = ("dp2 zero2", "dp2 zero3 offload", "tp2 sp", "tp2 bf16", "dp2 zero3 ac-selective",
-                "dp2 zero3 optimizer@disk grads@disk", "pp2 1f1b", "pp2 interleaved v2", "dp2 pp2",
+                "dp2 zero3 optimizer@disk grads@disk", "pp2 1f1b", "pp2 interleaved v2", "pp2 zbv v2", "dp2 pp2",
                 "dp2 ep2 zero3", "dp2 zero3 compile")
 
 
@@ -198,7 +200,7 @@ def test_each_family_shows_its_own_traffic_and_state(reports) -> None:
     def fake(layout: str, rank: int = 0):
         return reports[("fake", layout, rank)]
 
-    for layout in ("pp2 gpipe", "pp2 1f1b", "pp2 interleaved v2"):
+    for layout in ("pp2 gpipe", "pp2 1f1b", "pp2 interleaved v2", "pp2 zbv v2"):
         ops = {(row.dim, row.op) for row in fake(layout).collectives}
         assert ("pp", "c10d.send") in ops and ("pp", "c10d.recv_") in ops, ops
     assert {"x", "y", "z"} <= set(fake("tp8 3d").collective_bytes())
@@ -238,8 +240,3 @@ def test_traced_step_seconds_is_the_device_model_on_the_trace(reports) -> None:
     assert traced_step_seconds(alone, "H100") < in_node < across
     with pytest.raises(ValueError, match="no traced FLOPs"):
         traced_step_seconds(replace(report, flops=0.0), "H100")
-
-
-def test_zero_bubble_is_refused_before_any_work() -> None:
-    with pytest.raises(ValueError, match="pp_schedule='interleaved'"):
-        dry_run(DEEP, "pp2 zbv v2", 2, batch=BATCH)

@@ -60,14 +60,6 @@ def test_every_layout_family_is_traced() -> None:
         assert roles == {other.get("rank", 0) for other in pipelines if other["layout"] == row["layout"]}
 
 
-def _fullest_traced(row: dict) -> float:
-    """The row's traced peak, or under a pipeline the fullest of its layout's rank roles (the
-    planner predicts the fullest rank)."""
-    same = [other for other in TRACES if other["layout"] == row["layout"] and other["model"] == row["model"]
-            and other["batch"] == row["batch"]]
-    return max(sum(other["peak"].values()) for other in (same if Layout.parse(row["layout"]).pp > 1 else [row]))
-
-
 @pytest.mark.parametrize("row", TRACES, ids=[row["name"] for row in TRACES])
 def test_the_planners_peak_is_within_5_percent_of_the_traced_peak(row: dict) -> None:
     """The traced peak is the step's fullest instant as torch's MemTracker saw it (kinds summed, the
@@ -75,7 +67,7 @@ def test_the_planners_peak_is_within_5_percent_of_the_traced_peak(row: dict) -> 
     (`EXPLAINED`) must keep exactly that error (within a point), so a change either way shows."""
     plan = estimate(SCALE.build_config(row["model"]), row["layout"], device="cpu", global_batch=row["batch"][0],
                     seq_len=row["batch"][1], validate=False)
-    traced = _fullest_traced(row)
+    traced = SCALE.fullest_traced(row, TRACES)
     error = (plan.memory.total - traced) / traced
     if row["name"] in SCALE.EXPLAINED:
         assert error == pytest.approx(SCALE.EXPLAINED[row["name"]], abs=0.01), (plan.memory.phase, row["peak"])

@@ -17,6 +17,8 @@ from colab_par.compat.trees import tree_leaves
 
 _FAKE_PG = "torch.testing._internal.distributed.fake_pg"
 _MEM_TRACKER = "torch.distributed._tools.mem_tracker"
+_MOD_TRACKER = "torch.distributed._tools.mod_tracker"
+_MODULE_TRACKER = "torch.utils.module_tracker"
 _FAKE_TENSOR = "torch._subclasses.fake_tensor"
 
 
@@ -54,6 +56,34 @@ def memory_tracker() -> Any:
             stats.snapshots.setdefault(states.PEAK_FW, []).append(snapshot)
 
     return MicrobatchTracker()
+
+
+@contextmanager
+def following_split_backward() -> Iterator[None]:
+    """While in it, the memory tracker follows a backward split by `autograd.grad` (the zero-bubble
+    V schedule: a stage's input gradients first, its weight gradients later). Its module hooks wait
+    for the gradients of every input of a module ("all" mode), which asks autograd whether each
+    input's node will run, and autograd.grad cannot answer for a node its inputs do not need (the
+    embedding's, in the input-gradient pass). Here a module's backward ends at its first input
+    gradient ("any"): the same moment for a module with one input that needs a gradient, as a
+    pipeline stage's is."""
+    modules = [_torch_private(name) for name in (_MOD_TRACKER, _MODULE_TRACKER)]  # memory's and FLOPs' trackers
+    originals = [getattr(module, "register_multi_grad_hook", None) for module in modules]
+    if None in originals:
+        raise _missing("torch", "register_multi_grad_hook in " + ", ".join((_MOD_TRACKER, _MODULE_TRACKER)))
+
+    def any_mode(register: Any) -> Any:
+        def register_multi_grad_hook(tensors: Any, fn: Any, *, mode: str = "all") -> Any:
+            return register(tensors, fn, mode="any")
+        return register_multi_grad_hook
+
+    for module, register in zip(modules, originals):
+        module.register_multi_grad_hook = any_mode(register)
+    try:
+        yield
+    finally:
+        for module, register in zip(modules, originals):
+            module.register_multi_grad_hook = register
 
 
 def tracked_kinds(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:

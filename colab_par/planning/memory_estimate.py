@@ -15,7 +15,8 @@ from colab_par.layout.tier_options import bf16_working_shards
 from colab_par.planning.devices import DeviceSpec
 from colab_par.planning.expert_costs import local_expert_params
 from colab_par.planning.flops import ModelSpec
-from colab_par.planning.tensor_costs import GridShape, grid_local_params, holds_ends, kept_activation_bytes
+from colab_par.planning.tensor_costs import (GridShape, autocast, grid_local_params, holds_ends,
+                                             kept_activation_bytes)
 
 __all__ = ["MemoryBreakdown", "STATE_BYTES", "FROZEN_BYTES", "INIT_MODES", "INIT_BYTES", "state_precision",
            "model_state_bytes", "check_init", "init_peak_bytes", "activation_bytes_per_layer",
@@ -333,12 +334,15 @@ def step_instants(spec: ModelSpec, layout: Layout, rank: RankParams, state: Memo
     sharded = resting.params if layout.zero >= 2 else state.params
     kept_gathered = rank.local * act_bytes if layout.zero == 2 else 0.0
     root_gathered = root * act_bytes if layout.zero == 3 else 0.0
-    accumulated = state.grads if layout.microbatches > 1 else 0.0
+    # gradients exist once a microbatch's backward is done: a pipeline's first stage holds its
+    # most microbatches before its first backward ends unless more are queued than it holds
+    accumulated = state.grads if layout.microbatches > microbatches_in_flight(layout) else 0.0
     activations, log_probs = kept_activations(spec, layout, micro, seq, act_bytes)
     head = spec.vocab_size * spec.d_model / split if log_probs else 0.0
     logits = micro * seq * spec.vocab_size if log_probs else 0.0
     instants = {
-        "loss": MemoryBreakdown(sharded + kept_gathered, accumulated, state.optimizer, activations,
+        "loss": MemoryBreakdown(sharded + kept_gathered, accumulated, state.optimizer,
+                                activations + _autocast_weight_cache(spec, layout, rank, split),
                                 buffers=2 * logits * 4, phase="loss"),
         "head": MemoryBreakdown(sharded + kept_gathered + root_gathered, accumulated, state.optimizer,
                                 activations - log_probs, buffers=(logits + 2 * head) * act_bytes, phase="head"),
@@ -354,10 +358,41 @@ def step_instants(spec: ModelSpec, layout: Layout, rank: RankParams, state: Memo
     largest = spec.largest_tensor / split / (shard if layout.zero >= 2 else 1)
     instants["optimizer"] = MemoryBreakdown(sharded, state.grads + whole_embedding, state.optimizer,
                                             buffers=(2 if adam else 1) * largest * 4, phase="optimizer")
+    if layout.pp > 1 and layout.pp_schedule != "zbv":
+        instants["last stage"] = _last_stage(spec, layout, state, sharded + kept_gathered, micro=micro, seq=seq,
+                                             act_bytes=act_bytes)
     if layout.zero >= 2:
         instants["backward end"] = MemoryBreakdown(sharded + root_gathered, state.grads, state.optimizer,
                                                    buffers=2 * max(root, rank.layer) * 4, phase="backward end")
     return instants
+
+
+def _last_stage(spec: ModelSpec, layout: Layout, state: MemoryBreakdown, params: float, *, micro: int, seq: int,
+                act_bytes: int) -> MemoryBreakdown:
+    """A pipeline's last stage at its last microbatch's loss (measured by dry runs, pp2 at two
+    sizes): one microbatch's layers kept (it runs each backward right after its forward), the
+    final norm and the log-probabilities, every earlier microbatch's output (log-probability
+    sized, held by the schedule to the step's end), the stage's received input, every gradient of
+    the earlier microbatches, and the loss's two token x vocabulary fp32 temporaries."""
+    per_layer, outside = kept_activation_bytes(spec, layout, micro, seq, act_bytes)
+    tokens = micro * seq
+    boundary = tokens * spec.d_model * (act_bytes if layout.zero >= 2 else 4)  # autocast: fp32 residuals
+    earlier = (layout.microbatches - 1) * tokens * spec.vocab_size * 4
+    grads = state.grads if layout.microbatches > 1 else 0.0
+    return MemoryBreakdown(params, grads, state.optimizer,
+                           spec.n_layer / layout.pp * per_layer + outside + earlier + boundary,
+                           buffers=2 * tokens * spec.vocab_size * 4 + boundary, phase="last stage")
+
+
+def _autocast_weight_cache(spec: ModelSpec, layout: Layout, rank: RankParams, split: int) -> float:
+    """The bf16 copies autocast caches of every linear's weight (not the embedding's, nor the
+    norms') from the forward until the loss leaves autocast: among the activations at the loss.
+    1d only: a tensor grid casts the weights it gathers itself (`parallel/tensor_grid.py`)."""
+    if not autocast(layout) or layout.tp_mode != "1d":
+        return 0.0
+    embedding = 0.0 if spec.tied_embeddings else spec.vocab_size * spec.d_model / split
+    norms = (2 * spec.n_layer / layout.pp + 1) * spec.d_model
+    return (rank.local - embedding - norms) * 2
 
 
 def _frozen_copies(spec: ModelSpec, rank: RankParams, layout: Layout, shard: int,

@@ -29,9 +29,19 @@ from typing import Any
 
 from colab_par.layout import Layout, grid_batch_chunks, tensor_grid
 
-__all__ = ["GridShape", "grid_local_params", "holds_ends", "kept_activation_bytes", "tensor_comm_bytes"]
+__all__ = ["GridShape", "autocast", "grid_local_params", "holds_ends", "kept_activation_bytes", "tensor_comm_bytes"]
 
 FP32 = 4
+# Under autocast each projection casts the fp32 norm output it reads on its own (nothing caches an
+# activation's cast): q, k and v read the attention norm's, gate and up the FFN norm's, so a layer
+# keeps three bf16 copies more than one per norm (measured by dry runs, tp4 bf16).
+AUTOCAST_EXTRA_NORM_COPIES = 3
+
+
+def autocast(layout: Layout) -> bool:
+    """Whether the step runs under torch.autocast (`ParallelModel._autocast`): bf16 without FSDP,
+    which casts its parameters itself instead."""
+    return layout.precision == "bf16" and layout.zero < 2
 
 
 @dataclass(frozen=True)
@@ -102,7 +112,9 @@ def kept_activation_bytes(spec: Any, layout: Layout, micro: int, seq: int,
     hugging_face = getattr(spec, "hugging_face", False)
     # the fp32 input and the normalised copy: Hugging Face's RMSNorm casts that copy back to the
     # compute dtype before the weight, torch's rms_norm (the kit's) multiplies it in fp32
-    kept = FP32 + (act_bytes if hugging_face or layout.tp_mode != "1d" else FP32)
+    # (under autocast the residual stream stays fp32, so Hugging Face's copy is fp32 too)
+    cast_back = layout.tp_mode != "1d" or (hugging_face and not autocast(layout))
+    kept = FP32 + (act_bytes if cast_back else FP32)
     if layout.sequence_parallel:  # input and normalised copy split; the output gathered whole
         norm = (tokens * hidden * kept + tokens * FP32) / split + tokens * hidden * act_bytes
     else:
@@ -112,11 +124,24 @@ def kept_activation_bytes(spec: Any, layout: Layout, micro: int, seq: int,
     q_width = spec.n_head * spec.head_dim / split
     kv_width = spec.n_kv_head * spec.head_dim / split if hugging_face else q_width
     attention = 2 * tokens * (q_width + kv_width) * act_bytes + tokens * spec.n_head / split * FP32
-    ffn = 4 * tokens * spec.ffn_hidden / split * act_bytes
+    ffn = _feed_forward_kept(spec, tokens, hidden, split, act_bytes)
+    one_d_autocast = autocast(layout) and layout.tp_mode == "1d"
+    casts = AUTOCAST_EXTRA_NORM_COPIES * tokens * hidden * act_bytes if one_d_autocast else 0
     outside = norm + 2 * seq * spec.head_dim * act_bytes + micro * seq * spec.vocab_size * FP32
     if layout.checkpointing == "selective" and layout.tp_mode == "1d":
         return _matmul_outputs(spec, tokens, split, act_bytes), outside
-    return 2 * norm + attention + ffn, outside
+    return 2 * norm + attention + ffn + casts, outside
+
+
+def _feed_forward_kept(spec: Any, tokens: float, hidden: float, split: int, act_bytes: int) -> float:
+    """SwiGLU's kept tensors (gate, silu(gate), up, their product); a mixture of experts keeps
+    them for each of a token's `top_k` experts, with the grouped tokens it sent them and the
+    outputs it got back (`models/moe.py`; measured by a dry run, dp4 ep2)."""
+    width = (spec.expert_hidden or spec.ffn_hidden) if spec.n_experts else spec.ffn_hidden
+    swiglu = 4 * tokens * width / split * act_bytes
+    if not spec.n_experts:
+        return swiglu
+    return spec.top_k * (swiglu + 2 * tokens * hidden * act_bytes) + tokens * spec.n_experts * FP32
 
 
 def _matmul_outputs(spec: Any, tokens: float, split: int, act_bytes: int) -> float:

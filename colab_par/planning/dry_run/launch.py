@@ -11,7 +11,7 @@ from typing import Any
 
 from colab_par.layout import Layout
 from colab_par.planning.dry_run.report import DryRunReport
-from colab_par.planning.dry_run.run import child_main, model_factory, refuse_untraceable
+from colab_par.planning.dry_run.run import child_main, model_factory
 
 __all__ = ["dry_run"]
 
@@ -42,7 +42,6 @@ def dry_run(model: Any, layout: "Layout | str", world_size: int, *, rank: int = 
         raise ValueError(f"tensors={tensors!r}; choose 'real' (allocated: small models) or 'fake' (no storage)")
     if steps < 1 or len(batch) != 2 or min(batch) < 1:
         raise ValueError(f"steps={steps}, batch={batch!r}: give steps >= 1 and batch=(global batch, seq len)")
-    refuse_untraceable(layout)
     model_factory(model)  # refuses what cannot cross to the child, before it starts
     if not callable(model):  # a config: the layout's rules apply before any process starts
         layout.validate(world_size, model, global_batch=batch[0])

@@ -10,6 +10,8 @@ and the same allocations are counted: a rank of an 8 B model takes well under 1 
 """
 from __future__ import annotations
 
+import contextlib
+
 import time
 import traceback
 from dataclasses import replace
@@ -30,7 +32,7 @@ from colab_par.planning.dry_run.collectives import CollectivesByDim, mesh_group_
 from colab_par.planning.dry_run.report import DryRunReport, MemoryKinds
 
 __all__ = ["model_factory", "token_batch", "traced_step", "fake_rank_step", "child_main", "pipeline_stage_inputs",
-           "off_device_kinds", "refuse_untraceable"]
+           "off_device_kinds"]
 
 
 def model_factory(model: Any) -> Callable[[], nn.Module]:
@@ -117,7 +119,6 @@ def traced_step(pm: Any, inputs: torch.Tensor, targets: torch.Tensor, *, steps: 
                 world: str = "fake") -> DryRunReport:
     """Run `steps` training steps of `pm` on the global batch and trace the last one: its memory
     per phase and its collectives per mesh dimension (this rank's view)."""
-    refuse_untraceable(pm.layout)
     for _ in range(steps - 1):  # optimizer state exists from the first step on
         _train_step(pm, inputs, targets)
     seen = CollectivesByDim(mesh_group_names(pm.mesh, _named_meshes(pm.layout, pm.device)))
@@ -125,7 +126,8 @@ def traced_step(pm: Any, inputs: torch.Tensor, targets: torch.Tensor, *, steps: 
     tracker.track_external(*pm.model_parts, pm.optimizer)
     flops = FlopCounterMode(display=False)
     with seen, flops:
-        with tracker:
+        split = fake_world.following_split_backward() if pm.layout.pp_schedule == "zbv" else contextlib.nullcontext()
+        with tracker, split:
             pm.forward_backward_tensor(inputs, targets)
         phases = {"forward": {}, "backward": {}}
         for part in pm.model_parts:  # a pipeline rank's stages: the larger peak of each phase
@@ -152,15 +154,6 @@ def off_device_kinds(layout: Layout) -> tuple[str, ...]:
     return tuple(kind for kind in ("params", "grads", "optimizer") if getattr(layout.tiers, kind) in ("host", "disk"))
 
 
-def refuse_untraceable(layout: Layout) -> None:
-    """The layouts torch's tracker cannot follow, refused before any work."""
-    if layout.pp > 1 and layout.pp_schedule == "zbv":
-        raise ValueError(f"layout {layout}: the zero-bubble V schedule splits each stage's backward with "
-                         "autograd.grad on the stage's input leaves, which torch 2.13's memory tracker (its module "
-                         "backward hooks) cannot follow; trace the same pipeline with pp_schedule='interleaved' "
-                         "(also several stages per rank) or '1f1b'")
-
-
 def _named_meshes(layout: Layout, device: torch.device) -> dict[str, Any]:
     """The meshes beyond (pp, dp, cp, tp) whose groups a step may use, by the name a collective's
     row takes: the flattened "dp_cp", the expert mesh's "ep" and "edp", a tensor grid's dims."""
@@ -183,7 +176,6 @@ def fake_rank_step(request: dict[str, Any]) -> DryRunReport:
     mode (`to_empty` cannot swap a fake parameter for its shard: the fake mode holds a weak
     reference to it), then `parallelize` and the step run under `FakeTensorMode`."""
     layout = Layout.parse(request["layout"])
-    refuse_untraceable(layout)
     fake_world.init_fake_world(request["rank"], request["world_size"])
     factory = model_factory(request["model"])
     inputs, targets = token_batch(_vocab_size(factory), request["batch"], request["seed"])
