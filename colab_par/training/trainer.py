@@ -35,6 +35,7 @@ from colab_par.training.checkpoint_async import check_async_supported, save_asyn
 from colab_par.training.checkpoint_background import in_flight as checkpoint_writing
 from colab_par.training.live_rows import LiveRows
 from colab_par.training.resilience.keeper import Keeper
+from colab_par.training.resilience.recover import recover as recover_from_memory
 from colab_par.training.step_measures import StepMeasures, telemetry_flops_per_token
 
 __all__ = ["Trainer", "WarmupCosine", "Evaluation", "Checkpoints", "Logs", "telemetry_flops_per_token"]
@@ -313,7 +314,7 @@ class Trainer:
             wait_for_saves()
         except CheckpointError as error:
             print(f"colab_par: {error}")
-        from_memory = self._keeper.recover(self)
+        from_memory = recover_from_memory(self)
         if from_memory is not None:
             print(f"colab_par: {from_memory}")
             return

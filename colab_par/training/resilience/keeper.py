@@ -1,5 +1,5 @@
-"""The Trainer's side of in-memory recovery: mark each whole step, take snapshots when due, and
-recover from what the engines keep before a disk checkpoint is read."""
+"""The Trainer's side of in-memory recovery: mark each whole step and take snapshots when due
+(`recover.recover` brings a run back from what they keep)."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,6 @@ from typing import Any
 
 from colab_par.training.resilience import memory, peers
 from colab_par.training.resilience.rank_copy import loop_state
-from colab_par.training.resilience.recover import recover
 
 __all__ = ["Keeper"]
 
@@ -49,10 +48,3 @@ class Keeper:
             return step % self._every == 0
         return self._last is None or step - self._last >= self._every
 
-    @property
-    def every(self) -> int:
-        """The snapshot cadence in steps (measured under "auto")."""
-        return self._every
-
-    def recover(self, trainer: Any) -> str | None:
-        return recover(trainer)

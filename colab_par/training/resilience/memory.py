@@ -40,7 +40,6 @@ class Kept:
     own: dict[int, RankCopy] = field(default_factory=dict)
     held: dict[int, RankCopy] = field(default_factory=dict)
     stride: int = 1
-    seconds: list[float] = field(default_factory=list)  # each snapshot's cost on this rank
 
     @property
     def live_step(self) -> int:
@@ -82,5 +81,4 @@ def take_snapshot(kept: Kept, pm: Any, trainer: Any) -> float:
     for pairs in (kept.own, kept.held):
         for step in [step for step in pairs if step < mine.step]:
             del pairs[step]
-    kept.seconds.append(time.perf_counter() - start)
-    return kept.seconds[-1]
+    return time.perf_counter() - start

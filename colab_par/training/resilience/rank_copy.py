@@ -30,10 +30,6 @@ class RankCopy:
     tensors: dict[str, torch.Tensor]
     values: dict[str, Any]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(tensor.numel() * tensor.element_size() for tensor in self.tensors.values())
-
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -85,17 +85,17 @@ def recover(trainer: Any) -> str | None:
     kept, pm = memory.kept_for(trainer.ckpt_dir), trainer.pm
     group = peers.host_group()
     world = dist.get_world_size(group)
-    live = kept if kept.live is not None and str(kept.live.pm.layout) == str(pm.layout) else None
+    live = kept.live is not None and str(kept.live.pm.layout) == str(pm.layout)  # a source of this layout
     stride = memory.buddy_stride(group)
     own = {s: c for s, c in kept.own.items() if c.layout == str(pm.layout) and c.world_size == world}
     held = {s: c for s, c in kept.held.items() if c.layout == str(pm.layout) and c.world_size == world}
-    facts = [kept.live_step if live is not None else _NONE, *_two(own), *_two(held), _replica_key(pm)]
+    facts = [kept.live_step if live else _NONE, *_two(own), *_two(held), _replica_key(pm)]
     table = peers.gathered_ints(facts, group)
     furthest = max(row[0] for row in table)
     chosen = replica_plan(table)
     if chosen is not None:
         step, plan = chosen
-        _take_from_replicas(trainer, live, step, plan, group)
+        _take_from_replicas(trainer, kept, plan, group)
         how = f"from live replicas (ranks {_sources(plan)}), no step lost"
     else:
         chosen = snapshot_plan(table, stride)
@@ -103,7 +103,7 @@ def recover(trainer: Any) -> str | None:
             memory.forget(trainer.ckpt_dir)
             return None
         step, plan = chosen
-        _take_from_snapshots(trainer, own, held, step, plan, group)
+        _take_from_snapshots(trainer, kept, own, held, step, plan, group)
         lost = list(range(step + 1, furthest + 1))
         how = (f"from in-memory snapshots (ranks {_sources(plan)}), "
                + (f"{len(lost)} step(s) lost: {lost[0]}..{lost[-1]}, trained again" if lost else "no step lost"))
@@ -116,8 +116,9 @@ def _sources(plan: dict[int, int]) -> str:
     return ", ".join(moved) if moved else "each its own"
 
 
-def _take_from_replicas(trainer: Any, kept: Any, step: int, plan: dict[int, int], group: Any) -> None:
-    """`kept`: this rank's `memory.Kept` when its live state is of this layout, else None."""
+def _take_from_replicas(trainer: Any, kept: Any, plan: dict[int, int], group: Any) -> None:
+    """`kept`: this rank's `memory.Kept`; its live state is read only where the plan names this rank
+    a source (it finished the chosen step under this layout)."""
     rank = dist.get_rank(group)
     mine: list[RankCopy] = []
 
@@ -134,10 +135,10 @@ def _take_from_replicas(trainer: Any, kept: Any, step: int, plan: dict[int, int]
         trainer.history = [{**row, "rank": trainer.rank} for row in trainer.history]
 
 
-def _take_from_snapshots(trainer: Any, own: dict[int, RankCopy], held: dict[int, RankCopy], step: int,
+def _take_from_snapshots(trainer: Any, kept: Any, own: dict[int, RankCopy], held: dict[int, RankCopy], step: int,
                          plan: dict[int, int], group: Any) -> None:
     rank = dist.get_rank(group)
     received = peers.send_copies(plan, lambda receiver: held[step], group)
     copy = own[step] if plan[rank] == rank else received
     put(copy, trainer.pm, trainer)
-    memory.kept_for(trainer.ckpt_dir).own[step] = copy
+    kept.own[step] = copy
