@@ -162,7 +162,7 @@ class GeneratorRun:
     def _first_error(self) -> BaseException:
         """The error of the side that failed for a reason of its own, else the first one."""
         by_time = sorted(self._errors, key=lambda role: self._failed_at.get(role, 0.0))
-        own = [role for role in by_time if not _only_bridge_closed(self._errors[role])]
+        own = [role for role in by_time if not _only_the_other_side_gone(self._errors[role])]
         role = (own or by_time)[0]
         error = self._errors[role]
         error.add_note(f"(raised on the {role} engines of a GRPO run with separate generators; the other side "
@@ -170,8 +170,11 @@ class GeneratorRun:
         return error
 
 
-def _only_bridge_closed(error: BaseException) -> bool:
-    return isinstance(error, EngineError) and all(name == "BridgeClosed" for _, name, _, _ in error.groups)
+def _only_the_other_side_gone(error: BaseException) -> bool:
+    """An error that only follows the other side stopping: the bridge closed, or its connection
+    lost (which a side can meet before the other's own error has come back)."""
+    return isinstance(error, EngineError) and all(name in ("BridgeClosed", "BrokenProcessGroup")
+                                                  for _, name, _, _ in error.groups)
 
 
 def _check(trainers: Any, generators: Generators, loop: Any) -> None:
