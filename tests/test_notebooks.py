@@ -8,12 +8,13 @@ from __future__ import annotations
 import base64
 import json
 import re
+import shutil
 
 import nbformat
 import pytest
 import torch
 from halving_reference import halving_lifetimes
-from notebook_run import execute
+from notebook_run import NOTEBOOKS, execute
 from picture import MIN_LINE_PIXELS, assert_selection_shows_data, assert_shows_data, data_pixels
 
 from colab_par.layout import Layout
@@ -124,16 +125,22 @@ def test_04_kernels(kernel_path, tmp_path):
 
 
 def test_05_planning_at_scale(kernel_path, tmp_path):
+    shutil.copytree(NOTEBOOKS / "data", tmp_path / "data")  # beside the notebook, as in notebooks/
     notebook = execute("05_planning_at_scale", tmp_path)
     zero = re.findall(r"ZeRO-(\d): +([\d.]+) GB", text_of(cell_of(notebook, "model_state_bytes(7.5e9")))
     assert [float(gb) for _, gb in zero] == pytest.approx([120.0, 31.4, 16.6, 1.88], abs=0.06)
     table = text_of(cell_of(notebook, "CLUSTERS = "))
     seconds = float(re.search(r"planned 30 \(model, cluster\) pairs in ([\d.]+) s", table).group(1))
     assert seconds < 15
-    layouts = re.findall(r"^\s*\S+\s+(\d+)\s{2}(.+?)\s{2,}[\d.]+\s+[\d.]+%", table, re.M)
+    layouts = re.findall(r"^\s*\S+\s+(\d+)\s{2}(.+?)\s{2,}[\d.]+\s+[\d.]+%.*?\| (.*)$", table, re.M)
     assert len(layouts) == 30
-    for gpus, layout in layouts:
+    candidates = re.findall(r"^\s+traced \| (.*)$", text_of(cell_of(notebook, "memory per GPU")), re.M)
+    assert len(candidates) == 7
+    for gpus, layout, traced in layouts:
         Layout.parse(layout).validate(int(gpus))
+    traced = [assert_traced_columns(layout, columns) for _, layout, columns in layouts]
+    traced += [assert_traced_columns("", columns) for columns in candidates]
+    assert sum(traced) >= 14, "the recorded traces (notebooks/data/05_traced.json) should cover these rows"
     for fragment in ("memory per GPU", "predicted tokens/s per GPU"):
         assert "image/png" in mime_types(cell_of(notebook, fragment))
     assert "application/vnd.jupyter.widget-view+json" in mime_types(cell_of(notebook, "picker.widget"))
@@ -143,6 +150,19 @@ def test_05_planning_at_scale(kernel_path, tmp_path):
     phases = text_of(cell_of(notebook, "for verification in checked.values()"))
     for row in ("forward", "backward", "optimizer", "step peak", "planner", "error"):
         assert len(re.findall(rf"^  {row} +[\d.+-]", phases, re.M)) == 2, (row, phases)
+
+
+def assert_traced_columns(layout: str, traced: str) -> bool:
+    """A row of notebook 05's tables: its recorded trace (peak GiB, the trace's verdict under the
+    dry run's rule, the planner's error) or "not traced yet"; whether it was traced."""
+    if traced == "not traced yet":
+        return False
+    gib, verdict, error = traced.split()
+    device = get_device("H100-80GB")
+    assert 0 < float(gib) and verdict in ("fits", "OOM") and re.fullmatch(r"[+-]\d+\.\d%", error), traced
+    if "offload" not in layout:  # offloaded state is off the device: the verdict reads the device's part
+        assert (verdict == "fits") == (float(gib) * GiB <= 0.9 * device.memory - device.process_memory), traced
+    return True
 
 
 def assert_traced_beside_predicted(table: str) -> None:

@@ -1,7 +1,10 @@
 """Losing engines of `dp4` loses no step (training/resilience): on a real 4-engine cluster a rank
 SIGKILLed mid-step is replaced and takes a live peer's state, and the run's losses equal an
 uninterrupted run's; 20 kills at random moments (random ranks, in the forward or before the
-optimizer step) leave the final loss of the uninterrupted run, and no process or staging file behind."""
+optimizer step) leave the final loss of the uninterrupted run, and no process or staging file behind.
+The model draws dropout masks, one stream per dp rank: a replaced rank must go on with its own
+stream where the lost engine left it (its peers gathered it at the step's end), or its masks, and
+so the losses, differ from the uninterrupted run's."""
 from __future__ import annotations
 
 import os
@@ -10,9 +13,11 @@ import random
 import pytest
 
 from colab_par import Cluster
+from colab_par.models import GPTConfig
 from resilience_cell import run_cell
 
 STEPS = 24
+MODEL = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, kernels="torch", dropout=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +30,14 @@ def cluster():
 def uninterrupted(cluster, tmp_path_factory) -> list[float]:
     cluster.restart()
     return run_cell(cluster, tmp_path_factory.mktemp("reference"), "dp4", [], layout="dp4", steps=STEPS, every=8,
-                    batch=8)[0]
+                    batch=8, model=MODEL)[0]
 
 
 def test_a_rank_killed_mid_step_takes_a_live_peers_state_and_no_step_is_lost(cluster, tmp_path, capsys,
                                                                               uninterrupted) -> None:
     cluster.restart()
     losses, _ = run_cell(cluster, tmp_path, "killed", [[2, "forward", 5]], layout="dp4", steps=STEPS, every=8,
-                         batch=8)
+                         batch=8, model=MODEL)
     assert "resumed at step 4 from live replicas (ranks 2<-0), no step lost" in capsys.readouterr().out
     assert losses == pytest.approx(uninterrupted, rel=1e-6)
 
@@ -51,7 +56,7 @@ def test_twenty_kills_at_random_moments_end_as_the_uninterrupted_run(cluster, tm
     kills = [[draw.randrange(4), ("forward", "optimizer")[moment % 2], moment // 2] for moment in moments]
     cluster.restart()
     losses, pids = run_cell(cluster, tmp_path, "killed", kills, layout="dp4", steps=STEPS, every=8, batch=8,
-                            max_restarts=len(kills))
+                            max_restarts=len(kills), model=MODEL)
     assert len(losses) == STEPS and losses[-1] == pytest.approx(uninterrupted[-1], rel=1e-6)
     live = {row["pid"] for row in cluster.status()}
     assert len(pids - live) == len(kills)  # every killed engine ran the cell ...

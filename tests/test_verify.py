@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from colab_par.layout import LayoutError
+from colab_par.layout import Layout, LayoutError
 from colab_par.models import GPT, GPTConfig
 from colab_par.notebook.picker import LayoutPicker
 from colab_par.planning.devices import get_device
 from colab_par.planning.dry_run import dry_run
 from colab_par.planning.dry_run.compare import compare
+from colab_par.planning.dry_run.microbatch_scaling import scaled_report
+from colab_par.planning.dry_run.report import CollectiveCount, DryRunReport, MemoryKinds
 from colab_par.planning.dry_run.roles import rank_roles
 from colab_par.planning.dry_run.verify import verify
 from colab_par.planning.layout_estimate import Plan
@@ -24,6 +26,7 @@ from colab_par.planning.planner import VerifiedPlan, plan
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, kernels="torch")
 BATCH = (4, 16)
+FOUR_LAYERS = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32, kernels="torch")  # pp2 x v2
 # activations of ~90 GiB per rank at a local batch of 128 x 4096 tokens: nothing of it exists (fake tensors)
 WIDE = GPTConfig(vocab_size=64, seq_len=4096, n_layer=2, n_head=8, d_model=1024, kernels="torch")
 
@@ -57,6 +60,35 @@ def test_a_layout_too_large_for_80_gb_names_the_phase_and_kind() -> None:
     assert not checked.fits and checked.fits == compare(check.report, WIDE, device=device).fits
     assert checked.overflow.startswith("all ranks (rank 0): forward needs") and checked.overflow.endswith("activations")
     assert "does NOT fit" in str(checked) and "forward needs" in checked._repr_html_()
+
+
+def test_a_pipeline_scaled_from_two_short_traces_equals_every_microbatch_traced() -> None:
+    """zbv (the planner's usual pick) under ZeRO-3 at 32 microbatches: traced in full, against
+    traced at 8 and 16 and carried along the line. Everything a step leaves per microbatch
+    (sends held until the step's last wait, each microbatch's loss) grows the peak too, so the
+    memory is scaled as well: equal to the byte, as the collectives and FLOPs are."""
+    layout, role = "dp2 pp2 zero3 zbv v2 mb32", ["pp rank 0 of 2 (stages 0, 3)"]
+    full, = verify(FOUR_LAYERS, layout, 4, device="H100", batch=(64, 16), roles=role).roles
+    scaled, = verify(FOUR_LAYERS, layout, 4, device="H100", batch=(64, 16), roles=role, microbatches=8).roles
+    traced, carried = full.report, scaled.report
+    assert carried.scaled_from == (8, 16) and traced.scaled_from is None and "scaled from 8 and 16" in str(carried)
+    assert (carried.layout, carried.batch) == (traced.layout, traced.batch)
+    assert carried.collectives == traced.collectives and carried.flops == traced.flops
+    assert carried.peak == traced.peak and carried.phases == traced.phases and carried.host == traced.host
+    assert scaled.comparison.rows == full.comparison.rows
+
+
+def test_microbatch_scaling_refuses_what_it_cannot_carry() -> None:
+    with pytest.raises(ValueError, match="no pipeline"):
+        verify(CONFIG, "dp2", 2, device="H100", batch=BATCH, microbatches=4)
+    with pytest.raises(ValueError, match="warm-up 8; give k >= 8 with 2k < 16"):
+        verify(FOUR_LAYERS, "pp2 zbv v2 mb16", 2, device="H100", batch=(16, 16), microbatches=8)
+    short = DryRunReport("pp2 mb4", 2, 0, (4, 16), {}, MemoryKinds(), (CollectiveCount("pp", "send", 4, 40),))
+    long = DryRunReport("pp2 mb8", 2, 0, (8, 16), {}, MemoryKinds(), (CollectiveCount("pp", "send", 6, 80),))
+    with pytest.raises(ValueError, match="whole amount per microbatch"):  # 0.5 calls a microbatch
+        scaled_report(short, long, Layout.parse("pp2 mb9"), (9, 16))
+    assert scaled_report(short, long, Layout.parse("pp2 mb12"), (12, 16)).collectives == (
+        CollectiveCount("pp", "send", 8, 120),)
 
 
 def test_bad_requests_fail_before_any_process() -> None:

@@ -16,9 +16,10 @@ from colab_par.layout.model_facts import PACKED_ATTENTION, has_expert_plan, mode
 from colab_par.layout.terms import (CHECKPOINTING, CP_MODES, DEGREES, FIELDS, PP_SCHEDULES, PRECISIONS,
                                     TP_MODES, ZERO_LEVELS, LayoutError, default_microbatches,
                                     grid_batch_chunks, tensor_grid)
+from colab_par.layout.rules import splits_backward
 from colab_par.layout.value import Layout
 
 __all__ = ["Layout", "LayoutError", "model_sizes", "valid_layouts", "field_options",
            "default_microbatches", "tensor_grid", "grid_batch_chunks", "DEGREES", "ZERO_LEVELS",
            "PACKED_ATTENTION", "CP_MODES", "TP_MODES", "PP_SCHEDULES", "PRECISIONS", "CHECKPOINTING", "FIELDS",
-           "Choices", "has_expert_plan"]
+           "Choices", "has_expert_plan", "splits_backward"]

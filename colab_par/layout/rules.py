@@ -232,6 +232,21 @@ def _check_virtual_stages(layout: Any, world: int | None, sizes: dict, device: s
                           "or use pp_schedule='interleaved'")
 
 
+def splits_backward(layout: Any) -> bool:
+    """Whether the schedule runs each microbatch's backward as two passes over one graph (input
+    gradients, then weight gradients): selective recompute keeps its saved results for exactly one
+    backward (torch.utils.checkpoint raises "Trying to backward an extra time" in the second)."""
+    return layout.pp > 1 and layout.pp_schedule == "zbv"
+
+
+@_rule("pp", "pp_schedule", "checkpointing")
+def _check_split_backward_recompute(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
+    if splits_backward(layout) and layout.checkpointing == "selective":
+        raise LayoutError("pp_schedule='zbv' runs two backward passes per microbatch and selective "
+                          "recompute allows one; use checkpointing='full' with zbv, or "
+                          "pp_schedule='1f1b' or 'interleaved' with checkpointing='selective'")
+
+
 @_rule("pp", "pp_schedule", "microbatches")
 def _check_microbatches(layout: Any, world: int | None, sizes: dict, device: str | None) -> None:
     schedule, m, p = layout.pp_schedule, layout.microbatches, layout.pp

@@ -14,7 +14,7 @@ import ipywidgets as w
 import traitlets
 
 from colab_par.layout import FIELDS, Layout, LayoutError, default_microbatches, field_options
-from colab_par.planning.dry_run.verify import Verification, check_verifiable, tensors_for, verify
+from colab_par.planning.dry_run.verify import Verification, check_verifiable, verify
 from colab_par.planning.module_spec import ModuleSpec
 from colab_par.planning.planner import GiB, DeviceSpec, ModelSpec, Plan, estimate, get_device, plan
 from colab_par.layout.tier_options import DEFAULT_DISK, MemoryTiers, format_bytes
@@ -157,8 +157,7 @@ class LayoutPicker:
                                        f"{html.escape(role)} ({index + 1} of {count})…")
 
         self.verification = verify(self.model, layout, self.world_size, device=self.device,
-                                   batch=(self.global_batch, self.seq_len), tensors=tensors_for(layout),
-                                   timeout=timeout, progress=progress)
+                                   batch=(self.global_batch, self.seq_len), timeout=timeout, progress=progress)
         self._verify_html.value = self.verification._repr_html_()
         return self.verification
 

@@ -364,7 +364,19 @@ def step_instants(spec: ModelSpec, layout: Layout, rank: RankParams, state: Memo
     if layout.zero >= 2:
         instants["backward end"] = MemoryBreakdown(sharded + root_gathered, state.grads, state.optimizer,
                                                    buffers=2 * max(root, rank.layer) * 4, phase="backward end")
-    return instants
+    buckets = ddp_bucket_bytes(layout, rank)
+    return {name: replace(instant, activations=instant.activations + buckets) for name, instant in instants.items()}
+
+
+def ddp_bucket_bytes(layout: Layout, rank: RankParams) -> float:
+    """DDP (zero 0/1 data parallel where it can wrap the model: no tp, tensor grid, experts or
+    pipeline under zero 0, whose DTensors or stages `GradientAverager` reduces instead) keeps its gradient buckets beside the gradients from the first backward on: a
+    float32 copy of every trainable local parameter (`gradient_as_bucket_view` is off). Allocated in
+    the first step's forward, the memory tracker files them as activations, so they are counted
+    there, at every instant."""
+    averages_itself = layout.zero == 0 and (layout.tp > 1 or layout.tp_mode != "1d" or layout.pp > 1 or layout.ep > 1)
+    uses_ddp = layout.zero < 2 and layout.dp * layout.cp > 1 and not averages_itself
+    return 4 * rank.local * rank.trainable if uses_ddp else 0.0
 
 
 def _last_stage(spec: ModelSpec, layout: Layout, state: MemoryBreakdown, params: float, *, micro: int, seq: int,

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Iterable
 
-from colab_par.layout import CP_MODES, TP_MODES, Choices, Layout, LayoutError, valid_layouts
+from colab_par.layout import CP_MODES, TP_MODES, Choices, Layout, LayoutError, splits_backward, valid_layouts
 from colab_par.layout.tier_options import MemoryTiers
-from colab_par.planning.dry_run.verify import Verification, check_verifiable, tensors_for, verify as verify_layout
+from colab_par.planning.dry_run.verify import Verification, check_verifiable, verify as verify_layout
 from colab_par.planning.devices import (CPU_PROCESS_BYTES, CPU_WRAPPER_COST, DEVICES, GiB, DeviceSpec,
                                         cpu_compute_costs, cpu_device, get_device, measure_cpu_device)
 from colab_par.planning.flops import ModelSpec, flops_per_token
@@ -111,7 +111,7 @@ def plan(model: Any, world_size: int, *, device: "str | DeviceSpec", global_batc
     `expert_load` (see `estimate`). `tiers` (e.g. ``MemoryTiers(budget="8GiB", disk="tmp")``)
     puts every candidate under that budget and those tiers instead of trying FSDP's offload;
     `grad_clip` as in `estimate`. `verify=k` dry-runs the first k (`dry_run.verify`, fake
-    tensors where the layout allows, every rank role; `model` a GPTConfig or Hugging Face config)
+    tensors, every rank role; `model` a GPTConfig or Hugging Face config)
     and returns them as `VerifiedPlan`s, whose `fits` is the trace's verdict too: one the planner
     said fits but whose traced step does not moves behind those that fit."""
     check_init(init)
@@ -166,15 +166,15 @@ def _verified(option: Plan, model: Any, device: DeviceSpec, world_size: int, bat
               optimizer: str) -> VerifiedPlan:
     """`option` with the dry runs of its layout's rank roles on `device`."""
     checked = verify_layout(model, option.layout, world_size, device=device, batch=batch,
-                            tensors=tensors_for(option.layout), optimizer=optimizer)
+                            optimizer=optimizer)
     kept = {field.name: getattr(option, field.name) for field in fields(option)}
     return VerifiedPlan(**{**kept, "fits": option.fits and checked.fits}, verification=checked)
 
 
 def _cheapest_fitting(spec: ModelSpec, layout: Layout, options: dict[str, Any]) -> Plan:
-    """The first of: as is, selective then full recompute, each also offloaded (zero >= 2, no
-    memory tiers), that fits; the last tried if none does."""
-    for checkpointing in ("none", "selective", "full"):
+    """The first of: as is, selective then full recompute (no selective under a split backward),
+    each also offloaded (zero >= 2, no memory tiers), that fits; the last tried if none does."""
+    for checkpointing in ("none", "full") if splits_backward(layout) else ("none", "selective", "full"):
         for offload in ((False, True) if layout.zero >= 2 and not layout.tiers.enabled else (False,)):
             option = estimate(spec, layout.replace(checkpointing=checkpointing, offload=offload), **options)
             if option.fits:

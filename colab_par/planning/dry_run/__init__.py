@@ -15,7 +15,7 @@ from colab_par.planning.dry_run.launch import dry_run
 from colab_par.planning.dry_run.report import CollectiveCount, DryRunReport, MemoryKinds
 from colab_par.planning.dry_run.roles import rank_roles
 from colab_par.planning.dry_run.step_time import traced_step_seconds
-from colab_par.planning.dry_run.verify import RoleCheck, Verification, tensors_for, verify
+from colab_par.planning.dry_run.verify import RoleCheck, Verification, verify
 
 __all__ = ["dry_run", "DryRunReport", "MemoryKinds", "CollectiveCount", "rank_roles", "traced_step_seconds",
-           "verify", "Verification", "RoleCheck", "tensors_for"]
+           "verify", "Verification", "RoleCheck"]

@@ -24,10 +24,9 @@ def dry_run(model: Any, layout: "Layout | str", world_size: int, *, rank: int = 
     `model`: a GPTConfig, a Hugging Face config or a picklable zero-argument factory (it is built
     in the child, on meta first, by the kit's `parallelize`). `batch`: the GLOBAL (batch, seq) of
     token batches. `tensors`: "real" allocates the rank's tensors for real (small models: what
-    a real world of the same size measures), "fake" allocates nothing (`FakeTensorMode`: any size;
-    not for DDP, zero 0/1 data parallel without tp or pp, whose C++ reducer reads tensor data).
-    The child runs `steps` steps and traces the last (from the second on, Adam's
-    state exists). Raises ValueError (LayoutError) before starting anything for a layout that does
+    a real world of the same size measures), "fake" allocates nothing (`FakeTensorMode`: any size).
+    The child runs `steps` (>= 2) steps and traces the last (from the second on, Adam's
+    state exists; the one before counts the FLOPs). Raises ValueError (LayoutError) before starting anything for a layout that does
     not fit the world or that torch's tracker cannot follow (the zero-bubble V schedule),
     RuntimeError with the child's traceback if the step fails, TimeoutError
     after `timeout` seconds. (A script calling it needs the `if __name__ == "__main__":` guard
@@ -40,8 +39,9 @@ def dry_run(model: Any, layout: "Layout | str", world_size: int, *, rank: int = 
         raise ValueError(f"rank={rank} is outside a world of {world_size}; choose 0..{world_size - 1}")
     if tensors not in ("real", "fake"):
         raise ValueError(f"tensors={tensors!r}; choose 'real' (allocated: small models) or 'fake' (no storage)")
-    if steps < 1 or len(batch) != 2 or min(batch) < 1:
-        raise ValueError(f"steps={steps}, batch={batch!r}: give steps >= 1 and batch=(global batch, seq len)")
+    if steps < 2 or len(batch) != 2 or min(batch) < 1:
+        raise ValueError(f"steps={steps}, batch={batch!r}: give steps >= 2 (the traced step needs one before "
+                         "it) and batch=(global batch, seq len)")
     model_factory(model)  # refuses what cannot cross to the child, before it starts
     if not callable(model):  # a config: the layout's rules apply before any process starts
         layout.validate(world_size, model, global_batch=batch[0])
@@ -67,7 +67,5 @@ def dry_run(model: Any, layout: "Layout | str", world_size: int, *, rank: int = 
             child.kill()
             child.join()
     if status == "error":
-        hint = ("" if tensors == "real" else "\n(on fake tensors DDP cannot run, zero 0/1 data parallel without tp or "
-                "pp: its C++ reducer reads tensor data; trace that layout with tensors='real' or use zero2/zero3)")
-        raise RuntimeError(f"the dry run of {layout} (rank {rank} of {world_size}) failed in its process:\n{value}{hint}")
+        raise RuntimeError(f"the dry run of {layout} (rank {rank} of {world_size}) failed in its process:\n{value}")
     return value

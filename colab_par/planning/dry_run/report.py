@@ -67,7 +67,8 @@ class DryRunReport:
     the optimizer state); a parameter gathered for compute and a gradient before its
     reduce-scatter are device bytes. A tier budget whose placement is decided while training
     ("auto") counts as device. `device_peak` is what the device must hold: the question "does it
-    fit" asks of it."""
+    fit" asks of it. `scaled_from`: (k, 2k) when the step's microbatches were not all traced but
+    scaled from traces of k and 2k (`microbatch_scaling`), None when every one ran."""
 
     @property
     def device_peak(self) -> int:
@@ -87,6 +88,7 @@ class DryRunReport:
     tensors: str = "real"
     flops: float = 0.0
     host: MemoryKinds = MemoryKinds()
+    scaled_from: tuple[int, int] | None = None
 
     def collective_bytes(self) -> dict[str, int]:
         """Payload bytes per mesh dimension."""
@@ -97,7 +99,9 @@ class DryRunReport:
 
     def __str__(self) -> str:
         lines = [f"dry run of {self.layout!r}, rank {self.rank} of {self.world_size} ({self.world} world, {self.tensors} tensors), "
-                 f"batch {self.batch[0]} x {self.batch[1]}, {self.seconds:.1f} s",
+                 f"batch {self.batch[0]} x {self.batch[1]}, {self.seconds:.1f} s"
+                 + (f", scaled from {self.scaled_from[0]} and {self.scaled_from[1]} microbatches traced"
+                    if self.scaled_from else ""),
                  f"{'phase':<10}" + "".join(f"{name:>13}" for name in (*MemoryKinds.__dataclass_fields__, "total"))]
         for name, kinds in (*self.phases.items(), ("peak", self.peak)):
             sizes = [getattr(kinds, part) for part in MemoryKinds.__dataclass_fields__] + [kinds.total]

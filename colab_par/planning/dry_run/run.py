@@ -117,17 +117,31 @@ def _train_step(pm: Any, inputs: torch.Tensor, targets: torch.Tensor) -> None:
 
 def traced_step(pm: Any, inputs: torch.Tensor, targets: torch.Tensor, *, steps: int = 2,
                 world: str = "fake") -> DryRunReport:
-    """Run `steps` training steps of `pm` on the global batch and trace the last one: its memory
-    per phase and its collectives per mesh dimension (this rank's view)."""
-    for _ in range(steps - 1):  # optimizer state exists from the first step on
-        _train_step(pm, inputs, targets)
+    """Run `steps` (>= 2) training steps of `pm` on the global batch and trace the last one: its
+    memory per phase and its collectives per mesh dimension (this rank's view), and its FLOPs.
+    Under recompute the FLOPs are counted in a step of their own before it (the same operators):
+    torch's FLOP counter keeps what recompute rebuilds alive until it exits (29 MiB past the
+    backward of a small GPT under full recompute), which the memory tracker would count as the
+    step's; a pipeline's first step builds its stages (an `autograd.grad` the counter's hooks
+    refuse), so there the counted step is a second one."""
+    if steps < 2:
+        raise ValueError(f"steps={steps}: the traced step needs one before it (optimizer state, FLOPs)")
+
+    def split() -> Any:  # the trackers' module hooks under zbv's split backward
+        return fake_world.following_split_backward() if pm.layout.pp_schedule == "zbv" else contextlib.nullcontext()
+
+    flops = FlopCounterMode(display=False)
+    recompute = pm.layout.checkpointing != "none"
+    warm_ups = steps - 1 + (recompute and pm.layout.pp > 1)  # a pipeline's first step also builds its stages
+    for index in range(warm_ups):  # optimizer state exists from the first step on
+        with (flops if recompute and index == warm_ups - 1 else contextlib.nullcontext()), split():
+            _train_step(pm, inputs, targets)
     seen = CollectivesByDim(mesh_group_names(pm.mesh, _named_meshes(pm.layout, pm.device)))
     tracker = fake_world.memory_tracker()
-    tracker.track_external(*pm.model_parts, pm.optimizer)
-    flops = FlopCounterMode(display=False)
-    with seen, flops:
-        split = fake_world.following_split_backward() if pm.layout.pp_schedule == "zbv" else contextlib.nullcontext()
-        with tracker, split:
+    inner = getattr(pm.optimizer, "optim", None)  # ZeroRedundancyOptimizer (zero1) keeps its state in it
+    tracker.track_external(*pm.model_parts, pm.optimizer, *([inner] if inner is not None else []))
+    with seen, (contextlib.nullcontext() if recompute else flops):
+        with tracker, split():
             pm.forward_backward_tensor(inputs, targets)
         phases = {"forward": {}, "backward": {}}
         for part in pm.model_parts:  # a pipeline rank's stages: the larger peak of each phase
@@ -197,6 +211,7 @@ def _fake_rank_build_and_step(request: dict[str, Any], layout: Layout, factory: 
         model = factory()
     with fake_world.fake_tensors():
         pm = parallelize(model, layout)
+        _answer_ddp_on_fake_world(pm)
         return replace(traced_step(pm, inputs, targets, steps=request["steps"]), tensors="fake")
 
 

@@ -18,12 +18,13 @@ from colab_par.models import GPTConfig
 from colab_par.planning.devices import GiB, DeviceSpec, get_device
 from colab_par.planning.dry_run.compare import Comparison, compare
 from colab_par.planning.dry_run.launch import dry_run
+from colab_par.planning.dry_run.microbatch_scaling import scaled_report, short_layouts
 from colab_par.planning.dry_run.report import MiB, DryRunReport, MemoryKinds
 from colab_par.planning.dry_run.roles import rank_roles
 from colab_par.planning.dry_run.step_time import traced_step_seconds
 from colab_par.planning.layout_estimate import estimate
 
-__all__ = ["RoleCheck", "Verification", "verify", "tensors_for", "check_verifiable"]
+__all__ = ["RoleCheck", "Verification", "verify", "check_verifiable"]
 
 _KINDS = tuple(MemoryKinds.__dataclass_fields__)  # params ... other, the trace's columns
 
@@ -145,13 +146,15 @@ def _rows(check: RoleCheck, unit: float) -> list[tuple[str, list[str]]]:
 
 def verify(model: Any, layout: "Layout | str", world_size: int, *, device: "str | DeviceSpec",
            batch: tuple[int, int], tensors: str = "fake", roles: Iterable[str] | None = None,
-           optimizer: str = "adam", timeout: float = 600.0,
+           optimizer: str = "adam", microbatches: int | None = None, timeout: float = 600.0,
            progress: Callable[[str, int, int], None] | None = None) -> Verification:
     """Dry-run every rank role of `layout` for `model` (a GPTConfig or Hugging Face config: what
     both the dry run and the planner read) on `world_size` ranks of `device`, global `batch` =
     (batch, seq len), and set each beside the planner. `roles`: only these role names (of
-    `rank_roles`). `tensors`="fake" allocates nothing (any size; not DDP or zero 0/1 data parallel
-    without tp or pp: use "real" for those, small models). `progress(role, index, count)` is
+    `rank_roles`). `tensors`="fake" allocates nothing (any size); "real" allocates the rank's tensors
+    (small models: what a real world measures). `microbatches`=k: a pipeline's step is
+    traced at k and 2k microbatches and scaled to the layout's count (`microbatch_scaling`: for
+    hundreds of microbatches; each report says so); None traces every one. `progress(role, index, count)` is
     called before each role's run. Bad input raises ValueError / TypeError before any process
     starts; a failing or overlong dry run raises as `dry_run` does."""
     layout = Layout.parse(layout)
@@ -162,11 +165,14 @@ def verify(model: Any, layout: "Layout | str", world_size: int, *, device: "str 
         raise ValueError(f"batch={batch!r}, tensors={tensors!r}: give batch=(global batch, seq len) and "
                          "tensors='fake' (no storage: any size) or 'real' (allocated: small models)")
     plan = estimate(model, layout, device=dev, global_batch=batch[0], seq_len=batch[1], optimizer=optimizer)
+    traced = [(layout, tuple(batch))] if microbatches is None else short_layouts(layout, tuple(batch), microbatches)
     checks = []
     for index, (role, rank) in enumerate(chosen.items()):
         if progress is not None:
             progress(role, index, len(chosen))
-        report = dry_run(model, layout, world_size, rank=rank, batch=batch, tensors=tensors, timeout=timeout)
+        reports = [dry_run(model, variant, world_size, rank=rank, batch=variant_batch, tensors=tensors,
+                           timeout=timeout) for variant, variant_batch in traced]
+        report = reports[0] if microbatches is None else scaled_report(*reports, layout, tuple(batch))
         checks.append(RoleCheck(role, rank, report, compare(report, model, device=dev, optimizer=optimizer),
                                 traced_step_seconds(report, dev)))
     return Verification(_model_name(model), str(layout), world_size, dev.name, tuple(batch), tensors,
@@ -178,14 +184,6 @@ def check_verifiable(model: Any) -> None:
     if not isinstance(model, GPTConfig) and not hasattr(model, "to_dict"):
         raise TypeError(f"verify takes a GPTConfig or a Hugging Face config (the planner reads its sizes, "
                         f"the dry run builds it), not a {type(model).__name__}")
-
-
-def tensors_for(layout: Layout) -> str:
-    """"fake" where the layout's step runs on fake tensors; "real" where it wraps the model in DDP
-    (zero 0/1 data parallel, except zero 0 with tp or pp, which averages gradients itself), whose
-    C++ reducer reads tensor data: small models only."""
-    averages_itself = layout.zero == 0 and (layout.tp > 1 or layout.tp_mode != "1d" or layout.pp > 1)
-    return "real" if layout.zero < 2 and layout.dp * layout.cp > 1 and not averages_itself else "fake"
 
 
 def _chosen_roles(every: dict[str, int], roles: Iterable[str] | None) -> dict[str, int]:

@@ -2,11 +2,15 @@
 (`recover.recover` brings a run back from what they keep)."""
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
+import torch.distributed as dist
+
 from colab_par.training.resilience import memory, peers
 from colab_par.training.resilience.rank_copy import loop_state
+from colab_par.training.resilience.recover import replica_key
 
 __all__ = ["Keeper"]
 
@@ -22,14 +26,26 @@ class Keeper:
         self._every = snapshot_every if isinstance(snapshot_every, int) else 1
         self._last: int | None = None  # the step of the newest snapshot ("auto")
         self._stride_known = False
+        self._replicas: bool | None = None  # dp peers hold the same state (`recover.replica_key`)
+        if dist.is_initialized():  # made now, while every rank is here: its making waits for all of them
+            peers.host_group()
 
     def step_begins(self) -> None:
         """Just before the optimizer step: this rank's state is in flux until `step_done`."""
         self.kept.live = None
 
     def step_done(self, trainer: Any, step_seconds: float) -> None:
-        """The step's row is recorded: this rank's state is whole at `trainer.step`."""
-        self.kept.live, self.kept.live_loop = trainer, loop_state(trainer.pm, trainer)
+        """The step's row is recorded: this rank's state is whole at `trainer.step`. Where dp peers
+        are live replicas of each other, every rank's random stream is gathered too (a few KB): a
+        replaced rank's own stream is then known to its peers (unless it was lost after its
+        backward and before this gather: then it starts afresh from the Trainer's seed)."""
+        loop = loop_state(trainer.pm, trainer)
+        self.kept.live, self.kept.live_loop = trainer, loop  # whole, even if a peer is lost in the gather
+        if self._replicas is None:
+            self._replicas = replica_key(trainer.pm) >= 0 and trainer.pm.layout.dp > 1
+        if self._replicas:
+            loop["streams"] = [json.loads(text) for text in
+                               peers.gathered_texts(json.dumps(loop["rng"]), peers.host_group())]
         if not self._due(trainer.step):
             return
         if not self._stride_known:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from colab_par.training.resilience.rank_copy import RankCopy, from_bytes, to_bytes
 
-__all__ = ["host_group", "exchange", "send_copies", "gathered_ints", "agreed_max"]
+__all__ = ["host_group", "exchange", "send_copies", "gathered_ints", "gathered_texts", "agreed_max"]
 
 _group: tuple[Any, Any] | None = None  # (the world it was made for, its gloo group)
 
@@ -30,6 +30,17 @@ def gathered_ints(values: list[int], group: Any) -> list[list[int]]:
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     return [row.tolist() for row in everyone]
+
+
+def gathered_texts(text: str, group: Any) -> list[str]:
+    """`text` from every rank, in rank order (UTF-8 bytes in a padded tensor: nothing is unpickled)."""
+    mine = text.encode()
+    sizes = [row[0] for row in gathered_ints([len(mine)], group)]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else padded[:0]
+    everyone = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(everyone, padded, group=group)
+    return [bytes(row[:size].numpy()).decode() for row, size in zip(everyone, sizes)]
 
 
 def agreed_max(value: int, group: Any) -> int:

@@ -12,6 +12,7 @@ choose the same plan:
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch.distributed as dist
@@ -20,12 +21,12 @@ from colab_par.layout.tier_options import MemoryTiers
 from colab_par.training.resilience import memory, peers
 from colab_par.training.resilience.rank_copy import RankCopy, put, take
 
-__all__ = ["recover", "replica_plan", "snapshot_plan"]
+__all__ = ["recover", "replica_plan", "snapshot_plan", "replica_key"]
 
 _NONE = -1
 
 
-def _replica_key(pm: Any) -> int:
+def replica_key(pm: Any) -> int:
     """This rank's place in every mesh dimension but dp (its peers share it), or -1 when dp peers do
     not hold the same state."""
     layout = pm.layout
@@ -89,7 +90,7 @@ def recover(trainer: Any) -> str | None:
     stride = memory.buddy_stride(group)
     own = {s: c for s, c in kept.own.items() if c.layout == str(pm.layout) and c.world_size == world}
     held = {s: c for s, c in kept.held.items() if c.layout == str(pm.layout) and c.world_size == world}
-    facts = [kept.live_step if live else _NONE, *_two(own), *_two(held), _replica_key(pm)]
+    facts = [kept.live_step if live else _NONE, *_two(own), *_two(held), replica_key(pm)]
     table = peers.gathered_ints(facts, group)
     furthest = max(row[0] for row in table)
     chosen = replica_plan(table)
@@ -122,16 +123,21 @@ def _take_from_replicas(trainer: Any, kept: Any, plan: dict[int, int], group: An
     rank = dist.get_rank(group)
     mine: list[RankCopy] = []
 
-    def copy_of(_receiver: int) -> RankCopy:
+    def copy_of(receiver: int) -> RankCopy:
+        """This rank's state, with the receiver's own random stream at that step (`Keeper` gathers
+        every rank's at the end of each step: a lost rank's masks go on as if it had lived)."""
         if not mine:
             mine.append(take(kept.live.pm, kept.live, dist.get_world_size(group), kept.live_loop))
-        return mine[0]
+        if receiver == rank:
+            return mine[0]
+        streams = kept.live_loop.get("streams")
+        return replace(mine[0], values={**mine[0].values, "rng": streams[receiver] if streams else None})
 
     received = peers.send_copies(plan, copy_of, group)
     if plan[rank] == rank:  # finished that step itself: its own state, stream and rows
         put(copy_of(rank), trainer.pm, trainer)
-    else:  # a peer's: a new engine's stream starts afresh from the Trainer's seed
-        put(received, trainer.pm, trainer, with_rng=False)
+    else:  # a peer's model, optimizer and loop, this rank's stream; the rows are the peer's, relabelled
+        put(received, trainer.pm, trainer, with_rng=received.values["rng"] is not None)
         trainer.history = [{**row, "rank": trainer.rank} for row in trainer.history]
 
 
