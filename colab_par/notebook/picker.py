@@ -147,7 +147,7 @@ class LayoutPicker:
 
     def verify(self, *, timeout: float = 600.0) -> Verification:
         """Dry-run the chosen layout's rank roles (`dry_run.verify`: spawned processes, fake
-        tensors where the layout allows) and show their traced memory per phase beside the
+        tensors) and show their traced memory per phase beside the
         prediction; what the Verify button runs, in a thread (`verify_in_background`)."""
         layout = self.layout
         self._verify_html.value = f"verifying <code>{html.escape(str(layout))}</code>…"

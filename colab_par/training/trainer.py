@@ -13,7 +13,6 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -30,12 +29,12 @@ from colab_par.data.batch import batch_size, batch_to, check_batch
 from colab_par.profiling import recorder
 from colab_par.profiling.steps import ProfileSteps, StepProfiler
 from colab_par.training.options import Checkpoints, Evaluation, Logs, check_positive, grouped_legacy_options
-from colab_par.training.checkpoint import LATEST, CheckpointError, load, save, saved_history
+from colab_par.training.checkpoint import load, save, saved_history
 from colab_par.training.checkpoint_async import check_async_supported, save_async, wait_for_saves
 from colab_par.training.checkpoint_background import in_flight as checkpoint_writing
 from colab_par.training.live_rows import LiveRows
 from colab_par.training.resilience.keeper import Keeper
-from colab_par.training.resilience.recover import recover as recover_from_memory
+from colab_par.training.resilience.comeback import announce as announce_recovery, come_back
 from colab_par.training.step_measures import StepMeasures, telemetry_flops_per_token
 
 __all__ = ["Trainer", "WarmupCosine", "Evaluation", "Checkpoints", "Logs", "telemetry_flops_per_token"]
@@ -127,7 +126,7 @@ class Trainer:
         self._keeper = None  # what this engine keeps in memory to recover a lost peer (training/resilience)
         if checkpoints is not None and checkpoints.on_failure == "restart":
             self._keeper = Keeper(checkpoints.dir, checkpoints.snapshot_every)
-            self._announce_recovery()
+            announce_recovery(self)
 
     @property
     def ckpt_dir(self) -> str | os.PathLike | None:
@@ -139,7 +138,7 @@ class Trainer:
         stop_at = self.steps if stop_at is None else min(stop_at, self.steps)
         if self.checkpoints is not None and self.checkpoints.on_failure == "restart" and \
                 recovery.resume_requested(self.ckpt_dir):
-            self._resume()
+            come_back(self)
         asynchronous = self.checkpoints is not None and self.checkpoints.asynchronous
         if asynchronous:
             check_async_supported(self.pm)  # before any step
@@ -299,32 +298,6 @@ class Trainer:
 
     # ---- telemetry sinks ------------------------------------------------------------------------
     # ---- surviving a lost engine ----------------------------------------------------------------
-    def _announce_recovery(self) -> None:
-        """Tell the notebook how to recover this cell if an engine dies (`Cluster.execute`)."""
-        send = telem.engine_publisher()
-        if send is not None:
-            send({recovery.RECOVERY_KEY: {"ckpt_dir": str(self.ckpt_dir), "max_restarts": self.checkpoints.max_restarts}})
-
-    def _resume(self) -> None:
-        """The engines were restarted after one died: go on from the last committed checkpoint,
-        or from the start when none was committed before the loss."""
-
-        recovery.take_resume_request(self.ckpt_dir)
-        try:  # an asynchronous save the lost engine took part in cannot commit any more
-            wait_for_saves()
-        except CheckpointError as error:
-            print(f"colab_par: {error}")
-        from_memory = recover_from_memory(self)
-        if from_memory is not None:
-            print(f"colab_par: {from_memory}")
-            return
-        if not (Path(self.ckpt_dir) / LATEST).is_file():
-            print("colab_par: no checkpoint was committed before the engine was lost; training "
-                  "again from step 0")
-            return
-        meta = self.resume()
-        print(f"colab_par: resumed from the checkpoint of step {meta['step']} in {self.ckpt_dir}")
-
     # ---- checkpoints & history ------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike | None = None) -> None:
         save(self.pm, path or self.ckpt_dir, trainer=self)
