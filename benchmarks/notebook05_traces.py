@@ -7,6 +7,8 @@ notebooks/data/05_traced.json, which the notebook reads beside its predictions.
     python benchmarks/notebook05_traces.py --again   # every row again
     python benchmarks/notebook05_traces.py --list    # the rows and whether each is recorded
     python benchmarks/notebook05_traces.py --table   # the recorded rows against the planner (markdown)
+    python benchmarks/notebook05_traces.py --part 1/2 & python benchmarks/notebook05_traces.py --part 2/2
+                                                     # two processes, every other row each (2 cores)
 
 A row is one (model, GPUs, layout) of the notebook: the planner's best layout per model and
 cluster, and the 70B-on-512 candidates. Rows are kept by that key, so a planner whose choice
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -98,8 +101,8 @@ def print_table(stored: dict[str, Any]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, gpus, text, batch in rows():
         row = stored.get(key(name, gpus, text))
-        if row is None:
-            print(f"| {name} | {gpus} | {text} | | not traced | | | | | |")
+        if row is None or "failed" in row:
+            print(f"| {name} | {gpus} | `{text}` | | {'not traced' if row is None else 'trace failed'} | | | | | |")
             continue
         planned = estimate(MODELS[name], Layout.parse(text), device=DEVICE, global_batch=batch, seq_len=SEQ,
                            gpus_per_node=GPUS_PER_NODE)
@@ -110,9 +113,16 @@ def print_table(stored: dict[str, Any]) -> None:
               f"{row['wall_seconds']:.0f} s |")
 
 
-def _cores() -> int:
-    import os
+def _write_row(name: str, row: dict[str, Any]) -> None:
+    """Add `row` to the file as it is now (another process may have added rows), atomically."""
+    stored = json.loads(TRACED.read_text()) if TRACED.exists() else {}
+    stored[name] = row
+    partial = TRACED.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
+    os.replace(partial, TRACED)
 
+
+def _cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
@@ -121,6 +131,7 @@ def main() -> None:
     parser.add_argument("--again", action="store_true", help="trace every row again")
     parser.add_argument("--list", action="store_true", help="list the rows and stop")
     parser.add_argument("--table", action="store_true", help="the recorded rows against the planner, markdown")
+    parser.add_argument("--part", default="1/1", help="i/n: trace every n-th row from the i-th (several processes)")
     args = parser.parse_args()
     stored = json.loads(TRACED.read_text()) if TRACED.exists() else {}
     if args.table:
@@ -132,15 +143,22 @@ def main() -> None:
         print(f"{name:>5} {gpus:>5}  {layout:<52} {mark}", flush=True)
     if args.list:
         return
-    for name, gpus, text, batch in todo:
+    part, parts = (int(number) for number in args.part.split("/"))
+    for name, gpus, text, batch in todo[part - 1::parts]:
         layout = Layout.parse(text)
         if key(name, gpus, text) in stored and not args.again:
             continue
         started = time.perf_counter()
-        checked = verify(GPTConfig(**MODELS[name], seq_len=SEQ), layout, gpus, device=DEVICE, batch=(batch, SEQ),
-                         microbatches=scaled_microbatches(layout), timeout=7200)
-        stored[key(name, gpus, text)] = record(name, gpus, batch, checked, time.perf_counter() - started)
-        TRACED.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
+        try:
+            checked = verify(GPTConfig(**MODELS[name], seq_len=SEQ), layout, gpus, device=DEVICE, batch=(batch, SEQ),
+                             microbatches=scaled_microbatches(layout), timeout=7200)
+        except (RuntimeError, ValueError) as error:  # the dry run failed or refused: say so in the row, go on
+            reason = str(error).strip().splitlines()[-1]
+            _write_row(key(name, gpus, text), {"model": name, "sizes": MODELS[name], "gpus": gpus, "layout": text,
+                                               "failed": reason, "date": date.today().isoformat()})
+            print(f"failed {name} {gpus} {text}: {reason}", flush=True)
+            continue
+        _write_row(key(name, gpus, text), record(name, gpus, batch, checked, time.perf_counter() - started))
         planned = estimate(MODELS[name], layout, device=DEVICE, global_batch=batch, seq_len=SEQ,
                            gpus_per_node=GPUS_PER_NODE).memory.total
         print(f"traced {name} {gpus} {text}: {checked.peak / 2**30:.1f} GiB (planner {planned / 2**30:.1f}), "

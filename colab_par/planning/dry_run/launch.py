@@ -42,6 +42,10 @@ def dry_run(model: Any, layout: "Layout | str", world_size: int, *, rank: int = 
     if steps < 2 or len(batch) != 2 or min(batch) < 1:
         raise ValueError(f"steps={steps}, batch={batch!r}: give steps >= 2 (the traced step needs one before "
                          "it) and batch=(global batch, seq len)")
+    if layout.pp > 1 and layout.virtual_stages > 1 and layout.tp_mode != "1d":
+        raise ValueError(f"{layout}: a tensor grid ({layout.tp_mode}) under a pipeline of several stages per rank "
+                         f"does not trace yet (the fake world's shape inference and split backward do not follow "
+                         f"the grid's pieces); trace it with pp_schedule='1f1b' (one stage per rank) instead")
     model_factory(model)  # refuses what cannot cross to the child, before it starts
     if not callable(model):  # a config: the layout's rules apply before any process starts
         layout.validate(world_size, model, global_batch=batch[0])
