@@ -365,7 +365,33 @@ def step_instants(spec: ModelSpec, layout: Layout, rank: RankParams, state: Memo
         instants["backward end"] = MemoryBreakdown(sharded + root_gathered, state.grads, state.optimizer,
                                                    buffers=2 * max(root, rank.layer) * 4, phase="backward end")
     buckets = ddp_bucket_bytes(layout, rank)
-    return {name: replace(instant, activations=instant.activations + buckets) for name, instant in instants.items()}
+    held = pipeline_held_bytes(spec, layout, micro=micro, seq=seq, act_bytes=act_bytes)
+    return {name: replace(instant, activations=instant.activations + buckets + (held if name != "optimizer" else 0.0))
+            for name, instant in instants.items()}
+
+
+def stage_boundaries_held(layout: Layout) -> int:
+    """Stage-boundary tensors the fullest pipeline rank keeps per microbatch until the step's end:
+    each of its stages' output unless it is the last stage, and its input gradient unless it is the
+    first, one more under zbv (measured at pp2 for 1f1b 1 and 1, interleaved v2 3 and 3, zbv 3 and 5;
+    a real gloo world keeps them too). A middle rank is the fullest once there is one (pp > 2)."""
+    p, v = layout.pp, layout.virtual_stages
+    if p == 1:
+        return 0
+    if layout.pp_schedule == "zbv":
+        return 5  # rank r holds stages r and 2p-1-r; any middle rank: 2 + 2, and zbv's one more
+    if layout.pp_schedule == "interleaved":
+        return 2 * v if p > 2 else 2 * v - 1
+    return 2 if p > 2 else 1
+
+
+def pipeline_held_bytes(spec: ModelSpec, layout: Layout, *, micro: int, seq: int, act_bytes: int) -> float:
+    """What a pipeline rank's step keeps per microbatch until the step ends, for every microbatch
+    (`stage_boundaries_held` tensors of tokens x width: the dtype a boundary carries, as in
+    `_last_stage`); grows with the microbatch count (dry runs: exactly linear from the warm-up on,
+    docs/planner.md "Many microbatches"). The tracker files them as activations and temporaries."""
+    boundary = micro * seq * spec.d_model * (act_bytes if layout.zero >= 2 else 4)
+    return layout.microbatches * stage_boundaries_held(layout) * boundary
 
 
 def ddp_bucket_bytes(layout: Layout, rank: RankParams) -> float:
