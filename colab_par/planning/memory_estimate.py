@@ -390,16 +390,22 @@ def pipeline_held_bytes(spec: ModelSpec, layout: Layout, *, micro: int, seq: int
     (`stage_boundaries_held` tensors of tokens x width: the dtype a boundary carries, as in
     `_last_stage`); grows with the microbatch count (dry runs: exactly linear from the warm-up on,
     docs/planner.md "Many microbatches"). The tracker files them as activations and temporaries."""
-    boundary = micro * seq * spec.d_model * (act_bytes if layout.zero >= 2 else 4)
-    return layout.microbatches * stage_boundaries_held(layout) * boundary
+    return layout.microbatches * stage_boundaries_held(layout) * _boundary_bytes(spec, layout, micro * seq, act_bytes)
+
+
+def _boundary_bytes(spec: ModelSpec, layout: Layout, tokens: int, act_bytes: int) -> float:
+    """One stage-boundary tensor of `tokens` x width: compute dtype where FSDP casts the
+    parameters, float32 under autocast (its residual stream stays float32)."""
+    return tokens * spec.d_model * (act_bytes if layout.zero >= 2 else 4)
 
 
 def ddp_bucket_bytes(layout: Layout, rank: RankParams) -> float:
     """DDP (zero 0/1 data parallel where it can wrap the model: no tp, tensor grid, experts or
-    pipeline under zero 0, whose DTensors or stages `GradientAverager` reduces instead) keeps its gradient buckets beside the gradients from the first backward on: a
-    float32 copy of every trainable local parameter (`gradient_as_bucket_view` is off). Allocated in
-    the first step's forward, the memory tracker files them as activations, so they are counted
-    there, at every instant."""
+    pipeline under zero 0, whose DTensors or stages `GradientAverager` reduces instead) keeps its
+    gradient buckets beside the gradients from the first backward on: a float32 copy of every
+    trainable local parameter (`gradient_as_bucket_view` is off). Allocated in the first step's
+    forward, the memory tracker files them as activations, so they are counted there, at every
+    instant."""
     averages_itself = layout.zero == 0 and (layout.tp > 1 or layout.tp_mode != "1d" or layout.pp > 1 or layout.ep > 1)
     uses_ddp = layout.zero < 2 and layout.dp * layout.cp > 1 and not averages_itself
     return 4 * rank.local * rank.trainable if uses_ddp else 0.0
@@ -414,7 +420,7 @@ def _last_stage(spec: ModelSpec, layout: Layout, state: MemoryBreakdown, params:
     the earlier microbatches, and the loss's two token x vocabulary fp32 temporaries."""
     per_layer, outside = kept_activation_bytes(spec, layout, micro, seq, act_bytes)
     tokens = micro * seq
-    boundary = tokens * spec.d_model * (act_bytes if layout.zero >= 2 else 4)  # autocast: fp32 residuals
+    boundary = _boundary_bytes(spec, layout, tokens, act_bytes)
     earlier = (layout.microbatches - 1) * tokens * spec.vocab_size * 4
     grads = state.grads if layout.microbatches > 1 else 0.0
     return MemoryBreakdown(params, grads, state.optimizer,
