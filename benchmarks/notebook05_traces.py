@@ -96,7 +96,7 @@ def record(name: str, gpus: int, batch: int, checked: Verification, seconds: flo
 
 
 def print_table(stored: dict[str, Any]) -> None:
-    print("| model | GPUs | layout | planner GiB | traced GiB (fullest role) | error | traced verdict | roles | "
+    print("| model | GPUs | layout | planner GiB | traced GiB on the device (fullest role) | error | traced verdict | roles | "
           "scaled from | trace time |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, gpus, text, batch in rows():
@@ -107,8 +107,8 @@ def print_table(stored: dict[str, Any]) -> None:
         planned = estimate(MODELS[name], Layout.parse(text), device=DEVICE, global_batch=batch, seq_len=SEQ,
                            gpus_per_node=GPUS_PER_NODE)
         scaled = {tuple(role["scaled_from"]) for role in row["roles"] if role["scaled_from"]}
-        print(f"| {name} | {gpus} | `{text}` | {planned.memory.total / 2**30:.1f} | {row['peak'] / 2**30:.1f} | "
-              f"{planned.memory.total / row['peak'] - 1:+.1%} | {'fits' if row['fits'] else 'OOM'} | "
+        print(f"| {name} | {gpus} | `{text}` | {planned.memory.total / 2**30:.1f} | {row['device_peak'] / 2**30:.1f} | "
+              f"{planned.memory.total / row['device_peak'] - 1:+.1%} | {'fits' if row['fits'] else 'OOM'} | "
               f"{len(row['roles'])} | {', '.join(f'{a} and {b}' for a, b in scaled) or '-'} | "
               f"{row['wall_seconds']:.0f} s |")
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from colab_par.layout import Layout
+from colab_par.layout import Layout, splits_backward
 from colab_par.layout.tier_options import bf16_working_shards
 from colab_par.planning.devices import DeviceSpec
 from colab_par.planning.expert_costs import local_expert_params
@@ -190,15 +190,48 @@ def kept_activations(spec: ModelSpec, layout: Layout, micro: int, seq: int, act_
     RMSNorm, SwiGLU, grouped heads, SDPA's output and log-sum-exp, no s² scores) times the layers
     and microbatches in flight, the final norm, rotary tables and log-probabilities beside them.
     Full recompute keeps a layer's input only, selective its matmul and SDPA outputs (1d; a grid
-    counts it as none), and backward rebuilds one layer whole."""
+    counts it as none); backward rebuilds one layer whole (`rebuilt_layer_bytes`), not counted here."""
     per_layer, outside = kept_activation_bytes(spec, layout, micro, seq, act_bytes)
-    whole = kept_activation_bytes(spec, layout.replace(checkpointing="none"), micro, seq, act_bytes)[0]
     if layout.checkpointing == "full":
-        split = layout.tp if layout.tp_mode == "1d" else GridShape.of(layout).matrix_pieces
-        per_layer = micro * seq * spec.d_model / split * act_bytes
+        per_layer = _layer_input_bytes(spec, layout, micro * seq, act_bytes)
     log_probs = micro * seq * spec.vocab_size * 4 if holds_ends(layout)[1] else 0.0
     layers = spec.n_layer / layout.pp * per_layer * microbatches_in_flight(layout)
-    return layers + whole - per_layer + outside - micro * seq * spec.vocab_size * 4 + log_probs, log_probs
+    return layers + outside - micro * seq * spec.vocab_size * 4 + log_probs, log_probs
+
+
+def rebuilt_layer_bytes(spec: ModelSpec, layout: Layout, micro: int, seq: int, act_bytes: int) -> float:
+    """What backward adds under full recompute while it rebuilds a layer: the layer's whole kept
+    activations less the input it kept (0 without full recompute). Present in backward only: the
+    trace's peak under full recompute is a layer's backward, not the loss."""
+    if layout.checkpointing != "full":
+        return 0.0
+    whole = kept_activation_bytes(spec, layout.replace(checkpointing="none"), micro, seq, act_bytes)[0]
+    return whole - _layer_input_bytes(spec, layout, micro * seq, act_bytes)
+
+
+@dataclass(frozen=True)
+class RebuiltMLP:
+    """Under full recompute a step peaks inside a rebuilt layer's MLP backward, after the down
+    projection's and before the gate's and up projection's (traced, 70B at 2 to 128 sequences per
+    rank, to the byte): the down projection's saved input is `freed`; its weight gradient is the
+    only one of the layer's in `grads` (compute dtype); three gradients of the hidden width and
+    the residual stream's are the `temporaries`."""
+
+    freed: float
+    grads: float
+    temporaries: float
+
+    @classmethod
+    def of(cls, spec: ModelSpec, layout: Layout, tokens: int, act_bytes: int, split: int) -> "RebuiltMLP":
+        hidden = tokens * spec.ffn_hidden / split * act_bytes
+        return cls(freed=hidden, grads=spec.d_model * spec.ffn_hidden / split * act_bytes,
+                   temporaries=3 * hidden + _layer_input_bytes(spec, layout, tokens, act_bytes))
+
+
+def _layer_input_bytes(spec: ModelSpec, layout: Layout, tokens: int, act_bytes: int) -> float:
+    """A layer's input, what full recompute keeps: the residual stream, float32 under autocast."""
+    split = layout.tp if layout.tp_mode == "1d" else GridShape.of(layout).matrix_pieces
+    return tokens * spec.d_model / split * (4 if autocast(layout) else act_bytes)
 
 
 # ---- what the fullest rank holds ----------------------------------------------------------------
@@ -332,11 +365,13 @@ def step_instants(spec: ModelSpec, layout: Layout, rank: RankParams, state: Memo
     split = layout.tp if layout.tp_mode == "1d" else GridShape.of(layout).matrix_pieces
     root = rank.local - spec.n_layer / layout.pp * rank.layer
     sharded = resting.params if layout.zero >= 2 else state.params
-    kept_gathered = rank.local * act_bytes if layout.zero == 2 else 0.0
-    root_gathered = root * act_bytes if layout.zero == 3 else 0.0
+    kept_gathered = rank.local * act_bytes if layout.zero == 2 or _stages_stay_gathered(layout) else 0.0
+    root_gathered = root * act_bytes if layout.zero == 3 and not kept_gathered else 0.0
     # gradients exist once a microbatch's backward is done: a pipeline's first stage holds its
     # most microbatches before its first backward ends unless more are queued than it holds
-    accumulated = state.grads if layout.microbatches > microbatches_in_flight(layout) else 0.0
+    accumulated = 0.0
+    if layout.microbatches > microbatches_in_flight(layout):
+        accumulated = pipeline_unsharded_grads(layout, rank, act_bytes) or state.grads
     activations, log_probs = kept_activations(spec, layout, micro, seq, act_bytes)
     head = spec.vocab_size * spec.d_model / split if log_probs else 0.0
     logits = micro * seq * spec.vocab_size if log_probs else 0.0
@@ -347,13 +382,26 @@ def step_instants(spec: ModelSpec, layout: Layout, rank: RankParams, state: Memo
         "head": MemoryBreakdown(sharded + kept_gathered + root_gathered, accumulated, state.optimizer,
                                 activations - log_probs, buffers=(logits + 2 * head) * act_bytes, phase="head"),
     }
+    rebuilt = rebuilt_layer_bytes(spec, layout, micro, seq, act_bytes)
+    rebuilt_mlp = RebuiltMLP.of(spec, layout, micro * seq, act_bytes, split) if rebuilt else RebuiltMLP(0.0, 0.0, 0.0)
     if layout.zero >= 2:
-        layer_gathered = rank.layer * act_bytes if layout.zero == 3 else 0.0
-        last_layer = kept_activation_bytes(spec, layout, micro, seq, act_bytes)[0]
+        layer_gathered = rank.layer * act_bytes if layout.zero == 3 and not kept_gathered else 0.0
+        last_layer, outside = kept_activation_bytes(spec, layout, micro, seq, act_bytes)
+        final_norm = outside - micro * seq * spec.vocab_size * 4 - 2 * seq * spec.head_dim * act_bytes
+        # their backward is done: the last layer's (a rebuilt one's is added back), and under full
+        # recompute the final norm's too (traced: the rebuilt layer's peak comes after them)
+        freed = final_norm if rebuilt else last_layer
         instants["layer"] = MemoryBreakdown(
             sharded + kept_gathered + root_gathered + layer_gathered,
-            accumulated + (head + rank.layer) * act_bytes + rank.layer * 4 / shard, state.optimizer,
-            activations - log_probs - last_layer, buffers=rank.layer * (act_bytes + 4), phase="layer")
+            accumulated + head * act_bytes + (rebuilt_mlp.grads if rebuilt else rank.layer * act_bytes)
+            + rank.layer * 4 / shard, state.optimizer, activations - log_probs - freed + rebuilt - rebuilt_mlp.freed,
+            buffers=_layer_buffers(layout, rank, act_bytes, layer_gathered) + rebuilt_mlp.temporaries,
+            phase="layer")
+    elif rebuilt:
+        instants["rebuilt layer"] = MemoryBreakdown(
+            sharded + kept_gathered, accumulated + head * 4 + rebuilt_mlp.grads * 4 / act_bytes, state.optimizer,
+            activations - log_probs + rebuilt - rebuilt_mlp.freed, buffers=rebuilt_mlp.temporaries,
+            phase="rebuilt layer")
     whole_embedding = spec.vocab_size * spec.d_model * 4 * (1 - 1 / split) if layout.zero < 2 and split > 1 else 0.0
     largest = spec.largest_tensor / split / (shard if layout.zero >= 2 else 1)
     instants["optimizer"] = MemoryBreakdown(sharded, state.grads + whole_embedding, state.optimizer,
@@ -368,6 +416,35 @@ def step_instants(spec: ModelSpec, layout: Layout, rank: RankParams, state: Memo
     held = pipeline_held_bytes(spec, layout, micro=micro, seq=seq, act_bytes=act_bytes)
     return {name: replace(instant, activations=instant.activations + buckets + (held if name != "optimizer" else 0.0))
             for name, instant in instants.items()}
+
+
+def _stages_stay_gathered(layout: Layout) -> bool:
+    """zbv under zero 3 keeps each of the rank's stages gathered from its first action to its last
+    (torch's pipelining runtime unshards up to three stages ahead, and the split backward's weight
+    pass leaves them so): all the rank's parameters are gathered for the whole step (traced)."""
+    return layout.pp > 1 and splits_backward(layout) and layout.zero == 3
+
+
+def _layer_buffers(layout: Layout, rank: RankParams, act_bytes: int, layer_gathered: float) -> float:
+    """Temporaries of the "layer" instant: the layer's gradients in compute dtype, and the fp32
+    reduce-scatter input they are copied into; a pipeline stage under FSDP reduces nothing until its
+    last microbatch, so there the next layer gathered ahead (zero 3) stands in place of that input
+    (traced: 1f1b, interleaved and zbv at two depths)."""
+    if layout.pp > 1 and layout.zero >= 2:
+        return rank.layer * act_bytes + layer_gathered
+    return rank.layer * (act_bytes + 4)
+
+
+def pipeline_unsharded_grads(layout: Layout, rank: RankParams, act_bytes: int) -> float:
+    """Under FSDP (zero 2/3) a pipeline stage turns gradient sync off until its last microbatch, so
+    every local parameter's gradient stays unsharded from its first backward to the step's end, in
+    the fp32 reduce dtype FSDP's post-backward upcasts it to. Under zbv the weight-gradient pass
+    runs after that hook: zero 3 keeps them in the parameters' dtype only, zero 2 in both (traced at
+    two depths, bf16: 4, 2 and 6 bytes per parameter). 0 where there is no such stage."""
+    if layout.pp == 1 or layout.zero < 2:
+        return 0.0
+    per_param = 4 if not splits_backward(layout) else act_bytes if layout.zero == 3 else 4 + act_bytes
+    return rank.local * rank.trainable * per_param
 
 
 def stage_boundaries_held(layout: Layout) -> int:
