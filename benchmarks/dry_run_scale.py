@@ -96,6 +96,8 @@ SCALE_ROLE_ROWS = [
     ("gpt-70b-l4 w16 dp16 zero3 ac-full", GPT_70B_L4, "dp16 zero3 bf16 ac-full", 1024, 4096, 0),
     ("gpt-70b-l4 w8 dp8 zero1 ac-full", GPT_70B_L4, "dp8 zero1 bf16 ac-full", 1024, 4096, 0),
     ("gpt-70b-l4 w512 dp128 tp2 cp2 zero3 ac-full", GPT_70B_L4, "dp128 tp2 cp2 zero3 sp bf16 ac-full", 1024, 4096, 0),
+    # selective recompute under sequence parallel: the layer's input is kept split
+    ("gpt-70b-l4 w512 dp64 tp8 zero3 sp ac-selective", GPT_70B_L4, "dp64 tp8 zero3 sp bf16 ac-selective", 1024, 4096, 0),
 ]
 LIVE_ROW = "small-gpt w4 dp2 tp2 zero3"
 # Rows the planner misses by more than 5 %, with the error docs/planner.md ("What remains

@@ -129,7 +129,7 @@ def kept_activation_bytes(spec: Any, layout: Layout, micro: int, seq: int,
     casts = AUTOCAST_EXTRA_NORM_COPIES * tokens * hidden * act_bytes if one_d_autocast else 0
     outside = norm + 2 * seq * spec.head_dim * act_bytes + micro * seq * spec.vocab_size * FP32
     if layout.checkpointing == "selective" and layout.tp_mode == "1d":
-        return _matmul_outputs(spec, tokens, split, act_bytes), outside
+        return _matmul_outputs(spec, tokens, split, act_bytes, layout.sequence_parallel), outside
     return 2 * norm + attention + ffn + casts, outside
 
 
@@ -144,14 +144,15 @@ def _feed_forward_kept(spec: Any, tokens: float, hidden: float, split: int, act_
     return spec.top_k * (swiglu + 2 * tokens * hidden * act_bytes) + tokens * spec.n_experts * FP32
 
 
-def _matmul_outputs(spec: Any, tokens: float, split: int, act_bytes: int) -> float:
+def _matmul_outputs(spec: Any, tokens: float, split: int, act_bytes: int, sequence_parallel: bool) -> float:
     """What a 1d layer keeps under selective checkpointing (`parallel/checkpointing.py` saves the
-    matmul and SDPA outputs and recomputes the rest): its input, the q/k/v, output, gate, up and
-    down projections' outputs (the row-parallel ones whole, before their all-reduce) and SDPA's
-    output with its fp32 log-sum-exp."""
+    matmul and SDPA outputs and recomputes the rest): its input (split over tp under sequence
+    parallel), the q/k/v, output, gate, up and down projections' outputs (the row-parallel ones
+    whole, before their all-reduce or reduce-scatter) and SDPA's output with its fp32 log-sum-exp."""
     d, hd = spec.d_model, spec.head_dim
     q_width, kv_width = spec.n_head * hd / split, spec.n_kv_head * hd / split
-    widths = d + (q_width + 2 * kv_width) + d + 2 * spec.ffn_hidden / split + d + q_width
+    layer_input = d / split if sequence_parallel else d
+    widths = layer_input + (q_width + 2 * kv_width) + d + 2 * spec.ffn_hidden / split + d + q_width
     return tokens * (widths * act_bytes + spec.n_head / split * FP32)
 
 
