@@ -372,14 +372,17 @@ def step_instants(spec: ModelSpec, layout: Layout, rank: RankParams, state: Memo
     accumulated = 0.0
     if layout.microbatches > microbatches_in_flight(layout):
         accumulated = pipeline_unsharded_grads(layout, rank, act_bytes) or state.grads
+    # zbv's weight passes, which make the unsharded gradients, trail its losses: a loss comes with
+    # the most microbatches in flight or with the gradients, not both (traced at two depths)
+    at_loss = 0.0 if layout.pp > 1 and splits_backward(layout) else accumulated
     activations, log_probs = kept_activations(spec, layout, micro, seq, act_bytes)
     head = spec.vocab_size * spec.d_model / split if log_probs else 0.0
     logits = micro * seq * spec.vocab_size if log_probs else 0.0
     instants = {
-        "loss": MemoryBreakdown(sharded + kept_gathered, accumulated, state.optimizer,
+        "loss": MemoryBreakdown(sharded + kept_gathered, at_loss, state.optimizer,
                                 activations + _autocast_weight_cache(spec, layout, rank, split),
                                 buffers=2 * logits * 4, phase="loss"),
-        "head": MemoryBreakdown(sharded + kept_gathered + root_gathered, accumulated, state.optimizer,
+        "head": MemoryBreakdown(sharded + kept_gathered + root_gathered, at_loss, state.optimizer,
                                 activations - log_probs, buffers=(logits + 2 * head) * act_bytes, phase="head"),
     }
     rebuilt = rebuilt_layer_bytes(spec, layout, micro, seq, act_bytes)
