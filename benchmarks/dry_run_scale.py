@@ -39,7 +39,8 @@ LLAMA3_COMMON = dict(model_type="llama", vocab_size=128256, max_position_embeddi
 GPT2_SMALL = dict(model_type="gpt", vocab_size=50304, seq_len=1024, n_layer=12, n_head=12, d_model=768)
 SMALL_GPT = dict(model_type="gpt", vocab_size=2048, seq_len=256, n_layer=4, n_head=8, n_kv_head=4, d_model=256)
 SMALL_MOE = {**SMALL_GPT, "n_experts": 4, "top_k": 2}
-# notebook 05's 13B and 70B shapes with fewer layers (what a layer adds is the same at any depth)
+# notebook 05's 1.3B, 13B and 70B shapes with fewer layers (what a layer adds is the same at any depth)
+GPT_1_3B_L16 = dict(model_type="gpt", vocab_size=50257, seq_len=4096, n_layer=16, n_head=16, d_model=2048)
 GPT_13B_L8 = dict(model_type="gpt", vocab_size=32000, seq_len=4096, n_layer=8, n_head=40, d_model=5120, ffn_hidden=13824)
 GPT_70B_L4 = dict(model_type="gpt", vocab_size=32000, seq_len=4096, n_layer=4, n_head=64, n_kv_head=8, d_model=8192,
                   ffn_hidden=28672)
@@ -91,6 +92,9 @@ SCALE_ROLE_ROWS = [
     # pipelines under FSDP (gathered stages, unsharded gradients to the step's end), each schedule
     *[(f"gpt-13b-l8 w256 dp128 pp2 {layout} rank {rank}", GPT_13B_L8, f"dp128 pp2 {layout} bf16", 1024, 4096, rank)
       for layout in ("zero2 mb8", "zero3 mb8", "zero2 interleaved mb8 v2", "zero3 zbv mb8 v2") for rank in (0, 128)],
+    # zbv on four stages (the V's per-chunk in-flight counts are not modelled: EXPLAINED)
+    *[(f"gpt-1.3b-l16 w16 {layout} rank {rank}", GPT_1_3B_L16, f"{layout} bf16", 16, 4096, rank)
+      for layout in ("dp4 pp4 zero2 zbv v2", "dp2 tp2 pp4 zero2 zbv mb8 v2") for rank in (0, 4, 8, 12)],
     # full recompute: the rebuilt layer's MLP backward, 2 to 128 sequences per rank
     ("gpt-70b-l4 w512 dp512 zero3 ac-full", GPT_70B_L4, "dp512 zero3 bf16 ac-full", 1024, 4096, 0),
     ("gpt-70b-l4 w16 dp16 zero3 ac-full", GPT_70B_L4, "dp16 zero3 bf16 ac-full", 1024, 4096, 0),
@@ -105,6 +109,8 @@ LIVE_ROW = "small-gpt w4 dp2 tp2 zero3"
 EXPLAINED = {
     "small-gpt w2 dp2 zero3 optimizer@disk": +0.166,
     "gpt-70b-l4 w8 dp8 zero1 ac-full": +0.095,
+    **{f"gpt-1.3b-l16 w16 dp4 pp4 zero2 zbv v2 rank {rank}": +0.094 for rank in (0, 4, 8, 12)},
+    **{f"gpt-1.3b-l16 w16 dp2 tp2 pp4 zero2 zbv mb8 v2 rank {rank}": -0.117 for rank in (0, 4, 8, 12)},
     "gpt-70b-l4 w512 dp128 tp2 cp2 zero3 ac-full": -0.193,
 }
 
