@@ -18,13 +18,12 @@ from colab_par.planning.dry_run.verify import Verification, check_verifiable, ve
 from colab_par.planning.module_spec import ModuleSpec
 from colab_par.planning.planner import GiB, DeviceSpec, ModelSpec, Plan, estimate, get_device, plan
 from colab_par.layout.tier_options import DEFAULT_DISK, MemoryTiers, format_bytes
+from colab_par.notebook.plan_render import memory_bar_html, plans_table_html, size_text, tier_text
 
 __all__ = ["LayoutPicker", "TierSelector"]
 
 _CHECKBOXES = {"offload": "CPU offload", "sequence_parallel": "sequence parallel",
                "compile": "compile blocks"}
-_PARTS = (("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868"),
-          ("activations", "#c44e52"), ("buffers", "#8172b3"))
 _BUILDS = {"meta": "built on the meta device", "full": "built whole on every rank",
            "pretrained": "loaded from a checkpoint"}
 BUDGET_SHARES = (0.25, 0.5, 0.75, 1.0, 1.5)  # budgets offered, as shares of the predicted training memory
@@ -109,7 +108,7 @@ class LayoutPicker:
         self._verifying: threading.Thread | None = None
         self._verify_html = w.HTML()
         self.verify_button = self._build_verify_button()
-        self._table_html = w.HTML(self._plans_table())
+        self._table_html = w.HTML(plans_table_html(self.plans, self._no_plan_text()))
         for name, control in self.controls.items():
             control.observe(self._on_change(name), names="value")
         self.widget = self._assemble()
@@ -227,7 +226,7 @@ class LayoutPicker:
             unit = GiB if share * total >= 4 * GiB else 2 ** 20
             size = max(1, round(share * total / unit)) * unit
             if size not in [value for _, value in options]:
-                options.append((f"{format_bytes(size)} ({share:.0%} of {_size(total)})", size))
+                options.append((f"{format_bytes(size)} ({share:.0%} of {size_text(total)})", size))
         return options
 
     def _expert_degrees(self) -> tuple[int, ...]:
@@ -297,7 +296,7 @@ class LayoutPicker:
             self.message = f"✓ {layout} is valid and {self._verdict(self.estimate)}"
         colour = "#2e7d32" if self.estimate is not None and self.estimate.fits else "#c62828"
         self._message_html.value = f"<span style='color:{colour}'>{html.escape(self.message)}</span>"
-        self._memory_html.value = self._memory_bar()
+        self._memory_html.value = memory_bar_html(self.estimate, self.init)
         self._estimate_html.value = html.escape(self._estimate_line())
         if self._verifying is None:  # a result shown belongs to the layout it names; a new choice clears it
             self._verify_html.value = ""
@@ -312,7 +311,7 @@ class LayoutPicker:
         hint = ("; build it on the meta device instead (parallelize(lambda: Model(config), layout), "
                 "init='meta')" if self.init == "full" else "")
         return (f"does NOT fit in device memory: the model {_BUILDS[self.init]} peaks at "
-                f"{_size(option.memory.baseline + option.memory.init)} per device before training{hint}")
+                f"{size_text(option.memory.baseline + option.memory.init)} per device before training{hint}")
 
     def _no_plan_text(self) -> str:
         hint = (" Building the model on the meta device (init='meta') may fit." if self.init == "full" else "")
@@ -325,46 +324,16 @@ class LayoutPicker:
         if e is None:
             return "no estimate for an invalid layout"
         return (f"step {e.step_time * 1e3:,.1f} ms · {e.throughput} · MFU {e.mfu:.1%} · "
-                f"{_size(e.memory.peak)} of {_size(e.capacity)} per device (building "
-                f"{_size(e.memory.baseline + e.memory.init)}, training "
-                f"{_size(e.memory.baseline + e.memory.total)})"
-                + (f" (+{_size(e.memory.host_total)} on the host)" if e.memory.host_total else "")
-                + _tier_text(e))
-
-    def _memory_bar(self) -> str:
-        if self.estimate is None:
-            return ""
-        memory, capacity = self.estimate.memory, self.estimate.capacity
-        scale = max(memory.total, memory.init, capacity)
-        segments = "".join(
-            f"<div title='{part}: {_size(getattr(memory, part))}' style='width:"
-            f"{100 * getattr(memory, part) / scale:.2f}%;background:{colour}'></div>"
-            for part, colour in _PARTS)
-        limit = (f"<div style='position:absolute;left:{100 * capacity / scale:.2f}%;top:0;bottom:0;"
-                 "border-left:2px dashed #000'></div>"
-                 f"<div style='position:absolute;left:{100 * memory.init / scale:.2f}%;top:0;bottom:0;"
-                 "border-left:2px solid #000'></div>")
-        legend = " ".join(f"<span style='color:{colour}'>■</span> {part} "
-                          f"{_size(getattr(memory, part))}" for part, colour in _PARTS)
-        return (f"<div style='position:relative;display:flex;height:18px;width:100%;"
-                f"background:#eee'>{segments}{limit}</div><small>{legend} · solid line: building "
-                f"the model (init='{self.init}') {_size(memory.init)} · dashed line: usable "
-                f"capacity {_size(capacity)}</small>")
+                f"{size_text(e.memory.peak)} of {size_text(e.capacity)} per device (building "
+                f"{size_text(e.memory.baseline + e.memory.init)}, training "
+                f"{size_text(e.memory.baseline + e.memory.total)})"
+                + (f" (+{size_text(e.memory.host_total)} on the host)" if e.memory.host_total else "")
+                + tier_text(e))
 
     def _batch_text(self) -> str:
         if isinstance(self.spec, ModuleSpec):
             return f"{self.spec.name}, global batch {self.global_batch} samples"
         return f"global batch {self.global_batch} × {self.seq_len} tokens"
-
-    def _plans_table(self) -> str:
-        if not self.plans:
-            return f"<b>{html.escape(self._no_plan_text())}</b>"
-        rows = "".join(
-            f"<tr><td><code>{html.escape(str(p.layout))}</code></td><td>{_size(p.memory.peak)}</td>"
-            f"<td>{p.step_time * 1e3:,.1f}</td><td>{p.throughput}</td><td>{p.mfu:.1%}</td></tr>"
-            for p in self.plans)
-        return ("<table><tr><th>top plans that fit</th><th>peak/device</th><th>step ms</th>"
-                f"<th>throughput</th><th>MFU</th></tr>{rows}</table>")
 
     def __repr__(self) -> str:
         lines = [f"LayoutPicker({self.world_size} × {self.device.name}, {self._batch_text()})",
@@ -377,23 +346,3 @@ class LayoutPicker:
         bundle = self.widget._repr_mimebundle_(**kwargs)
         bundle["text/plain"] = repr(self)
         return bundle
-
-
-def _tier_text(option: Plan) -> str:
-    """` · state per tier under a budget of 4.00 GiB: device 1.20 GiB, disk 3.10 GiB · 6.20 GiB moved
-    per step (+2,310.0 ms)`."""
-    tiers = option.tiers
-    if tiers is None:
-        return ""
-    resident = tiers.resident()
-    placed = ", ".join(f"{tier} {_size(resident[tier])}" for tier in resident if resident[tier]) or "none"
-    budget = f" under a budget of {_size(tiers.budget)}" if tiers.budget is not None else ""
-    return (f" · state per tier{budget}: {placed} · {_size(tiers.moved)} moved per step "
-            f"(+{tiers.seconds * 1e3:,.1f} ms)")
-
-
-def _size(num_bytes: float) -> str:
-    """MiB below a GiB, so the tiny models of a CPU tutorial do not all read 0.00 GiB."""
-    if num_bytes < GiB:
-        return f"{num_bytes / 2 ** 20:,.2f} MiB"
-    return f"{num_bytes / GiB:,.2f} GiB"
