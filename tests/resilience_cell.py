@@ -4,8 +4,10 @@ A kills file holds the kills still to come, in order: [rank, where, step] with `
 "forward" (in the step's forward: mid-step), "optimizer" (before the optimizer step: after the
 gradients were reduced), "snapshot" (while the in-memory snapshot's bytes are in flight) and
 "async save" (in the background write of an asynchronous save). The rank that meets the first one
-removes it and SIGKILLs itself. Rank 0 writes every logged step's loss to a file, and each
-engine that runs the cell its pid."""
+removes it and SIGKILLs itself (at that step, or later where the run went past it while that rank
+was dead: the others train on without a lost dp replica). Rank 0 writes every logged step's loss
+to a file, the steps its rows say ran degraded (`degraded_steps`), the final parameters
+(`final_parameters`), and each engine that runs the cell its pid."""
 from __future__ import annotations
 
 import json
@@ -13,6 +15,7 @@ from pathlib import Path
 
 CELL = r'''
 import json, os, signal, time
+import torch
 import colab_par
 import colab_par.training.checkpoint_async as checkpoint_async
 import colab_par.training.resilience.peers as peers
@@ -25,12 +28,13 @@ with open(CKPT + ".pids", "a") as handle:
 
 def die_if(where, step):
     pending = json.loads(open(KILLS).read())
-    if pending and pending[0] == [rank, where, step]:
+    if pending and pending[0][:2] == [rank, where] and step >= pending[0][2]:
         with open(KILLS + ".next", "w") as handle:
             handle.write(json.dumps(pending[1:]))
         os.replace(KILLS + ".next", KILLS)
-        with open(CKPT + ".killed_at", "w") as handle:
+        with open(f"{CKPT}.killed_at.{rank}", "w") as handle:  # whole when another rank reads it
             handle.write(repr(time.time()))
+        os.replace(f"{CKPT}.killed_at.{rank}", CKPT + ".killed_at")
         os.kill(os.getpid(), signal.SIGKILL)
 
 cell_began = time.time()
@@ -67,11 +71,16 @@ trainer = colab_par.Trainer(pm, SyntheticDataset(vocab_size=config.vocab_size, s
                             logs=Logs(telemetry=False))
 started = time.perf_counter()
 trainer.fit()
+seconds = time.perf_counter() - started
+params = pm.full_state_dict()  # every rank takes part; rank 0 holds them
 if rank == 0:
     with open(CKPT + ".losses", "w") as handle:
         handle.write(json.dumps([row["loss"] for row in trainer.history]))
+    with open(CKPT + ".degraded", "w") as handle:
+        handle.write(json.dumps({row["step"]: row["degraded"] for row in trainer.history if "degraded" in row}))
+    torch.save(params, CKPT + ".params.pt")
     with open(CKPT + ".seconds", "w") as handle:
-        handle.write(repr(time.perf_counter() - started))
+        handle.write(repr(seconds))
 '''
 
 
@@ -91,3 +100,15 @@ def run_cell(cluster, folder: Path, name: str, kills: list, *, layout: str, step
     assert json.loads(kills_file.read_text()) == [], "a kill was never reached"
     pids = {int(line) for line in Path(f"{ckpt}.pids").read_text().split()}
     return json.loads(Path(f"{ckpt}.losses").read_text()), pids
+
+
+def degraded_steps(folder: Path, name: str) -> dict[int, str]:
+    """{step: "dp 3 of 4"} for each of rank 0's rows that ran degraded, in the run `name`."""
+    return {int(step): said for step, said in json.loads((folder / f"{name}.degraded").read_text()).items()}
+
+
+def final_parameters(folder: Path, name: str) -> dict:
+    """The run's final parameters (whole tensors, on the CPU)."""
+    import torch
+
+    return torch.load(folder / f"{name}.params.pt")

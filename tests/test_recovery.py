@@ -74,10 +74,11 @@ def run(cluster, tmp_path, name: str, kill_in: str | None, capsys, *, keep_marke
 
 
 # dp2: the survivor's live state is the lost rank's, no step lost (rank 1 dies after step 6's backward,
-# rank 0 finishes step 6 alone); dp2 zero3 without snapshots: the disk checkpoint (a kill in the
+# before the ranks' random streams are gathered ahead of the optimizer step: rank 0 keeps step 5, its
+# last whole step, and step 6's save is due, so it does not train step 6 alone); dp2 zero3 without snapshots: the disk checkpoint (a kill in the
 # middle of the save at step 4 leaves step 2's; a kill in step 2, before the save, leaves none)
 @pytest.mark.parametrize("kill_in, layout, resumed", [
-    ("step", "dp2", "resumed at step 6 from live replicas (ranks 1<-0), no step lost"),
+    ("step", "dp2", "resumed at step 5 from live replicas (ranks 1<-0), no step lost"),
     ("save", "dp2 zero3", "resumed from the checkpoint of step 2"),
     ("before any save", "dp2 zero3", "training again from step 0")])
 def test_a_fit_that_loses_an_engine_ends_as_an_uninterrupted_one(cluster, tmp_path, capsys, kill_in, layout,

@@ -2,7 +2,9 @@
 `dp2 zero3` or `tp2` comes back from its buddy's in-memory snapshot, losing only the steps since
 (named); a kill while the snapshot's bytes are in flight leaves every rank the snapshot before; a
 kill during an asynchronous save leaves the previous checkpoint loadable and the next save commits.
-Each run ends with every step's loss equal to an uninterrupted run's (same global batches)."""
+Each run ends with every step's loss equal to an uninterrupted run's (same global batches). These
+layouts' dp peers are no whole copies, so the survivors wait for the replacement (they do not train on
+degraded, as `dp4` does in test_resilience_dp4.py)."""
 from __future__ import annotations
 
 import re
@@ -11,7 +13,7 @@ import pytest
 
 from colab_par import Cluster
 from colab_par.training.options import Checkpoints
-from resilience_cell import run_cell
+from resilience_cell import degraded_steps, run_cell
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,9 @@ def killed_run(cluster, tmp_path, capsys, kills, **options) -> tuple[list[float]
     generation = cluster.generation
     losses, _ = run_cell(cluster, tmp_path, "killed", kills, **options)
     assert cluster.generation == generation  # the dead engine alone was replaced
-    return losses, capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "train on" not in said.err and not degraded_steps(tmp_path, "killed"), said.err  # zero3, tp: today's way
+    return losses, said.out
 
 
 @pytest.mark.parametrize("layout, kill, said", [
@@ -127,3 +131,26 @@ def test_a_copy_crosses_as_json_and_bytes_whatever_its_dtypes() -> None:
     assert back.tensors.keys() == tensors.keys()
     assert all(torch.equal(back.tensors[name], tensor) and back.tensors[name].dtype == tensor.dtype
                for name, tensor in tensors.items())
+
+
+def test_a_degrade_message_is_taken_once_and_only_while_fresh(monkeypatch) -> None:
+    """The Trainer tells a lost peer from its own error by the notebook's degrade message: none within
+    the wait, none stale, none left over from an episode that ended (`request_resume` clears it)."""
+    from colab_par.training import recovery
+
+    assert recovery.take_degrade_request(0.01) is None  # no message: the failure was no lost peer's
+    recovery.request_degraded({"survivors": [0, 1, 3], "lost": [2]})
+    recovery.request_rejoin()
+    assert recovery.rejoin_requested()
+    assert recovery.take_degrade_request(0.01)["lost"] == [2]
+    assert recovery.take_degrade_request(0.01) is None  # taken once
+    recovery.record_degraded({"steps": [5, 7], "dp": 3, "of": 4})
+    assert recovery.degraded_record() == {"steps": [5, 7], "dp": 3, "of": 4}
+    recovery.request_degraded({"survivors": [0], "lost": [1]})
+    assert not recovery.rejoin_requested() and recovery.degraded_record() is None  # a new episode
+    recovery.request_resume("somewhere")  # the episode ended: nothing of it is left
+    assert recovery.take_degrade_request(0.01) is None
+    recovery.take_resume_request("somewhere")
+    recovery.request_degraded({"survivors": [0], "lost": [1]})
+    monkeypatch.setattr(recovery, "DEGRADE_FRESH_S", 0.0)  # a message older than that is stale
+    assert recovery.take_degrade_request(0.01) is None

@@ -1,20 +1,24 @@
 """Losing engines of `dp4` loses no step (training/resilience): on a real 4-engine cluster a rank
-SIGKILLed mid-step is replaced and takes a live peer's state, and the run's losses equal an
-uninterrupted run's; 20 kills at random moments (random ranks, in the forward or before the
-optimizer step) leave the final loss of the uninterrupted run, and no process or staging file behind.
+SIGKILLed mid-step leaves the other three training on at dp 3 of 4 (each step's global batch whole:
+one of them takes the lost rank's share with the lost rank's own random stream) while its replacement
+starts; the replacement then takes a live peer's state, degraded steps included, and the run's
+losses and final parameters equal an uninterrupted run's. 20 kills at random moments (random ranks,
+in the forward or before the optimizer step, also while the others train degraded) leave the final
+loss of the uninterrupted run, and no process or staging file behind.
 The model draws dropout masks, one stream per dp rank: a replaced rank must go on with its own
-stream where the lost engine left it (its peers gathered it at the step's end), or its masks, and
-so the losses, differ from the uninterrupted run's."""
+stream where the lost engine (or its stand-in) left it (its peers gathered it at the step's end), or
+its masks, and so the losses, differ from the uninterrupted run's."""
 from __future__ import annotations
 
 import os
 import random
+import re
 
 import pytest
 
 from colab_par import Cluster
 from colab_par.models import GPTConfig
-from resilience_cell import run_cell
+from resilience_cell import degraded_steps, final_parameters, run_cell
 
 STEPS = 24
 MODEL = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, kernels="torch", dropout=0.1)
@@ -27,19 +31,42 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(cluster, tmp_path_factory) -> list[float]:
+def reference(cluster, tmp_path_factory):
+    """The folder of the uninterrupted run ("dp4")."""
     cluster.restart()
-    return run_cell(cluster, tmp_path_factory.mktemp("reference"), "dp4", [], layout="dp4", steps=STEPS, every=8,
-                    batch=8, model=MODEL)[0]
+    folder = tmp_path_factory.mktemp("reference")
+    run_cell(cluster, folder, "dp4", [], layout="dp4", steps=STEPS, every=8, batch=8, model=MODEL)
+    return folder
 
 
-def test_a_rank_killed_mid_step_takes_a_live_peers_state_and_no_step_is_lost(cluster, tmp_path, capsys,
-                                                                              uninterrupted) -> None:
+@pytest.fixture(scope="module")
+def uninterrupted(reference) -> list[float]:
+    import json
+
+    return json.loads((reference / "dp4.losses").read_text())
+
+
+def test_the_others_train_on_while_a_killed_rank_is_replaced_and_no_step_is_lost(cluster, tmp_path, capsys,
+                                                                                  reference, uninterrupted) -> None:
+    """Killed in step 5's forward: ranks 0, 1, 3 go back to step 4 and train on (rank 0 takes rank 2's
+    share) until the replacement is ready or step 8's save is due; it takes rank 0's state at that step."""
     cluster.restart()
+    generation = cluster.generation
     losses, _ = run_cell(cluster, tmp_path, "killed", [[2, "forward", 5]], layout="dp4", steps=STEPS, every=8,
                          batch=8, model=MODEL)
-    assert "resumed at step 4 from live replicas (ranks 2<-0), no step lost" in capsys.readouterr().out
-    assert losses == pytest.approx(uninterrupted, rel=1e-6)
+    said = capsys.readouterr()
+    trained = re.search(r"rank\(s\) 2 died; ranks 0,1,3 trained on at dp 3 of 4 \(steps 5\.\.([5-7])\) while the "
+                        r"replacement started; replaced the dead engine of rank 2", said.err)
+    assert trained, said.err
+    last = int(trained.group(1))
+    assert f"resumed at step {last} from live replicas (ranks 2<-0), no step lost" in said.out, said.out
+    assert cluster.generation == generation  # the dead engine alone was replaced
+    assert degraded_steps(tmp_path, "killed") == {step: "dp 3 of 4" for step in range(5, last + 1)}
+    assert losses == pytest.approx(uninterrupted, rel=1e-6) and len(losses) == STEPS
+    import torch
+
+    torch.testing.assert_close(final_parameters(tmp_path, "killed"), final_parameters(reference, "dp4"),
+                               rtol=1e-5, atol=1e-6)
 
 
 def _alive(pid: int) -> bool:

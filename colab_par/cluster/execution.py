@@ -2,7 +2,9 @@
 
 `wait` streams rank 0 while a task runs and never waits on a dead rank, on ranks left waiting by
 another rank's error, nor on ranks stuck in collectives (`Faults` frees them). A cell whose
-restartable Trainer lost an engine is run again on replaced engines, resuming from its checkpoint.
+restartable Trainer lost an engine is run again on replaced engines, resuming from the engines'
+memory or its checkpoint; where its dp replicas are whole copies ("degradable"), the survivors
+train on while the replacement starts (`Faults.replace_dead_training_on`).
 """
 from __future__ import annotations
 
@@ -66,10 +68,12 @@ class Execution:
                 if len(attempts) > policy["max_restarts"]:
                     raise RecoveryError(attempts, policy["max_restarts"]) from error
                 generation = self.state.generation
-                if self.state.launcher.name == "local":
-                    self.faults.replace_dead()  # falls back to a restart when the others stay stuck
-                else:
+                if self.state.launcher.name != "local":
                     self.lifecycle.restart()
+                elif policy.get("degradable") and targets is None and len(dead) < self.state.n:
+                    print(f"colab_par: {self.faults.replace_dead_training_on(dead)}", file=sys.stderr)
+                else:
+                    self.faults.replace_dead()  # falls back to a restart when the others stay stuck
                 how = ("restarted every engine" if self.state.generation != generation else
                        "replaced its engine (the other ranks kept theirs)")
                 print(f"colab_par: rank(s) {ranks_text(dead)} died during the cell; {how}; running "

@@ -13,12 +13,13 @@ from typing import Any, Callable
 
 from colab_par import compat
 from colab_par.cluster import engine, probe
+from colab_par.training import recovery
 from colab_par.cluster.calls import Calls
 from colab_par.cluster.health import dead_ranks
 from colab_par.cluster.lifecycle import Lifecycle
 from colab_par.cluster.persistence import save_record
 from colab_par.cluster.state import ClusterState
-from colab_par.cluster.world import World
+from colab_par.cluster.world import World, served_store
 from colab_par.cluster.output import (CollectiveDeadlockError, busy_ranks, is_transport_error, rank_errors, rank_failure,
                               ranks_text, where_waiting)
 
@@ -52,6 +53,52 @@ class Faults:
             self.lifecycle.restart()
             return (f"rank(s) {ranks_text(dead)} died and the others stayed busy after an abort and an "
                     "interrupt, so every engine was restarted: all engine variables are gone")
+        self._start_in_place(dead)
+        return self._join_replaced(dead, survivors, started)
+
+    def replace_dead_training_on(self, dead: list[int]) -> str:
+        """`replace_dead` while the survivors, still running a Trainer's cell whose dp replicas are
+        whole copies, train on without the dead ranks (`training/resilience/degraded.py`): a degrade
+        request (their own group's store, served here) frees their pending collectives; the fresh
+        engines start meanwhile; a rejoin request then stops the survivors at a step boundary,
+        and the world re-forms once they are idle. Says what happened, in words."""
+        state, calls = self.state, self.calls
+        started = time.monotonic()
+        survivors = [rank for rank in range(state.n) if rank not in dead]
+        host = state.world_addresses()[0]
+        store = served_store(host, state.timeout)
+        message = {"survivors": survivors, "lost": dead, "world": state.n, "host": host, "port": store.port,
+                   "timeout_s": state.timeout}
+        calls.answers(calls.request(survivors, probe.DEGRADE_REQUEST,
+                                    {"degrade": message, "addresses": state.world_addresses()}), _ABORT_WAIT_S)
+        self._start_in_place(dead)
+        calls.answers(calls.request(survivors, probe.REJOIN_REQUEST), _ABORT_WAIT_S)
+        deadline = time.monotonic() + state.timeout + _ABORT_WAIT_S  # a step, or joining their group, at most
+        while time.monotonic() < deadline and not dead_ranks(state) and calls.idle_ranks(survivors) != set(survivors):
+            time.sleep(0.05)
+        del store  # the survivors' group is gone
+        also = dead_ranks(state)  # survivors that died meanwhile: replaced too
+        alive = [rank for rank in survivors if rank not in also]
+        if not self._settle(alive):
+            self.lifecycle.restart()
+            return (f"rank(s) {ranks_text(dead + also)} died and the others stayed busy after an abort and an "
+                    "interrupt, so every engine was restarted: all engine variables are gone")
+        said = _trained_on(self._records(alive), dead, survivors)
+        if also:
+            self._start_in_place(also)
+            said += f"; rank(s) {ranks_text(also)} died meanwhile"
+        return f"{said}; {self._join_replaced(sorted(dead + also), alive, started)}"
+
+    def _records(self, ranks: list[int]) -> list[Any]:
+        """What each of `ranks` (those alive and idle) trained degraded (`recovery.degraded_record`)."""
+        idle = sorted(self.calls.idle_ranks(ranks))
+        if not idle:
+            return []
+        return self.state.client[[self.state.engine_ids[r] for r in idle]].apply_sync(recovery.degraded_record)
+
+    def _start_in_place(self, dead: list[int]) -> None:
+        """Fresh engines in the places of `dead`: started, prepared and bound, not yet in the world."""
+        state = self.state
         fresh = self.lifecycle.start_engines(len(dead))
         state.direct.forget([state.engine_ids[rank] for rank in dead])
         self.lifecycle.remove_stack_files(dead)  # what they said of their end was read: DeadEngineError
@@ -60,6 +107,10 @@ class Faults:
             state.engine_ids[rank], state.hosts[rank] = engine_id, prepared[engine_id]["host"]
             state.stack_files[rank] = prepared[engine_id]["stack_file"]
         self.world.bind(dead)
+
+    def _join_replaced(self, dead: list[int], survivors: list[int], started: float) -> str:
+        """The world re-formed with the fresh engines of `dead` (`_start_in_place`) in their places."""
+        state = self.state
         if survivors:
             self.world.seed(survivors)
         held = sorted(set().union(*state.client[[state.engine_ids[r] for r in survivors]].apply_sync(
@@ -186,6 +237,21 @@ class Faults:
         remote = {r: f"on {state.hosts[r]['host']}: it did not answer, and SIGUSR1 asked it to dump its "
                      f"stacks to {state.stack_files[r]} there" for r in ranks if r not in local}
         return {**{r: where_waiting(dumps.get(r, ""), cell, source) for r in local}, **remote}
+
+
+def _trained_on(records: list[Any], dead: list[int], survivors: list[int]) -> str:
+    """What the survivors did while the dead ranks' replacements started, in words."""
+    done = next((record for record in records if record), None)
+    if done is None:
+        return (f"rank(s) {ranks_text(dead)} died; ranks {ranks_text(survivors)} could not train on without "
+                "them (no whole step every rank held with every random stream) and waited for the replacement")
+    if done["steps"] is None:
+        return (f"rank(s) {ranks_text(dead)} died; ranks {ranks_text(survivors)} began to train on at dp "
+                f"{done['dp']} of {done['of']} but finished no step before the replacement was ready (or a "
+                "save was due, or another rank was lost)")
+    first, last = done["steps"]
+    return (f"rank(s) {ranks_text(dead)} died; ranks {ranks_text(survivors)} trained on at dp {done['dp']} of "
+            f"{done['of']} (steps {first}..{last}) while the replacement started")
 
 
 def _kept_text(stale: list[str], what: str) -> str:

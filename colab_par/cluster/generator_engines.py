@@ -20,16 +20,13 @@ unless a cluster's own fault handling had to.
 from __future__ import annotations
 
 import dataclasses
-import socket
 import threading
 import time
 import uuid
-from datetime import timedelta
 from typing import Any, Callable
 
-import torch.distributed as dist
-
 from colab_par.cluster.engine import address_toward
+from colab_par.cluster.world import served_store
 from colab_par.cluster.facade import Cluster
 from colab_par.cluster.output import EngineError
 from colab_par.training.grpo.bridge import BridgeLink
@@ -90,7 +87,7 @@ class GeneratorRun:
         self._clusters = {"trainer": trainers, "generator": generators.cluster}
         timeout = generators.timeout or trainers.timeout
         host = _store_host(trainers, generators.cluster)
-        self._store = _served_store(host, timeout)
+        self._store = served_store(host, timeout)
         link = BridgeLink(host, self._store.port, f"grpo-{uuid.uuid4().hex[:12]}/", trainers.n,
                           generators.cluster.n, float(timeout))
         self._results: dict[str, Any] = {}
@@ -196,13 +193,3 @@ def _store_host(*clusters: Cluster) -> str:
     addresses = [address for cluster in clusters for address in cluster._state.world_addresses()]
     remote = [address for address in addresses if address != "127.0.0.1"]
     return address_toward(remote[0]) if remote else "127.0.0.1"
-
-
-def _served_store(host: str, timeout: float) -> dist.TCPStore:
-    """A store served from this process, listening on `host` only (never on all interfaces)."""
-    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind((host, 0))
-    listener.listen(128)
-    port = listener.getsockname()[1]
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout),
-                         master_listen_fd=listener.detach())

@@ -4,7 +4,9 @@ An engine runs a cell on its main thread; a collective blocks that thread inside
 released. ipyparallel already runs a control thread in every engine (for abort and clear
 requests), so the notebook asks there: `where` names the main thread's stack and, when it sits
 in a torch.distributed collective, the call, its group, the group's sequence number and root;
-`abort` makes this rank's pending collectives fail at once so the world can be re-formed. The
+`abort` makes this rank's pending collectives fail at once so the world can be re-formed; `degrade`
+does the same after leaving a message for a Trainer that can train on without a lost dp replica,
+and `rejoin` tells it the replacement is ready (`colab_par.training.recovery`). The
 requests travel through ipyparallel's controller, so engines on other hosts answer the same way.
 Nothing runs on an engine between requests: no thread, no timer, no hook on any collective.
 """
@@ -19,19 +21,23 @@ from typing import Any
 from colab_par import compat
 from colab_par.cluster import engine
 from colab_par.cluster.deadlock import ROOTED, SYMMETRIC
+from colab_par.training import recovery
 
-__all__ = ["WHERE_REQUEST", "ABORT_REQUEST", "ANSWERED", "install", "where", "abort", "collective_wait",
-           "pending_collective"]
+__all__ = ["WHERE_REQUEST", "ABORT_REQUEST", "DEGRADE_REQUEST", "REJOIN_REQUEST", "ANSWERED", "install", "where",
+           "abort", "degrade", "rejoin", "collective_wait", "pending_collective"]
 
 WHERE_REQUEST = "colab_par_where_request"
 ABORT_REQUEST = "colab_par_abort_request"
+DEGRADE_REQUEST = "colab_par_degrade_request"
+REJOIN_REQUEST = "colab_par_rejoin_request"
 ANSWERED: Counter[str] = Counter()  # requests this engine answered, by kind: what watching it cost
 _C10D_FILE = "torch/distributed/distributed_c10d.py"
 
 
 def install() -> None:
-    """Answer `WHERE_REQUEST` and `ABORT_REQUEST` from this engine's control thread (once per engine)."""
-    compat.answer_control_requests({WHERE_REQUEST: where, ABORT_REQUEST: abort})
+    """Answer the requests from this engine's control thread (once per engine)."""
+    compat.answer_control_requests({WHERE_REQUEST: where, ABORT_REQUEST: abort, DEGRADE_REQUEST: degrade,
+                                    REJOIN_REQUEST: rejoin})
 
 
 def where(content: dict) -> dict[str, Any]:
@@ -46,6 +52,24 @@ def abort(content: dict) -> dict[str, Any]:
     """Make this rank's pending collectives fail now (`engine.break_connections`)."""
     ANSWERED["abort"] += 1
     engine.break_connections(content["addresses"])
+    return {}
+
+
+def degrade(content: dict) -> dict[str, Any]:
+    """A dp replica died: free this rank's pending collectives as `abort` does, then leave the
+    message for its Trainer (`recovery.request_degraded`: the survivors, the lost ranks, a store for
+    their own group), which catches their failure and trains on. In this order: the survivors'
+    group must not be among the connections broken."""
+    ANSWERED["degrade"] += 1
+    engine.break_connections(content["addresses"])
+    recovery.request_degraded(content["degrade"])
+    return {}
+
+
+def rejoin(content: dict) -> dict[str, Any]:
+    """The lost ranks' replacements are ready: the Trainer leaves degraded training at a step boundary."""
+    ANSWERED["rejoin"] += 1
+    recovery.request_rejoin()
     return {}
 
 

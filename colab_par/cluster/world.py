@@ -123,3 +123,18 @@ def _ranked_by_host(ids: list[int], hosts: list[dict[str, Any]]) -> tuple[list[i
         first.setdefault(info["host"], eid)
     order = sorted(range(len(ids)), key=lambda i: (first[hosts[i]["host"]], ids[i]))
     return [ids[i] for i in order], [hosts[i] for i in order]
+
+
+def served_store(host: str, timeout: float) -> Any:
+    """A torch TCPStore served from this process, listening on `host` only (never on all interfaces):
+    for groups other than the world (generator engines' bridge, survivors training on)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((host, 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout),
+                         master_listen_fd=listener.detach())

@@ -95,6 +95,17 @@ class ParallelModel:
             self._grad_averager()
         return loss_sum / dist.get_world_size()
 
+    def forward_backward_share(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float) -> torch.Tensor:
+        """The mean loss on one dp share of token batches (float64, on the device), its gradient
+        times `loss_scale` added to `.grad`, and no collective at all: neither the loss's all-reduce
+        nor DDP's gradient sync (the module is called past its DDP wrapper). For a world that lost a
+        dp replica (`training/resilience/degraded.py` sums the gradients over the survivors itself)."""
+        module = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        with self.rng.active():
+            loss, _ = self._token_loss(inputs.to(self.device), targets.to(self.device), module)
+            (loss * loss_scale).backward()
+        return loss.detach().to(torch.float64)
+
     def _forward_backward_tokens(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float,
                                  local: bool) -> torch.Tensor:
         inputs, targets = self._dp_slice(inputs, local), self._dp_slice(targets, local)

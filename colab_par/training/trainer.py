@@ -35,6 +35,7 @@ from colab_par.training.checkpoint_background import in_flight as checkpoint_wri
 from colab_par.training.live_rows import LiveRows
 from colab_par.training.resilience.keeper import Keeper
 from colab_par.training.resilience.comeback import announce as announce_recovery, come_back
+from colab_par.training.resilience.degraded import train_on
 from colab_par.training.step_measures import StepMeasures, telemetry_flops_per_token
 
 __all__ = ["Trainer", "WarmupCosine", "Evaluation", "Checkpoints", "Logs", "telemetry_flops_per_token"]
@@ -138,7 +139,7 @@ class Trainer:
         stop_at = self.steps if stop_at is None else min(stop_at, self.steps)
         if self.checkpoints is not None and self.checkpoints.on_failure == "restart" and \
                 recovery.resume_requested(self.ckpt_dir):
-            come_back(self)
+            come_back(self, stop_at)
         asynchronous = self.checkpoints is not None and self.checkpoints.asynchronous
         if asynchronous:
             check_async_supported(self.pm)  # before any step
@@ -148,14 +149,17 @@ class Trainer:
             with self._live.fit(self.history, self.step, header, torch.device(self.pm.device)) as sinks:
                 while self.step < stop_at:
                     began = time.perf_counter()
-                    row = self.train_step()
-                    if self._keeper is not None:
-                        self._keeper.step_done(self, time.perf_counter() - began)
-                    evaluated = self._eval_due()
-                    if evaluated:
-                        self.evaluate()
-                    if self._save_due(stop_at):
-                        self._save_in_fit(row)  # before the row goes out: it carries the save's pause
+                    try:
+                        row = self.train_step()
+                        if self._keeper is not None:
+                            self._keeper.step_done(self, time.perf_counter() - began)
+                        evaluated = self._eval_due()
+                        if evaluated:
+                            self.evaluate()
+                        if self._save_due(stop_at):
+                            self._save_in_fit(row)  # before the row goes out: it carries the save's pause
+                    except Exception as error:  # noqa: BLE001 - a lost dp replica: train on without it, else re-raised
+                        train_on(self, error, stop_at, sinks)
                     if asynchronous and row is not None and checkpoint_writing():
                         row["ckpt_writing"] = True  # the dashboard shows the save in flight
                     sinks.after_step(row, self.step >= stop_at)
@@ -206,7 +210,7 @@ class Trainer:
                 grad_norm = pm.clip_grad_norm_tensor(self.grad_clip if self.grad_clip else math.inf)
         grads = telem.grad_bytes(pm) if measure else 0
         if self._keeper is not None:
-            self._keeper.step_begins()  # from here to the step's row this rank is no peer's source
+            self._keeper.step_begins(self)  # from here to the step's row this rank is no peer's source
         with clock.phase("optimizer"):
             pm.optimizer_step()
         clock.stop()
@@ -296,8 +300,6 @@ class Trainer:
             group["lr"] = base * factor
         return self.pm.optimizer.param_groups[0]["lr"]
 
-    # ---- telemetry sinks ------------------------------------------------------------------------
-    # ---- surviving a lost engine ----------------------------------------------------------------
     # ---- checkpoints & history ------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike | None = None) -> None:
         save(self.pm, path or self.ckpt_dir, trainer=self)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from colab_par.training.checkpoint_files import rng_state
 from colab_par.training.resilience import memory, peers
 from colab_par.training.resilience.rank_copy import loop_state
 from colab_par.training.resilience.recover import replica_key
@@ -27,25 +28,22 @@ class Keeper:
         self._last: int | None = None  # the step of the newest snapshot ("auto")
         self._stride_known = False
         self._replicas: bool | None = None  # dp peers hold the same state (`recover.replica_key`)
+        self._streams: list[dict] | None = None  # every rank's, gathered before this step's optimizer step
         if dist.is_initialized():  # made now, while every rank is here: its making waits for all of them
             peers.host_group()
 
-    def step_begins(self) -> None:
-        """Just before the optimizer step: this rank's state is in flux until `step_done`."""
+    def step_begins(self, trainer: Any) -> None:
+        """Just before the optimizer step. Its forwards are done, so every rank's random stream is
+        final for this step: where dp peers are live replicas of each other, the streams are
+        gathered now (a few KB), and a rank lost from here on (before its optimizer step, say) has
+        its own stream known to its peers; one lost during the gather leaves the previous step whole
+        everywhere. Then this rank's state is in flux until `step_done`."""
+        self._streams = self._gathered_streams(trainer)
         self.kept.live = None
 
     def step_done(self, trainer: Any, step_seconds: float) -> None:
-        """The step's row is recorded: this rank's state is whole at `trainer.step`. Where dp peers
-        are live replicas of each other, every rank's random stream is gathered too (a few KB): a
-        replaced rank's own stream is then known to its peers (unless it was lost after its
-        backward and before this gather: then it starts afresh from the Trainer's seed)."""
-        loop = loop_state(trainer.pm, trainer)
-        self.kept.live, self.kept.live_loop = trainer, loop  # whole, even if a peer is lost in the gather
-        if self._replicas is None:
-            self._replicas = replica_key(trainer.pm) >= 0 and trainer.pm.layout.dp > 1
-        if self._replicas:
-            loop["streams"] = [json.loads(text) for text in
-                               peers.gathered_texts(json.dumps(loop["rng"]), peers.host_group())]
+        """The step's row is recorded: this rank's state is whole at `trainer.step`."""
+        self.whole(trainer, self._streams)
         if not self._due(trainer.step):
             return
         if not self._stride_known:
@@ -55,6 +53,25 @@ class Keeper:
         if self.snapshot_every == "auto":  # the ranks must agree: the largest K any of them needs
             needed = math.ceil(seconds / (memory.SNAPSHOT_BUDGET * max(step_seconds, 1e-9)))
             self._every = max(1, peers.agreed_max(needed, peers.host_group()))
+
+    def whole(self, trainer: Any, streams: list[dict] | None = None) -> None:
+        """This rank's state is whole at `trainer.step` (after a step, or a recovery): kept live,
+        with every rank's random stream where dp peers are replicas (`streams`, else gathered now:
+        call on every rank)."""
+        loop = loop_state(trainer.pm, trainer)
+        self.kept.live, self.kept.live_loop = trainer, loop  # whole, even if a peer is lost in a gather
+        streams = streams if streams is not None else self._gathered_streams(trainer)
+        if streams is not None:
+            loop["streams"] = streams
+
+    def _gathered_streams(self, trainer: Any) -> list[dict] | None:
+        """Every rank's random stream as it stands, in rank order, where dp peers are replicas."""
+        if self._replicas is None:
+            self._replicas = replica_key(trainer.pm) >= 0 and trainer.pm.layout.dp > 1
+        if not self._replicas:
+            return None
+        mine = json.dumps(rng_state(trainer.pm.rng))
+        return [json.loads(text) for text in peers.gathered_texts(mine, peers.host_group())]
 
     def _due(self, step: int) -> bool:
         """Every K-th step; under "auto" the first step, then K steps after the last snapshot."""

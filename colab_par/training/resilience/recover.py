@@ -125,7 +125,7 @@ def _take_from_replicas(trainer: Any, kept: Any, plan: dict[int, int], group: An
 
     def copy_of(receiver: int) -> RankCopy:
         """This rank's state, with the receiver's own random stream at that step (`Keeper` gathers
-        every rank's at the end of each step: a lost rank's masks go on as if it had lived)."""
+        every rank's before each optimizer step: a lost rank's masks go on as if it had lived)."""
         if not mine:
             mine.append(take(kept.live.pm, kept.live, dist.get_world_size(group), kept.live_loop))
         if receiver == rank:
