@@ -1,6 +1,9 @@
 """Resilience on a real 2-engine cluster (issue 42): how long from a SIGKILLed engine to training
 again and how many steps are lost, per layout and way back (live replicas, in-memory snapshots,
-disk); and what in-memory snapshots every K steps cost the step.
+disk); and what in-memory snapshots every K steps cost the step. Where the survivors train on
+degraded while the replacement starts (dp only: `training/resilience/degraded.py`), the kill to
+their first degraded step and the kill to the full world training again apart, and how many steps
+ran degraded.
 
 It runs the fault-injection cell the tests prove recovery with (tests/resilience_cell.py), so the
 figures are of the same code. Usage: python benchmarks/resilience.py [--rounds 3]
@@ -18,14 +21,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from resilience_cell import run_cell  # noqa: E402
+from resilience_cell import degraded_steps, run_cell  # noqa: E402
 
 from colab_par import Cluster  # noqa: E402
 from colab_par.models import GPTConfig  # noqa: E402
 
-# rank 1 killed in step 8's forward; disk saves every 4 steps, snapshots (where used) every 2
-RECOVERIES = (("dp2", None, "live replicas"), ("dp2 zero3", 2, "in-memory snapshot"), ("tp2", 2, "in-memory snapshot"),
-              ("dp2 zero3", None, "disk checkpoint"))
+# rank 1 killed in step 8's forward; 10 steps, disk saves every 4, snapshots (where used) every 2. The dp2 arm
+# (its survivor trains on degraded) runs 30 steps saving only at the end: a save is due at step 8 otherwise, which
+# needs the whole world, so the survivor would stop before its first degraded step
+TEN, THIRTY = dict(steps=10, every=4), dict(steps=30, every=1000)
+RECOVERIES = (("dp2", None, "live replicas, the survivor trains on", THIRTY),
+              ("dp2 zero3", 2, "in-memory snapshot", TEN), ("tp2", 2, "in-memory snapshot", TEN),
+              ("dp2 zero3", None, "disk checkpoint", TEN))
 MEDIUM = GPTConfig(vocab_size=512, seq_len=128, n_layer=4, n_head=4, d_model=256, kernels="torch")  # ~3.4 M params
 
 
@@ -38,21 +45,35 @@ def _printed(run) -> str:
     return buffer.getvalue()
 
 
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})" if values else "-"
+
+
 def recovery_rows(cluster: Cluster, folder: Path, rounds: int) -> list[str]:
+    """Per arm: kill to the survivors' first degraded forward (where they train on), kill to the first
+    forward of the cell run again (the full world), steps run degraded, steps lost. Rank 1 dies in
+    step 8, so step 7 is the last whole one before the kill, or the last degraded step after it; a
+    step lost is one trained before the cell ran again and not in the state it resumed from."""
     rows = []
-    for layout, every, way in RECOVERIES:
-        seconds, lost = [], set()
+    for layout, every, way, run in RECOVERIES:
+        survivors, world, ran_degraded, lost = [], [], [], set()
         for round_ in range(rounds):
             cluster.restart()
             name = f"{layout.replace(' ', '-')}-{every}-{round_}"
             said = _printed(lambda: run_cell(cluster, folder, name, [[1, "forward", 8]], layout=layout,
-                                             snapshot_every=every, steps=10, every=4, model=MEDIUM, batch=8))
+                                             snapshot_every=every, model=MEDIUM, batch=8, **run))
             killed, again = (float((folder / f"{name}.{end}").read_text()) for end in ("killed_at", "again_at"))
-            seconds.append(again - killed)
+            world.append(again - killed)
+            if (folder / f"{name}.degraded_at").exists():
+                survivors.append(float((folder / f"{name}.degraded_at").read_text()) - killed)
+            degraded = sorted(degraded_steps(folder, name))  # rank 0's rows: rank 0 survives
+            assert degraded == list(range(8, 8 + len(degraded))), degraded
+            ran_degraded.append(len(degraded))
             found = re.search(r"resumed at step (\d+)|resumed from the checkpoint of step (\d+)", said)
-            lost.add(7 - int(found.group(1) or found.group(2)))
-        rows.append(f"| {layout} | {way} | {statistics.median(seconds):.2f} ({min(seconds):.2f}-{max(seconds):.2f}) "
-                    f"| {sorted(lost)} |")
+            lost.add(max([7, *degraded]) - int(found.group(1) or found.group(2)))
+        per_round = ", ".join(map(str, ran_degraded))
+        rows.append(f"| {layout} | {way} | {_spread(survivors)} | {_spread(world)} "
+                    f"| {min(ran_degraded)}-{max(ran_degraded)} ({per_round}) | {sorted(lost)} |")
     return rows
 
 
@@ -81,9 +102,11 @@ def main() -> None:
         recoveries = recovery_rows(cluster, folder, args.rounds)
         costs = snapshot_cost_rows(cluster, folder, args.rounds)
     print(f"\n{started}, {args.rounds} rounds, GPT 4 layers x 256 (3.4 M parameters), 2 engines")
-    print("| layout | way back | kill to training again, s median (min-max) | steps lost |\n|---|---|---|---|")
+    print("| layout | way back | kill to training again (survivors), s median (min-max) "
+          "| kill to the full world again, s median (min-max) | steps run degraded, min-max (per round) "
+          "| steps lost |\n|---|---|---|---|---|---|")
     print("\n".join(recoveries))
-    print("\n| snapshot_every | s per step, median (min-max) | vs none |\n|---|---|---|")
+    print("\n| snapshot_every | ms per step, median (min-max) | vs none |\n|---|---|---|")
     print("\n".join(costs))
 
 

@@ -7,7 +7,9 @@ gradients were reduced), "snapshot" (while the in-memory snapshot's bytes are in
 removes it and SIGKILLs itself (at that step, or later where the run went past it while that rank
 was dead: the others train on without a lost dp replica). Rank 0 writes every logged step's loss
 to a file, the steps its rows say ran degraded (`degraded_steps`), the final parameters
-(`final_parameters`), and each engine that runs the cell its pid."""
+(`final_parameters`), and each engine that runs the cell its pid. For benchmarks/resilience.py the
+cell also writes when the kill came (`.killed_at`), the first degraded forward (`.degraded_at`) and
+the first forward of the cell run again after it (`.again_at`)."""
 from __future__ import annotations
 
 import json
@@ -18,6 +20,7 @@ import json, os, signal, time
 import torch
 import colab_par
 import colab_par.training.checkpoint_async as checkpoint_async
+import colab_par.training.recovery as recovery
 import colab_par.training.resilience.peers as peers
 from colab_par.data import SyntheticDataset
 from colab_par.models import GPT
@@ -44,6 +47,11 @@ def first_forward_after_a_kill(*_):  # when training runs again (benchmarks/resi
         with open(CKPT + ".again_at", "w") as handle:
             handle.write(repr(time.time()))
 
+def first_degraded_forward(*_):  # when the survivors train on without the lost rank (benchmarks/resilience.py)
+    if recovery.degraded_record() is not None and not os.path.exists(CKPT + ".degraded_at"):
+        with open(CKPT + ".degraded_at", "w") as handle:
+            handle.write(repr(time.time()))
+
 swap = getattr(peers, "undying_swap", peers._swap)  # the cell may run several times
 peers.undying_swap = swap
 def swap_that_may_die(outgoing, to, incoming, source, group, tag):
@@ -62,6 +70,7 @@ checkpoint_async.commit = commit_that_may_die
 model = GPT(config)
 model.layers["0"].register_forward_pre_hook(lambda *_: die_if("forward", trainer.step + 1))
 model.register_forward_pre_hook(first_forward_after_a_kill)
+model.register_forward_pre_hook(first_degraded_forward)
 pm = colab_par.parallelize(model, LAYOUT)
 pm.optimizer.register_step_pre_hook(lambda *_: die_if("optimizer", trainer.step + 1))
 trainer = colab_par.Trainer(pm, SyntheticDataset(vocab_size=config.vocab_size, seq_len=config.seq_len, batch_size=BATCH),
