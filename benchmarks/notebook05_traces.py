@@ -84,7 +84,7 @@ def cost(name: str, layout: Layout) -> float:
 def record(name: str, gpus: int, batch: int, checked: Verification, seconds: float) -> dict[str, Any]:
     return {"model": name, "sizes": MODELS[name], "gpus": gpus, "layout": checked.layout, "batch": [batch, SEQ],
             "device": DEVICE, "fits": checked.fits, "overflow": checked.overflow,
-            "peak": checked.peak, "device_peak": checked.fullest.report.device_peak,
+            "peak": checked.peak, "device_peak": max(c.report.device_peak for c in checked.roles),
             "traced_seconds": checked.traced_seconds, "predicted_seconds": checked.predicted_seconds,
             "roles": [{"role": c.role, "rank": c.rank, "peak": c.report.peak.total,
                        "device_peak": c.report.device_peak, "host": c.report.host.total,

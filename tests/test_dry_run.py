@@ -26,6 +26,7 @@ from colab_par.models import GPTConfig
 from colab_par.planning.devices import get_device
 from colab_par.planning.dry_run import dry_run
 from colab_par.planning.dry_run.compare import compare
+from colab_par.planning.dry_run.report import MemoryKinds
 from colab_par.planning.dry_run.run import model_factory, token_batch, traced_step
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, kernels="torch")
@@ -114,6 +115,9 @@ def test_a_step_that_does_not_fit_names_its_phase_and_kind(real_reports) -> None
     largest = max(("params", "grads", "optimizer", "activations", "temporaries"),
                   key=lambda kind: getattr(report.phases["forward"], kind))
     assert not verdict.fits and verdict.overflow.startswith("forward") and verdict.overflow.endswith(largest)
+    # state offloaded to the host is not the device's: with enough of it there, the same step fits
+    host = MemoryKinds(optimizer=report.peak.total - report.phases["forward"].total + 2000)
+    assert compare(replace(report, host=host), CONFIG, device=tight).fits
 
 
 def test_refuses_bad_requests_before_starting_a_process() -> None:

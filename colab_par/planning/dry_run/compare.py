@@ -145,11 +145,13 @@ def _collectives(report: DryRunReport, model: Any) -> tuple[tuple[CollectiveMatc
 
 
 def _overflow(report: DryRunReport, room: float) -> str:
-    """"" when every phase's peak fits in `room` bytes; else the first phase that does not, and
-    its largest kind of memory."""
+    """"" when every phase's peak fits in `room` bytes of the device; else the first phase that does
+    not, and its largest kind of memory. State offloaded to the host (`report.host`) is not the
+    device's to hold."""
+    host = report.host.total
     for phase, kinds in report.phases.items():
-        if kinds.total > room:
+        if kinds.total - host > room:
             largest = max(MemoryKinds.__dataclass_fields__, key=lambda kind: getattr(kinds, kind))
-            return (f"{phase} needs {kinds.total / GiB:.1f} GiB, {getattr(kinds, largest) / GiB:.1f} GiB "
-                    f"of it {largest}")
-    return "" if report.peak.total <= room else f"the step's peak needs {report.peak.total / GiB:.1f} GiB"
+            return (f"{phase} needs {(kinds.total - host) / GiB:.1f} GiB on the device, "
+                    f"{getattr(kinds, largest) / GiB:.1f} GiB of it {largest}")
+    return "" if report.device_peak <= room else f"the step's peak needs {report.device_peak / GiB:.1f} GiB"
