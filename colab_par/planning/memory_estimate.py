@@ -372,9 +372,9 @@ def step_instants(spec: ModelSpec, layout: Layout, rank: RankParams, state: Memo
     accumulated = 0.0
     if layout.microbatches > microbatches_in_flight(layout):
         accumulated = pipeline_unsharded_grads(layout, rank, act_bytes) or state.grads
-    # zbv's weight passes, which make the unsharded gradients, trail its losses: a loss comes with
-    # the most microbatches in flight or with the gradients, not both (traced at two depths)
-    at_loss = 0.0 if layout.pp > 1 and splits_backward(layout) else accumulated
+    # zbv's weight passes, which make the unsharded gradients, trail its losses: when a rank holds
+    # the most microbatches in flight only its later chunk's have run (half its layers)
+    at_loss = accumulated / 2 if layout.pp > 1 and splits_backward(layout) else accumulated
     activations, log_probs = kept_activations(spec, layout, micro, seq, act_bytes)
     head = spec.vocab_size * spec.d_model / split if log_probs else 0.0
     logits = micro * seq * spec.vocab_size if log_probs else 0.0
