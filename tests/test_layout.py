@@ -210,13 +210,18 @@ def test_rule_zbv_two_stages_per_rank() -> None:
     assert "'zbv' places exactly 2 stages per rank" in message and "set virtual_stages=2" in message
 
 
-def test_rule_zbv_refuses_selective_recompute() -> None:
-    # the real step fails (torch.utils.checkpoint: "Trying to backward an extra time"): zbv's input
-    # and weight passes are two backwards over a region selective recompute lets back once
-    message = _error(Layout(pp=2, pp_schedule="zbv", microbatches=2, virtual_stages=2, checkpointing="selective"), 2)
-    assert "selective recompute allows one" in message and "checkpointing='full' with zbv" in message
-    Layout(pp=2, pp_schedule="zbv", microbatches=2, virtual_stages=2, checkpointing="full").validate(2)
+def test_rule_zbv_refuses_recompute() -> None:
+    # selective: the real step fails (torch.utils.checkpoint: "Trying to backward an extra time"):
+    # zbv's input and weight passes are two backwards over a region selective recompute lets back
+    # once; full: the fullest rank holds more than without recompute (traced, docs/planner.md)
+    for checkpointing in ("selective", "full"):
+        message = _error(Layout(pp=2, pp_schedule="zbv", microbatches=2, virtual_stages=2,
+                                checkpointing=checkpointing), 2)
+        assert f"checkpointing={checkpointing!r} cannot save memory" in message, message
+        assert "use checkpointing='none' with zbv" in message and "'1f1b' or 'interleaved' with recompute" in message
+    Layout(pp=2, pp_schedule="zbv", microbatches=2, virtual_stages=2).validate(2)
     Layout(pp=2, pp_schedule="1f1b", microbatches=2, checkpointing="selective").validate(2)
+    Layout(pp=2, pp_schedule="interleaved", microbatches=4, virtual_stages=2, checkpointing="full").validate(2)
 
 
 def test_rule_interleaved_needs_virtual_stages() -> None:

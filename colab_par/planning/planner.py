@@ -172,9 +172,9 @@ def _verified(option: Plan, model: Any, device: DeviceSpec, world_size: int, bat
 
 
 def _cheapest_fitting(spec: ModelSpec, layout: Layout, options: dict[str, Any]) -> Plan:
-    """The first of: as is, selective then full recompute (no selective under a split backward),
+    """The first of: as is, selective then full recompute (none under a split backward),
     each also offloaded (zero >= 2, no memory tiers), that fits; the last tried if none does."""
-    for checkpointing in ("none", "full") if splits_backward(layout) else ("none", "selective", "full"):
+    for checkpointing in ("none",) if splits_backward(layout) else ("none", "selective", "full"):
         for offload in ((False, True) if layout.zero >= 2 and not layout.tiers.enabled else (False,)):
             option = estimate(spec, layout.replace(checkpointing=checkpointing, offload=offload), **options)
             if option.fits:
