@@ -374,7 +374,7 @@ def step_instants(spec: ModelSpec, layout: Layout, rank: RankParams, state: Memo
         accumulated = pipeline_unsharded_grads(layout, rank, act_bytes) or state.grads
     # zbv's weight passes, which make the unsharded gradients, trail its losses: when a rank holds
     # the most microbatches in flight only its later chunk's have run (half its layers)
-    at_loss = accumulated / 2 if layout.pp > 1 and splits_backward(layout) else accumulated
+    at_loss = accumulated / 2 if splits_backward(layout) else accumulated
     activations, log_probs = kept_activations(spec, layout, micro, seq, act_bytes)
     head = spec.vocab_size * spec.d_model / split if log_probs else 0.0
     logits = micro * seq * spec.vocab_size if log_probs else 0.0
@@ -425,7 +425,7 @@ def _stages_stay_gathered(layout: Layout) -> bool:
     """zbv under zero 3 keeps each of the rank's stages gathered from its first action to its last
     (torch's pipelining runtime unshards up to three stages ahead, and the split backward's weight
     pass leaves them so): all the rank's parameters are gathered for the whole step (traced)."""
-    return layout.pp > 1 and splits_backward(layout) and layout.zero == 3
+    return splits_backward(layout) and layout.zero == 3
 
 
 def _layer_buffers(layout: Layout, rank: RankParams, act_bytes: int, layer_gathered: float) -> float:
