@@ -183,14 +183,18 @@ def test_fake_tensors_trace_the_real_step(reports, world_size: int, layout: str,
 
 def assert_same_step(layout: str, traced, real) -> None:
     """Collectives (`assert_same_collectives`), memory per phase and at the peak (`memory_bound`),
-    FLOPs exactly, and the same state off the device."""
+    FLOPs exactly, and the same parameters and optimizer state off the device. The gradients off
+    the device are those that exist at the peak: where gloo's timing moves the peak by a unit
+    (`memory_bound`), they differ by that unit's share (`dp2 zero3 offload`: 18,560 against
+    32,000 bytes in 1 CI run of many), so they get the same bound."""
     assert_same_collectives(layout, traced, real)
     for name in real.phases:
         bound = memory_bound(layout, real.phases[name].total)
         assert abs(traced.phases[name].total - real.phases[name].total) <= bound, name
     assert abs(traced.peak.total - real.peak.total) <= memory_bound(layout, real.peak.total)
     assert traced.flops == real.flops > 0
-    assert traced.host == real.host
+    assert (traced.host.params, traced.host.optimizer) == (real.host.params, real.host.optimizer)
+    assert abs(traced.host.grads - real.host.grads) <= memory_bound(layout, real.host.grads)
 
 
 def test_each_family_shows_its_own_traffic_and_state(reports) -> None:
