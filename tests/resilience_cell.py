@@ -73,8 +73,22 @@ model.register_forward_pre_hook(first_forward_after_a_kill)
 model.register_forward_pre_hook(first_degraded_forward)
 pm = colab_par.parallelize(model, LAYOUT)
 pm.optimizer.register_step_pre_hook(lambda *_: die_if("optimizer", trainer.step + 1))
-trainer = colab_par.Trainer(pm, SyntheticDataset(vocab_size=config.vocab_size, seq_len=config.seq_len, batch_size=BATCH),
-                            steps=STEPS,
+
+class Rows(torch.utils.data.Dataset):
+    """Learnable rows of the user's own kind: each token 3 past the one before; the first 1-7
+    labels of a row (its prompt) are not scored, so the dp shares hold different label counts."""
+    def __len__(self):
+        return 96
+    def __getitem__(self, i):
+        start = int(torch.randint(config.vocab_size, (1,), generator=torch.Generator().manual_seed(i)))
+        tokens = (start + 3 * torch.arange(config.seq_len + 1)) % config.vocab_size
+        labels = tokens[1:].clone()
+        labels[:1 + i % 7] = -100
+        return {"tokens": tokens[:-1], "labels": labels}
+
+data = (SyntheticDataset(vocab_size=config.vocab_size, seq_len=config.seq_len, batch_size=BATCH) if DATA == "tokens"
+        else Rows())
+trainer = colab_par.Trainer(pm, data, batch_size=None if DATA == "tokens" else BATCH, steps=STEPS,
                             checkpoints=Checkpoints(CKPT, every=EVERY, on_failure="restart", max_restarts=MAX_RESTARTS,
                                                     asynchronous=ASYNC, snapshot_every=SNAPSHOT),
                             logs=Logs(telemetry=False))
@@ -95,9 +109,10 @@ if rank == 0:
 
 def run_cell(cluster, folder: Path, name: str, kills: list, *, layout: str, steps: int = 8, every: int = 4,
              snapshot_every=None, asynchronous: bool = False, batch: int = 4,
-             max_restarts: int = 3, model=None) -> tuple[list[float], set[int]]:
+             max_restarts: int = 3, model=None, data: str = "tokens") -> tuple[list[float], set[int]]:
     """(rank 0's loss at every step, the pid of every engine that ran the cell); the notebook's
-    messages go to the test's capsys. `model`: a GPTConfig (default a 2-layer GPT of width 32)."""
+    messages go to the test's capsys. `model`: a GPTConfig (default a 2-layer GPT of width 32);
+    `data`: "tokens" (a SyntheticDataset) or "rows" (the user's own labelled rows, a torch Dataset)."""
     from colab_par.models import GPTConfig
 
     kills_file, ckpt = folder / f"{name}.kills", folder / name
@@ -105,7 +120,7 @@ def run_cell(cluster, folder: Path, name: str, kills: list, *, layout: str, step
     config = model or GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, kernels="torch")
     cluster.execute(CELL, namespace=dict(config=config, CKPT=str(ckpt), KILLS=str(kills_file), LAYOUT=layout,
                                          STEPS=steps, EVERY=every, SNAPSHOT=snapshot_every, ASYNC=asynchronous,
-                                         BATCH=batch, MAX_RESTARTS=max_restarts))
+                                         BATCH=batch, MAX_RESTARTS=max_restarts, DATA=data))
     assert json.loads(kills_file.read_text()) == [], "a kill was never reached"
     pids = {int(line) for line in Path(f"{ckpt}.pids").read_text().split()}
     return json.loads(Path(f"{ckpt}.losses").read_text()), pids

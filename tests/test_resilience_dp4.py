@@ -2,7 +2,8 @@
 SIGKILLed mid-step leaves the other three training on at dp 3 of 4 (each step's global batch whole:
 one of them takes the lost rank's share with the lost rank's own random stream) while its replacement
 starts; the replacement then takes a live peer's state, degraded steps included, and the run's
-losses and final parameters equal an uninterrupted run's. 20 kills at random moments (random ranks,
+losses and final parameters equal an uninterrupted run's, on token data and on the user's own labelled
+rows (a torch Dataset). 20 kills at random moments (random ranks,
 in the forward or before the optimizer step, also while the others train degraded) leave the final
 loss of the uninterrupted run, and no process or staging file behind.
 The model draws dropout masks, one stream per dp rank: a replaced rank must go on with its own
@@ -10,9 +11,11 @@ stream where the lost engine (or its stand-in) left it (its peers gathered it at
 its masks, and so the losses, differ from the uninterrupted run's."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
+from pathlib import Path
 
 import pytest
 
@@ -31,29 +34,36 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def reference(cluster, tmp_path_factory):
-    """The folder of the uninterrupted run ("dp4")."""
-    cluster.restart()
-    folder = tmp_path_factory.mktemp("reference")
-    run_cell(cluster, folder, "dp4", [], layout="dp4", steps=STEPS, every=8, batch=8, model=MODEL)
-    return folder
+def references(cluster, tmp_path_factory):
+    """The folder of the uninterrupted run ("dp4") on each kind of data, run when first asked for."""
+    folders = {}
+
+    def reference(data: str) -> Path:
+        if data not in folders:
+            cluster.restart()
+            folders[data] = tmp_path_factory.mktemp(f"reference-{data}")
+            run_cell(cluster, folders[data], "dp4", [], layout="dp4", steps=STEPS, every=8, batch=8, model=MODEL,
+                     data=data)
+        return folders[data]
+    return reference
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(reference) -> list[float]:
-    import json
-
-    return json.loads((reference / "dp4.losses").read_text())
+def uninterrupted(folder: Path) -> list[float]:
+    return json.loads((folder / "dp4.losses").read_text())
 
 
+@pytest.mark.parametrize("data", ["tokens", "rows"])
 def test_the_others_train_on_while_a_killed_rank_is_replaced_and_no_step_is_lost(cluster, tmp_path, capsys,
-                                                                                  reference, uninterrupted) -> None:
+                                                                                  references, data) -> None:
     """Killed in step 5's forward: ranks 0, 1, 3 go back to step 4 and train on (rank 0 takes rank 2's
-    share) until the replacement is ready or step 8's save is due; it takes rank 0's state at that step."""
+    share) until the replacement is ready or step 8's save is due; it takes rank 0's state at that step.
+    On the user's labelled rows each share holds its own count of labels: the loss divides by the
+    count over all four shares, as the whole world's does."""
+    reference = references(data)
     cluster.restart()
     generation = cluster.generation
     losses, _ = run_cell(cluster, tmp_path, "killed", [[2, "forward", 5]], layout="dp4", steps=STEPS, every=8,
-                         batch=8, model=MODEL)
+                         batch=8, model=MODEL, data=data)
     said = capsys.readouterr()
     trained = re.search(r"rank\(s\) 2 died; ranks 0,1,3 trained on at dp 3 of 4 \(steps 5\.\.([5-7])\) while the "
                         r"replacement started; replaced the dead engine of rank 2", said.err)
@@ -62,7 +72,7 @@ def test_the_others_train_on_while_a_killed_rank_is_replaced_and_no_step_is_lost
     assert f"resumed at step {last} from live replicas (ranks 2<-0), no step lost" in said.out, said.out
     assert cluster.generation == generation  # the dead engine alone was replaced
     assert degraded_steps(tmp_path, "killed") == {step: "dp 3 of 4" for step in range(5, last + 1)}
-    assert losses == pytest.approx(uninterrupted, rel=1e-6) and len(losses) == STEPS
+    assert losses == pytest.approx(uninterrupted(reference), rel=1e-6) and len(losses) == STEPS
     import torch
 
     torch.testing.assert_close(final_parameters(tmp_path, "killed"), final_parameters(reference, "dp4"),
@@ -77,14 +87,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_twenty_kills_at_random_moments_end_as_the_uninterrupted_run(cluster, tmp_path, uninterrupted) -> None:
+def test_twenty_kills_at_random_moments_end_as_the_uninterrupted_run(cluster, tmp_path, references) -> None:
     draw = random.Random(20261129)
     moments = sorted(draw.sample(range(2, 2 * STEPS + 2), 20))  # (step, forward or before the optimizer)
     kills = [[draw.randrange(4), ("forward", "optimizer")[moment % 2], moment // 2] for moment in moments]
     cluster.restart()
     losses, pids = run_cell(cluster, tmp_path, "killed", kills, layout="dp4", steps=STEPS, every=8, batch=8,
                             max_restarts=len(kills), model=MODEL)
-    assert len(losses) == STEPS and losses[-1] == pytest.approx(uninterrupted[-1], rel=1e-6)
+    assert len(losses) == STEPS and losses[-1] == pytest.approx(uninterrupted(references("tokens"))[-1], rel=1e-6)
     live = {row["pid"] for row in cluster.status()}
     assert len(pids - live) == len(kills)  # every killed engine ran the cell ...
     assert not [pid for pid in pids - live if _alive(pid)]  # ... and is gone

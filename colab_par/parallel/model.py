@@ -95,16 +95,33 @@ class ParallelModel:
             self._grad_averager()
         return loss_sum / dist.get_world_size()
 
-    def forward_backward_share(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float) -> torch.Tensor:
-        """The mean loss on one dp share of token batches (float64, on the device), its gradient
-        times `loss_scale` added to `.grad`, and no collective at all: neither the loss's all-reduce
-        nor DDP's gradient sync (the module is called past its DDP wrapper). For a world that lost a
-        dp replica (`training/resilience/degraded.py` sums the gradients over the survivors itself)."""
+    def forward_backward_share(self, batch: Any, targets: torch.Tensor | None, loss_scale: float,
+                               labels_total: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean loss on one dp share (float64, on the device), its gradient times `loss_scale`
+        added to `.grad`, and no collective at all: neither the loss's all-reduce nor DDP's gradient
+        sync (the module is called past its DDP wrapper). For a world that lost a dp replica
+        (`training/resilience/degraded.py` sums the gradients over the survivors itself). As in
+        `forward_backward_tensor`, `targets` None means `batch` is a batch of the user's data; the
+        default loss then divides by `labels_total`, the labels of the full world's shares
+        (`share_labels` summed), as `_count_labels` does in a whole world."""
         module = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
         with self.rng.active():
-            loss, _ = self._token_loss(inputs.to(self.device), targets.to(self.device), module)
+            if targets is not None:
+                loss, _ = self._token_loss(batch.to(self.device), targets.to(self.device), module)
+            else:
+                batch = batch_to(batch, self.device)
+                inputs = batch if labels_total is None else self._divide_by_labels(batch, labels_total)
+                loss = self._batch_loss(module, inputs, batch)
             (loss * loss_scale).backward()
         return loss.detach().to(torch.float64)
+
+    def share_labels(self, batch: Any) -> torch.Tensor | None:
+        """The labels of this share of the user's data the default loss averages over (float64, on
+        the device), or None where the loss does not count them (`LabelMean`)."""
+        labels = labels_of(batch)
+        if not isinstance(self.batch_loss_fn, LabelMean) or labels is None:
+            return None
+        return label_count(labels, self.batch_loss_fn.shifts).to(self.device, torch.float64)
 
     def _forward_backward_tokens(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float,
                                  local: bool) -> torch.Tensor:
@@ -131,8 +148,7 @@ class ParallelModel:
             loss_sum = self._runner.step_batch(batch, loss_scale=loss_scale, on_device=True).reshape(())
             dist.all_reduce(loss_sum)
             return loss_sum
-        with self._autocast():
-            loss = self._with_balance_loss(self.batch_loss_fn(call_model(self.model, inputs), batch))
+        loss = self._batch_loss(self.model, inputs, batch)
         loss_sum = loss.detach().to(torch.float64)
         pending = dist.all_reduce(loss_sum, async_op=True)
         (loss * loss_scale).backward()
@@ -183,16 +199,25 @@ class ParallelModel:
         enabled = self.layout.precision == "bf16" and not isinstance(self.model, FSDPModule)
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
+    def _batch_loss(self, model: nn.Module, inputs: Any, batch: Any) -> torch.Tensor:
+        """`batch_loss_fn` on `model` called with `inputs` (`batch` less what the loss takes itself)."""
+        with self._autocast():
+            return self._with_balance_loss(self.batch_loss_fn(call_model(model, inputs), batch))
+
     def _count_labels(self, batch: Any) -> Any:
         """With the default loss and labels: count them over the dp ranks and set `LabelMean`'s
         items for this step; returns what the model is called with (labels left out, the loss
         is computed here)."""
-        labels = labels_of(batch)
-        if not isinstance(self.batch_loss_fn, LabelMean) or labels is None:
+        counted = self.share_labels(batch)
+        if counted is None:
             return batch
-        counted = label_count(labels, self.batch_loss_fn.shifts).to(self.device, torch.float64)
         if self.dp_size > 1:
             dist.all_reduce(counted, group=self.mesh["dp"].get_group())
+        return self._divide_by_labels(batch, counted)
+
+    def _divide_by_labels(self, batch: dict, counted: torch.Tensor) -> dict:
+        """Set `LabelMean`'s items from `counted`, the labels of every dp rank's share: each piece's
+        loss is then its labels' sum over counted / (ranks × microbatches); `batch` less its labels."""
         pieces = self.dp_size * (self.layout.microbatches if self._runner is not None else 1)
         self.batch_loss_fn.items = (counted.clamp(min=1.0) / pieces).float()  # stays on the device, unread
         return {k: v for k, v in batch.items() if k != "labels"}

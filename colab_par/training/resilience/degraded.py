@@ -2,8 +2,11 @@
 the same global batch while its replacement starts, so the run neither waits nor loses a step.
 
 Only where every dp rank holds a whole copy and dp is the only parallel dimension (no ZeRO, offload,
-tiers, experts, tp, pp or cp), the data is a `TokenDataset` (a lost rank's share is
-`data.batch(position, its dp rank, dp)`), and no TensorBoard or loggers gather rows over the world.
+tiers, experts, tp, pp or cp), the data is a `TokenDataset` or the user's indexable dataset read in
+the engine's own process (`MapSource`: a lost rank's share is its rows of the global batch, read by
+its stand-in; a stream, which rank 0 reads for everyone, or a DataLoader's workers, which read ahead
+for their own rank, take the replacement's way), and no TensorBoard or loggers gather rows over the
+world.
 The notebook (`Faults.replace_dead_training_on`) leaves a degrade message on each survivor and breaks
 their pending collectives; the Trainer's failed step comes here (`train_on`), which:
 1. takes the message (none within `MESSAGE_WAIT_S`: the failure was no lost peer's, re-raised as
@@ -16,7 +19,8 @@ their pending collectives; the Trainer's failed step comes here (`train_on`), wh
 3. trains whole steps: each lost rank's share is one survivor's extra micro-steps, drawn from the
    lost rank's own stream; each share's gradient is kept apart, scaled by 1/dp as DDP scales it, the
    shares added and summed over the survivors: the full world's mean gradient, from the same data
-   and masks. Each step's row says "dp 3 of 4"; the Keeper's live state and streams (the lost
+   and masks. The default loss of labelled rows divides by the labels of every share of the full
+   world (counted on the survivors, summed over them), as a whole world does. Each step's row says "dp 3 of 4"; the Keeper's live state and streams (the lost
    ranks' as their stand-ins advanced them) stay current, so the replacement takes them; every
    collective of a step comes before its optimizer step, so a survivor lost too leaves the others
    a whole step;
@@ -36,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from colab_par.data import TokenDataset
+from colab_par.data.sources import DataPlace, MapSource
 from colab_par.training import recovery
 from colab_par.training.checkpoint_files import rng_state, set_rng_state
 from colab_par.training.resilience.rank_copy import loop_state
@@ -60,8 +65,20 @@ def degradable(trainer: Any) -> bool:
     world = dist.get_world_size() if dist.is_initialized() else 1
     return (trainer.checkpoints is not None and trainer.checkpoints.on_failure == "restart"
             and replica_key(pm) >= 0 and layout.dp > 1 and layout.dp == world
-            and layout.tp == layout.pp == layout.cp == layout.ep == 1 and isinstance(trainer.data, TokenDataset)
+            and layout.tp == layout.pp == layout.cp == layout.ep == 1 and _shares_readable(trainer.data)
             and logs.tensorboard is None and not logs.loggers and not moe_layers(pm.model_parts))
+
+
+def _shares_readable(data: Any) -> bool:
+    """Whether a survivor can read any dp rank's share of `data` itself (module docstring)."""
+    return isinstance(data, TokenDataset) or (isinstance(data, MapSource) and data.reading is None)
+
+
+def _share(data: Any, position: int, share: int, dp: int) -> tuple[Any, torch.Tensor | None]:
+    """(dp rank `share`'s batch at `position`, its targets: None for the user's rows)."""
+    if isinstance(data, TokenDataset):
+        return data.batch(position, share, dp)
+    return data.local_batch(position, DataPlace(share, dp, tuple(range(dp)))), None
 
 
 class _Survivors:
@@ -180,12 +197,13 @@ def _degraded_step(trainer: Any, survivors: _Survivors, streams: list[dict]) -> 
     losses = []
     for _ in range(trainer.grad_accum):
         total = torch.zeros((), dtype=torch.float64, device=pm.device)
+        batches = {share: _share(trainer.data, trainer.data_position, share, survivors.full) for share in shares}
+        labels = _labels_total(pm, [batch for batch, targets in batches.values() if targets is None], survivors)
         for share in shares:  # each share's gradient apart, accumulated as its own rank would
             set_rng_state(pm.rng, streams[share])
             for param, grad in zip(params, grads[share]):
                 param.grad = grad
-            inputs, targets = trainer.data.batch(trainer.data_position, share, survivors.full)
-            total += pm.forward_backward_share(inputs, targets, 1.0 / trainer.grad_accum)
+            total += pm.forward_backward_share(*batches[share], 1.0 / trainer.grad_accum, labels)
             grads[share], streams[share] = [param.grad for param in params], rng_state(pm.rng)
         trainer.data_position += 1
         losses.append(total)
@@ -210,6 +228,16 @@ def _degraded_step(trainer: Any, survivors: _Survivors, streams: list[dict]) -> 
         trainer.history.append(row)
     kept.live, kept.live_loop = trainer, {**loop_state(pm, trainer), "streams": list(streams)}  # whole, with its row
     return row
+
+
+def _labels_total(pm: Any, batches: list[Any], survivors: _Survivors) -> torch.Tensor | None:
+    """The labels the default loss counts in every share of the full world (`batches`: this
+    survivor's shares of the user's rows), or None where it counts none (the same on every survivor:
+    one loss, one kind of batch)."""
+    counts = [pm.share_labels(batch) for batch in batches]
+    if not counts or counts[0] is None:
+        return None
+    return survivors.sum_(torch.stack(counts).sum().cpu()).to(pm.device)
 
 
 def _sum_gradients(params: list[torch.Tensor], grads: dict[int, list[torch.Tensor | None]],
