@@ -43,13 +43,13 @@ WORLDS = {
         "dp2 zero3 ac-selective", "dp2 zero3 optimizer@disk grads@disk", "dp2 params@disk", "dp2 compile",
         "dp2 zero3 compile"),
     4: ("tp4 2d", "dp2 pp2", "dp2 tp2 zero3"),
-    8: ("tp8 3d",),
+    8: ("tp8 3d", "pp2 tp4 2d mb2", "pp2 tp4 2d zbv v2 mb2"),
 }
 # traced on fake tensors too (no storage: what a rank of a large model runs on), against the same
 # real runs (DDP's reducer too: the fake world answers its bucket all-reduces, `run._answer_ddp_on_fake_world`)
 FAKE_TENSORS = ("dp2 zero1", "dp2 ac-full", "cp2", "cp2 ulysses", "dp2 compile", "dp2 zero2", "dp2 zero3 offload", "tp2 sp", "tp2 bf16", "dp2 zero3 ac-selective",
                 "dp2 zero3 optimizer@disk grads@disk", "pp2 1f1b", "pp2 interleaved v2", "pp2 zbv v2", "dp2 pp2",
-                "dp2 ep2 zero3", "dp2 zero3 compile")
+                "dp2 ep2 zero3", "dp2 zero3 compile", "pp2 tp4 2d zbv v2 mb2")
 
 
 def config_of(layout: str) -> GPTConfig:

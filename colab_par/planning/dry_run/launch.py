@@ -27,8 +27,7 @@ def dry_run(model: Any, layout: "Layout | str", world_size: int, *, rank: int = 
     a real world of the same size measures), "fake" allocates nothing (`FakeTensorMode`: any size).
     The child runs `steps` (>= 2) steps and traces the last (from the second on, Adam's
     state exists; the one before counts the FLOPs). Raises ValueError (LayoutError) before starting anything for a layout that does
-    not fit the world or that torch's tracker cannot follow (the zero-bubble V schedule),
-    RuntimeError with the child's traceback if the step fails, TimeoutError
+    not fit the world, RuntimeError with the child's traceback if the step fails, TimeoutError
     after `timeout` seconds. (A script calling it needs the `if __name__ == "__main__":` guard
     every spawned process needs; a notebook does not.)"""
     layout = Layout.parse(layout)
@@ -42,10 +41,6 @@ def dry_run(model: Any, layout: "Layout | str", world_size: int, *, rank: int = 
     if steps < 2 or len(batch) != 2 or min(batch) < 1:
         raise ValueError(f"steps={steps}, batch={batch!r}: give steps >= 2 (the traced step needs one before "
                          "it) and batch=(global batch, seq len)")
-    if layout.pp > 1 and layout.virtual_stages > 1 and layout.tp_mode != "1d":
-        raise ValueError(f"{layout}: a tensor grid ({layout.tp_mode}) under a pipeline of several stages per rank "
-                         f"does not trace yet (the fake world's shape inference and split backward do not follow "
-                         f"the grid's pieces); trace it with pp_schedule='1f1b' (one stage per rank) instead")
     model_factory(model)  # refuses what cannot cross to the child, before it starts
     if not callable(model):  # a config: the layout's rules apply before any process starts
         layout.validate(world_size, model, global_batch=batch[0])

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
 from colab_par.compat import fake_world
-from colab_par.layout import Layout
+from colab_par.layout import Layout, grid_batch_chunks, tensor_grid
 from colab_par.models import GPT, GPTConfig
 from colab_par.parallel import parallelize
 from colab_par.parallel.mesh import GRID_DIMS, build_expert_mesh, build_grid_mesh, build_mesh
@@ -73,7 +73,8 @@ def pipeline_stage_inputs(factory: Callable[[], nn.Module], layout: Layout,
     microbatch of a dp rank's share through the whole model's stages (`split_model` of each pp
     rank), in the dtype a stage boundary carries (bf16 where FSDP casts the parameters; float32
     under autocast, whose residual stream stays float32). What a fake world's shape inference
-    answers in place of the neighbours it cannot hear (`fake_world.pipeline_metadata`)."""
+    answers in place of the neighbours it cannot hear (`fake_world.pipeline_metadata`). On a tensor
+    grid each rank passes its piece (`_grid_piece`)."""
     from colab_par.parallel.pipeline import split_model, stage_ids, stage_owner
 
     with torch.device("meta"):
@@ -89,8 +90,19 @@ def pipeline_stage_inputs(factory: Callable[[], nn.Module], layout: Layout,
         part = split_model(model, layout, owner)[stage_ids(layout, owner).index(stage)]
         out = part(*carried)
         carried = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-        taken[stage + 1] = carried
+        taken[stage + 1] = tuple(_grid_piece(layout, tensor) for tensor in carried)
     return taken
+
+
+def _grid_piece(layout: Layout, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a (rows, seq, hidden) stage boundary on a tensor grid: layout A's rows
+    split over the grid's batch dims, its hidden over q (`tensor_grid.py`); whole without a grid."""
+    grid = tensor_grid(layout.tp, layout.tp_mode, layout.tp_depth)
+    if grid is None:
+        return tensor
+    rows, hidden = tensor.shape[0] // grid_batch_chunks(layout), tensor.shape[-1] // grid[0]
+    piece = torch.empty((rows, *tensor.shape[1:-1], hidden), dtype=tensor.dtype, device="meta")
+    return piece.requires_grad_(tensor.requires_grad)  # a stage sends back the gradient of what it took
 
 
 def _answer_ddp_on_fake_world(pm: Any) -> None:
