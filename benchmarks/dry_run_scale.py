@@ -89,6 +89,12 @@ SCALE_ROLE_ROWS = [
     ("gpt2-small w2 pp2 1f1b stage 0", GPT2_SMALL, "pp2", 8, 1024, 0),
     ("gpt2-small w2 pp2 1f1b stage 1", GPT2_SMALL, "pp2", 8, 1024, 1),
     ("gpt2-small-moe w8 dp8 ep4", {**GPT2_SMALL, "n_experts": 8, "top_k": 2}, "dp8 ep4", 8, 1024, 0),
+    # the last stage at 8 microbatches of the same size: 1F1B holds one microbatch's logits, GPipe all
+    *[(f"gpt2-small w2 pp2 {schedule} mb8 stage {rank}", GPT2_SMALL, f"pp2 {schedule} mb8", 32, 1024, rank)
+      for schedule in ("1f1b", "gpipe") for rank in (0, 1)],
+    # tensor parallel (1d, a 2d grid) inside pipeline stages: the held logits in the compute dtype
+    *[(f"gpt-1.3b-l16 w16 {layout} rank {rank}", GPT_1_3B_L16, f"{layout} bf16", 32, 4096, rank)
+      for layout in ("dp2 pp2 tp4 zero2", "dp2 pp2 tp4 2d zero2", "dp2 pp2 tp4 2d zero2 zbv v2") for rank in (0, 8)],
     # pipelines under FSDP (gathered stages, unsharded gradients to the step's end), each schedule
     *[(f"gpt-13b-l8 w256 dp128 pp2 {layout} rank {rank}", GPT_13B_L8, f"dp128 pp2 {layout} bf16", 1024, 4096, rank)
       for layout in ("zero2 mb8", "zero3 mb8", "zero2 interleaved mb8 v2", "zero3 zbv mb8 v2") for rank in (0, 128)],

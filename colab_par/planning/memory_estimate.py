@@ -493,18 +493,22 @@ def ddp_bucket_bytes(layout: Layout, rank: RankParams) -> float:
 
 def _last_stage(spec: ModelSpec, layout: Layout, state: MemoryBreakdown, params: float, *, micro: int, seq: int,
                 act_bytes: int) -> MemoryBreakdown:
-    """A pipeline's last stage at its last microbatch's loss (measured by dry runs, pp2 at two
-    sizes): one microbatch's layers kept (it runs each backward right after its forward), the
-    final norm and the log-probabilities, every earlier microbatch's output (log-probability
-    sized, held by the schedule to the step's end), the stage's received input, every gradient of
-    the earlier microbatches, and the loss's two token x vocabulary fp32 temporaries."""
+    """A pipeline's last stage at its last microbatch's loss (dry runs: pp2 at two sizes; 2, 4 and 8
+    microbatches of one size; pp4): the layers, final norm and log-probabilities of the microbatches
+    in flight there and each one's output logits, which the schedule holds for its backward (token x
+    vocabulary in the compute dtype), the stage's received input, every gradient of the earlier microbatches,
+    and the loss's two token x vocabulary fp32 temporaries. 1F1B and interleaved run each backward
+    right after its forward: one microbatch in flight (what each earlier one leaves is its stage
+    boundary, `pipeline_held_bytes`). GPipe runs every forward before any backward: all of them,
+    and no gradient yet."""
     per_layer, outside = kept_activation_bytes(spec, layout, micro, seq, act_bytes)
     tokens = micro * seq
     boundary = _boundary_bytes(spec, layout, tokens, act_bytes)
-    earlier = (layout.microbatches - 1) * tokens * spec.vocab_size * 4
-    grads = state.grads if layout.microbatches > 1 else 0.0
-    return MemoryBreakdown(params, grads, state.optimizer,
-                           spec.n_layer / layout.pp * per_layer + outside + earlier + boundary,
+    gpipe = layout.pp_schedule == "gpipe"
+    in_flight = layout.microbatches if gpipe else 1
+    kept = in_flight * (spec.n_layer / layout.pp * per_layer + outside + tokens * spec.vocab_size * act_bytes)
+    grads = state.grads if layout.microbatches > 1 and not gpipe else 0.0
+    return MemoryBreakdown(params, grads, state.optimizer, kept + boundary,
                            buffers=2 * tokens * spec.vocab_size * 4 + boundary, phase="last stage")
 
 
