@@ -95,6 +95,10 @@ SCALE_ROLE_ROWS = [
     # tensor parallel (1d, a 2d grid) inside pipeline stages: the held logits in the compute dtype
     *[(f"gpt-1.3b-l16 w16 {layout} rank {rank}", GPT_1_3B_L16, f"{layout} bf16", 32, 4096, rank)
       for layout in ("dp2 pp2 tp4 zero2", "dp2 pp2 tp4 2d zero2", "dp2 pp2 tp4 2d zero2 zbv v2") for rank in (0, 8)],
+    # 1F1B on eight stages, 32 one-sequence microbatches: a middle stage holds input gradients too
+    *[(f"gpt-1.3b-l16 w{16 * tp} dp2 {'tp2 ' * (tp > 1)}pp8 zero3 mb32 ac-selective stage {stage}", GPT_1_3B_L16,
+       f"dp2 {'tp2 ' * (tp > 1)}pp8 zero3 mb32 bf16 ac-selective", 64, 4096, stage * 2 * tp)
+      for tp in (1, 2) for stage in range(8)],
     # pipelines under FSDP (gathered stages, unsharded gradients to the step's end), each schedule
     *[(f"gpt-13b-l8 w256 dp128 pp2 {layout} rank {rank}", GPT_13B_L8, f"dp128 pp2 {layout} bf16", 1024, 4096, rank)
       for layout in ("zero2 mb8", "zero3 mb8", "zero2 interleaved mb8 v2", "zero3 zbv mb8 v2") for rank in (0, 128)],

@@ -191,12 +191,18 @@ def kept_activations(spec: ModelSpec, layout: Layout, micro: int, seq: int, act_
     and microbatches in flight, the final norm, rotary tables and log-probabilities beside them.
     Full recompute keeps a layer's input only, selective its matmul and SDPA outputs (1d; a grid
     counts it as none); backward rebuilds one layer whole (`rebuilt_layer_bytes`), not counted here."""
-    per_layer, outside = kept_activation_bytes(spec, layout, micro, seq, act_bytes)
+    _, outside = kept_activation_bytes(spec, layout, micro, seq, act_bytes)
+    log_probs = micro * seq * spec.vocab_size * 4 if holds_ends(layout)[1] else 0.0
+    layers = _stage_layers_kept(spec, layout, micro, seq, act_bytes) * microbatches_in_flight(layout)
+    return layers + outside - micro * seq * spec.vocab_size * 4 + log_probs, log_probs
+
+
+def _stage_layers_kept(spec: ModelSpec, layout: Layout, micro: int, seq: int, act_bytes: int) -> float:
+    """What one microbatch leaves kept in a stage's layers (the whole model's without a pipeline)."""
+    per_layer, _ = kept_activation_bytes(spec, layout, micro, seq, act_bytes)
     if layout.checkpointing == "full":
         per_layer = _layer_input_bytes(spec, layout, micro * seq, act_bytes)
-    log_probs = micro * seq * spec.vocab_size * 4 if holds_ends(layout)[1] else 0.0
-    layers = spec.n_layer / layout.pp * per_layer * microbatches_in_flight(layout)
-    return layers + outside - micro * seq * spec.vocab_size * 4 + log_probs, log_probs
+    return spec.n_layer / layout.pp * per_layer
 
 
 def rebuilt_layer_bytes(spec: ModelSpec, layout: Layout, micro: int, seq: int, act_bytes: int) -> float:
@@ -417,7 +423,9 @@ def step_instants(spec: ModelSpec, layout: Layout, rank: RankParams, state: Memo
                                                    buffers=2 * max(root, rank.layer) * 4, phase="backward end")
     buckets = ddp_bucket_bytes(layout, rank)
     held = pipeline_held_bytes(spec, layout, micro=micro, seq=seq, act_bytes=act_bytes)
-    return {name: replace(instant, activations=instant.activations + buckets + (held if name != "optimizer" else 0.0))
+    middle = middle_stage_surplus(spec, layout, micro=micro, seq=seq, act_bytes=act_bytes)
+    return {name: replace(instant, activations=instant.activations + buckets + (
+                0.0 if name == "optimizer" else held if name == "last stage" else held + middle))
             for name, instant in instants.items()}
 
 
@@ -454,7 +462,9 @@ def stage_boundaries_held(layout: Layout) -> int:
     """Stage-boundary tensors the fullest pipeline rank keeps per microbatch until the step's end:
     each of its stages' output unless it is the last stage, and its input gradient unless it is the
     first, one more under zbv (measured at pp2 for 1f1b 1 and 1, interleaved v2 3 and 3, zbv 3 and 5;
-    a real gloo world keeps them too). A middle rank is the fullest once there is one (pp > 2)."""
+    a real gloo world keeps them too). Under interleaving and zbv a middle rank is the fullest once
+    there is one (pp > 2); under 1F1B a middle rank holds one microbatch fewer in flight, and is
+    counted apart (`middle_stage_surplus`)."""
     p, v = layout.pp, layout.virtual_stages
     if p == 1:
         return 0
@@ -462,7 +472,18 @@ def stage_boundaries_held(layout: Layout) -> int:
         return 5  # rank r holds stages r and 2p-1-r; any middle rank: 2 + 2, and zbv's one more
     if layout.pp_schedule == "interleaved":
         return 2 * v if p > 2 else 2 * v - 1
-    return 2 if p > 2 else 1
+    return 1  # 1F1B, GPipe: the first stage's outputs, the last's input gradients (a middle rank's: below)
+
+
+def middle_stage_surplus(spec: ModelSpec, layout: Layout, *, micro: int, seq: int, act_bytes: int) -> float:
+    """What a middle 1F1B rank (pp > 2) holds beyond the first stage: each microbatch's input
+    gradient beside its output, with one microbatch fewer in flight (traced at pp8 with 32
+    one-sequence microbatches: the first stage, a middle one and the last); 0 where the first
+    stage is the fuller."""
+    if layout.pp <= 2 or layout.pp_schedule != "1f1b":
+        return 0.0
+    boundaries = layout.microbatches * _boundary_bytes(spec, layout, micro * seq, act_bytes)
+    return max(0.0, boundaries - _stage_layers_kept(spec, layout, micro, seq, act_bytes))
 
 
 def pipeline_held_bytes(spec: ModelSpec, layout: Layout, *, micro: int, seq: int, act_bytes: int) -> float:
