@@ -517,8 +517,8 @@ def _last_stage(spec: ModelSpec, layout: Layout, state: MemoryBreakdown, params:
     """A pipeline's last stage at its last microbatch's loss (dry runs: pp2 at two sizes; 2, 4 and 8
     microbatches of one size; pp4): the layers, final norm and log-probabilities of the microbatches
     in flight there and each one's output logits, which the schedule holds for its backward (token x
-    vocabulary in the compute dtype), the stage's received input, every gradient of the earlier microbatches,
-    and the loss's two token x vocabulary fp32 temporaries. 1F1B and interleaved run each backward
+    vocabulary in the compute dtype), the stage's received input, every gradient of the earlier
+    microbatches, and the loss's two token x vocabulary fp32 temporaries. 1F1B and interleaved run each backward
     right after its forward: one microbatch in flight (what each earlier one leaves is its stage
     boundary, `pipeline_held_bytes`). GPipe runs every forward before any backward: all of them,
     and no gradient yet."""

@@ -20,10 +20,10 @@ their pending collectives; the Trainer's failed step comes here (`train_on`), wh
    lost rank's own stream; each share's gradient is kept apart, scaled by 1/dp as DDP scales it, the
    shares added and summed over the survivors: the full world's mean gradient, from the same data
    and masks. The default loss of labelled rows divides by the labels of every share of the full
-   world (counted on the survivors, summed over them), as a whole world does. Each step's row says "dp 3 of 4"; the Keeper's live state and streams (the lost
-   ranks' as their stand-ins advanced them) stay current, so the replacement takes them; every
-   collective of a step comes before its optimizer step, so a survivor lost too leaves the others
-   a whole step;
+   world (counted on the survivors, summed over them), as a whole world does. Each step's row says
+   "dp 3 of 4"; the Keeper's live state and streams (the lost ranks' as their stand-ins advanced
+   them) stay current, so the replacement takes them; every collective of a step comes before its
+   optimizer step, so a survivor lost too leaves the others a whole step;
 4. leaves `fit` with `Rejoin` at the first step boundary after the notebook said the replacement is
    ready (all survivors agree on it), or before a step whose end saves or evaluates (those need the
    whole world). The notebook re-forms the world and runs the cell again; `recover` hands the
