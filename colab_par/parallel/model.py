@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
@@ -20,7 +19,7 @@ from colab_par.data.batch import LabelMean, batch_to, call_model, check_batch, l
 from colab_par.parallel.context import sequence_positions, shard_sequence
 from colab_par.parallel.data_parallel import GradientAverager
 from colab_par.parallel.grad_norm import total_gradient_norm
-from colab_par.parallel.mesh import default_device
+from colab_par.parallel.full_state import gather_full_state
 from colab_par.parallel.rng import ModelStream, shared_seed
 
 __all__ = ["ParallelModel"]
@@ -318,51 +317,7 @@ class ParallelModel:
         return {name: list(aliases) for name, aliases in self._whole_model_names.items()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded parameters (original FQNs, on the CPU) on global rank 0; {} elsewhere.
-
-        Gathered one tensor at a time, each moved to the CPU at once, so no rank holds more than
-        one whole tensor on its device (torch's full state dict gathers them all there first).
-        With pipeline stages, each stage's first rank sends its tensors to rank 0 one by one, over
-        the world's backend (pickled objects would travel as one device buffer per rank)."""
-        from torch.distributed.tensor import DTensor
-
+        """Unsharded parameters (original FQNs, on the CPU) on global rank 0; {} elsewhere, gathered
+        one tensor at a time (`full_state.py`)."""
         first_of_stage = self.dp_rank == 0 and self.cp_rank == 0 and self.tp_rank == 0
-        keeps = dist.get_rank() == 0 if self.layout.pp == 1 else first_of_stage
-        mine: dict[str, torch.Tensor] = {}
-        for part in self.model_parts:  # sharded: the names resolved, nothing gathered yet
-            for name, value in get_model_state_dict(part, options=StateDictOptions()).items():
-                whole = value.full_tensor() if isinstance(value, DTensor) else value
-                if keeps:
-                    mine[name] = whole.detach().to("cpu", copy=True)
-                del whole
-        if self.layout.pp == 1:
-            return mine
-        state = _to_rank0(mine if first_of_stage else {})
-        if state is None:
-            return {}
-        if not self._whole_model_names:
-            return state
-        # Stages traced by pipeline() hold a tied tensor under one of its names and turn buffers
-        # into their own: give back exactly the model's names, each tied name its tensor.
-        return {name: next(state[alias] for alias in aliases if alias in state)
-                for name, aliases in self._whole_model_names.items()}
-
-
-def _to_rank0(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """Every rank's `tensors` (CPU) in global rank 0's CPU memory, None elsewhere: names, shapes and
-    dtypes as small objects, then each tensor point to point through one device buffer at a time."""
-    device = default_device()
-    metadata = {name: (tensor.shape, tensor.dtype) for name, tensor in tensors.items()}
-    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(metadata, gathered, dst=0)
-    if dist.get_rank() != 0:
-        for tensor in tensors.values():  # in the order of the names just gathered
-            dist.send(tensor.to(device).contiguous(), dst=0)
-        return None
-    state = dict(tensors)
-    for sender, names in enumerate(gathered[1:], start=1):
-        for name, (shape, dtype) in names.items():
-            buffer = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(buffer, src=sender)
-            state[name] = buffer.cpu()
-    return state
+        return gather_full_state(self.model_parts, self.layout.pp, first_of_stage, self.tied_names)
