@@ -32,7 +32,13 @@ _CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 def _save_expensive_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    """Keep the expensive ops' outputs autograd records. Not those a custom autograd Function runs
+    inside its forward (grad mode off there): the Function saves what its backward needs itself,
+    and caching its inner matmuls would keep, e.g., every s x s block of ring attention's scores
+    of every layer until backward (more than no recompute at all); such a Function runs again."""
+    if op in _SAVED_OPS and torch.is_grad_enabled():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _takes_cache(block: nn.Module) -> bool:

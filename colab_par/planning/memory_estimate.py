@@ -15,8 +15,8 @@ from colab_par.layout.tier_options import bf16_working_shards
 from colab_par.planning.devices import DeviceSpec
 from colab_par.planning.expert_costs import local_expert_params
 from colab_par.planning.flops import ModelSpec
-from colab_par.planning.tensor_costs import (GridShape, autocast, grid_local_params, holds_ends,
-                                             kept_activation_bytes)
+from colab_par.planning.tensor_costs import (GridShape, autocast, feed_forward_kept_bytes, grid_local_params,
+                                             holds_ends, kept_activation_bytes, ring_attention_bytes)
 
 __all__ = ["MemoryBreakdown", "STATE_BYTES", "FROZEN_BYTES", "INIT_MODES", "INIT_BYTES", "state_precision",
            "model_state_bytes", "check_init", "init_peak_bytes", "activation_bytes_per_layer",
@@ -393,8 +393,8 @@ def step_instants(spec: ModelSpec, layout: Layout, rank: RankParams, state: Memo
     }
     rebuilt = rebuilt_layer_bytes(spec, layout, micro, seq, act_bytes)
     rebuilt_mlp = RebuiltMLP.of(spec, layout, micro * seq, act_bytes, split) if rebuilt else RebuiltMLP(0.0, 0.0, 0.0)
+    layer_gathered = rank.layer * act_bytes if layout.zero == 3 and not kept_gathered else 0.0
     if layout.zero >= 2:
-        layer_gathered = rank.layer * act_bytes if layout.zero == 3 and not kept_gathered else 0.0
         last_layer, outside = kept_activation_bytes(spec, layout, micro, seq, act_bytes)
         final_norm = outside - micro * seq * spec.vocab_size * 4 - 2 * seq * spec.head_dim * act_bytes
         # their backward is done: the last layer's (a rebuilt one's is added back), and under full
@@ -411,6 +411,16 @@ def step_instants(spec: ModelSpec, layout: Layout, rank: RankParams, state: Memo
             sharded + kept_gathered, accumulated + head * 4 + rebuilt_mlp.grads * 4 / act_bytes, state.optimizer,
             activations - log_probs + rebuilt - rebuilt_mlp.freed, buffers=rebuilt_mlp.temporaries,
             phase="rebuilt layer")
+    ring = ring_attention_bytes(spec, layout, micro, seq, act_bytes)
+    if ring:
+        fsdp = layout.zero >= 2
+        before = MemoryBreakdown(instants.get("layer", instants["head"]).params,
+                                 accumulated + head * (act_bytes if fsdp else 4), state.optimizer,
+                                 activations - log_probs, buffers=ring)
+        reducing = _layer_buffers(layout, rank, act_bytes, layer_gathered) if fsdp else 0.0
+        instants["ring attention"] = _ring_attention(spec, layout, rank, before, micro=micro, seq=seq,
+                                                     act_bytes=act_bytes, shard=shard, rebuilt=rebuilt,
+                                                     reducing=reducing)
     whole_embedding = spec.vocab_size * spec.d_model * 4 * (1 - 1 / split) if layout.zero < 2 and split > 1 else 0.0
     largest = spec.largest_tensor / split / (shard if layout.zero >= 2 else 1)
     instants["optimizer"] = MemoryBreakdown(sharded, state.grads + whole_embedding, state.optimizer,
@@ -418,6 +428,9 @@ def step_instants(spec: ModelSpec, layout: Layout, rank: RankParams, state: Memo
     if layout.pp > 1 and layout.pp_schedule != "zbv":
         instants["last stage"] = _last_stage(spec, layout, state, sharded + kept_gathered, micro=micro, seq=seq,
                                              act_bytes=act_bytes)
+    if _averages_itself(layout) and layout.dp * layout.cp > 1 and layout.ep == 1:  # `GradientAverager`
+        instants["gradient average"] = MemoryBreakdown(sharded, state.grads + whole_embedding, state.optimizer,
+                                                       buffers=state.grads + whole_embedding, phase="gradient average")
     if layout.zero >= 2:
         instants["backward end"] = MemoryBreakdown(sharded + root_gathered, state.grads, state.optimizer,
                                                    buffers=2 * max(root, rank.layer) * 4, phase="backward end")
@@ -427,6 +440,25 @@ def step_instants(spec: ModelSpec, layout: Layout, rank: RankParams, state: Memo
     return {name: replace(instant, activations=instant.activations + buckets + (
                 0.0 if name == "optimizer" else held if name == "last stage" else held + middle))
             for name, instant in instants.items()}
+
+
+def _ring_attention(spec: ModelSpec, layout: Layout, rank: RankParams, before: MemoryBreakdown, *, micro: int,
+                    seq: int, act_bytes: int, shard: int, rebuilt: float, reducing: float) -> MemoryBreakdown:
+    """A layer's ring attention backward (`ring_attention_bytes`, among `before`'s buffers), its
+    feed-forward's done: the layer's gradients unsharded beside `before`'s (the head's, earlier
+    microbatches'). Without full recompute the last layer's, whose other kept tensors are freed;
+    under it the next layer's, rebuilt less its feed-forward, while FSDP reduces the last one's
+    gradients (`reducing`). `before`: the backward's start, the log-probabilities freed."""
+    last_layer, outside = kept_activation_bytes(spec, layout, micro, seq, act_bytes)
+    fsdp = layout.zero >= 2
+    kept = before.activations - last_layer
+    if rebuilt:
+        final_norm = outside - micro * seq * spec.vocab_size * 4 - 2 * seq * spec.head_dim * act_bytes
+        kept = before.activations - final_norm + rebuilt - feed_forward_kept_bytes(spec, layout, micro, seq, act_bytes)
+    else:
+        reducing = rank.layer * act_bytes if fsdp else 0.0  # the layer's gradients, not yet reduced
+    return replace(before, grads=before.grads + rank.layer * (act_bytes + 4 / shard if fsdp else 4),
+                   activations=kept, buffers=before.buffers + reducing, phase="ring attention")
 
 
 def _stages_stay_gathered(layout: Layout) -> bool:
@@ -507,9 +539,16 @@ def ddp_bucket_bytes(layout: Layout, rank: RankParams) -> float:
     trainable local parameter (`gradient_as_bucket_view` is off). Allocated in the first step's
     forward, the memory tracker files them as activations, so they are counted there, at every
     instant."""
-    averages_itself = layout.zero == 0 and (layout.tp > 1 or layout.tp_mode != "1d" or layout.pp > 1 or layout.ep > 1)
-    uses_ddp = layout.zero < 2 and layout.dp * layout.cp > 1 and not averages_itself
+    uses_ddp = layout.zero < 2 and layout.dp * layout.cp > 1 and not _averages_itself(layout)
     return 4 * rank.local * rank.trainable if uses_ddp else 0.0
+
+
+def _averages_itself(layout: Layout) -> bool:
+    """Whether zero 0 data parallel averages the gradients with `GradientAverager` (DTensors, stages
+    or experts, which DDP cannot wrap): after backward it concatenates every local gradient into
+    one flat tensor for a single all-reduce, a second copy of them all (traced: 70B tp2 cp2; with
+    experts, of the others only, not counted)."""
+    return layout.zero == 0 and (layout.tp > 1 or layout.tp_mode != "1d" or layout.pp > 1 or layout.ep > 1)
 
 
 def _last_stage(spec: ModelSpec, layout: Layout, state: MemoryBreakdown, params: float, *, micro: int, seq: int,

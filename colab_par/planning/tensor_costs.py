@@ -29,7 +29,8 @@ from typing import Any
 
 from colab_par.layout import Layout, grid_batch_chunks, tensor_grid
 
-__all__ = ["GridShape", "autocast", "grid_local_params", "holds_ends", "kept_activation_bytes", "tensor_comm_bytes"]
+__all__ = ["GridShape", "autocast", "grid_local_params", "holds_ends", "kept_activation_bytes", "feed_forward_kept_bytes",
+           "ring_attention_bytes", "tensor_comm_bytes"]
 
 FP32 = 4
 # Under autocast each projection casts the fp32 norm output it reads on its own (nothing caches an
@@ -110,17 +111,7 @@ def kept_activation_bytes(spec: Any, layout: Layout, micro: int, seq: int,
         grid = GridShape.of(layout)
         tokens, split, hidden = micro * seq / grid.batch_pieces, grid.q, spec.d_model / grid.q
     hugging_face = getattr(spec, "hugging_face", False)
-    # the fp32 input and the normalised copy: Hugging Face's RMSNorm casts that copy back to the
-    # compute dtype before the weight, torch's rms_norm (the kit's) multiplies it in fp32
-    # (under autocast the residual stream stays fp32, so Hugging Face's copy is fp32 too)
-    cast_back = layout.tp_mode != "1d" or (hugging_face and not autocast(layout))
-    kept = FP32 + (act_bytes if cast_back else FP32)
-    if layout.sequence_parallel:  # input and normalised copy split; the output gathered whole
-        norm = (tokens * hidden * kept + tokens * FP32) / split + tokens * hidden * act_bytes
-    else:
-        norm = tokens * hidden * (kept + act_bytes) + tokens * FP32
-    if layout.tp_mode == "3d":
-        norm += hidden * FP32  # the norm weight, gathered over x
+    norm = _norm_kept(layout, tokens, hidden, split, act_bytes, hugging_face)
     q_width = spec.n_head * spec.head_dim / split
     kv_width = spec.n_kv_head * spec.head_dim / split if hugging_face else q_width
     attention = 2 * tokens * (q_width + kv_width) * act_bytes + tokens * spec.n_head / split * FP32
@@ -131,6 +122,48 @@ def kept_activation_bytes(spec: Any, layout: Layout, micro: int, seq: int,
     if layout.checkpointing == "selective" and layout.tp_mode == "1d":
         return _matmul_outputs(spec, tokens, split, act_bytes, layout.sequence_parallel), outside
     return 2 * norm + attention + ffn + casts, outside
+
+
+def _norm_kept(layout: Layout, tokens: float, hidden: float, split: int, act_bytes: int,
+               hugging_face: bool) -> float:
+    """One RMSNorm's kept tensors: the fp32 input and the normalised copy (Hugging Face's RMSNorm
+    casts that copy back to the compute dtype before the weight, torch's rms_norm, the kit's,
+    multiplies it in fp32; under autocast the residual stream stays fp32, so Hugging Face's copy
+    is fp32 too), the output and the fp32 row statistics."""
+    cast_back = layout.tp_mode != "1d" or (hugging_face and not autocast(layout))
+    kept = FP32 + (act_bytes if cast_back else FP32)
+    if layout.sequence_parallel:  # input and normalised copy split; the output gathered whole
+        norm = (tokens * hidden * kept + tokens * FP32) / split + tokens * hidden * act_bytes
+    else:
+        norm = tokens * hidden * (kept + act_bytes) + tokens * FP32
+    if layout.tp_mode == "3d":
+        norm += hidden * FP32  # the norm weight, gathered over x
+    return norm
+
+
+def feed_forward_kept_bytes(spec: Any, layout: Layout, micro: int, seq: int, act_bytes: int) -> float:
+    """The feed-forward's half of `kept_activation_bytes`' layer, its norm included (1d tensor
+    parallel): what a layer no longer keeps once its feed-forward's backward is done."""
+    tokens, hugging_face = micro * seq, getattr(spec, "hugging_face", False)
+    return (_norm_kept(layout, tokens, spec.d_model, layout.tp, act_bytes, hugging_face)
+            + _feed_forward_kept(spec, tokens, spec.d_model, layout.tp, act_bytes))
+
+
+def ring_attention_bytes(spec: Any, layout: Layout, micro: int, seq: int, act_bytes: int) -> float:
+    """What ring attention's backward (`parallel/context.py`, cp ring) holds at its fullest beyond
+    the layer's gradients, for `seq` tokens a rank: four fp32 score blocks of its two
+    chunks' size per local head (the probabilities, their gradient, its difference from the row
+    sums, the scores' gradient), and per token 18 bytes a local query element (14 in fp32: no
+    copies of q and the output's gradient), 38 a key/value element (the fp32 key/value stack,
+    its gradient and the hops of both). Fitted on fake-tensor traces of the 70B shape (tp2, tp4;
+    grouped and full key/value heads; 1-8 sequences of 2,048-8,192 tokens; bf16 and fp32): within
+    3 MiB of every one. 0 without cp ring."""
+    if layout.cp == 1 or layout.cp_mode != "ring":
+        return 0.0
+    heads, kv_heads, chunk = spec.n_head / layout.tp, spec.n_kv_head / layout.tp, seq / 2
+    blocks = 4 * micro * heads * chunk * chunk * FP32
+    per_token = (18 if act_bytes == 2 else 14) * heads * spec.head_dim + 38 * kv_heads * spec.head_dim
+    return blocks + micro * seq * per_token
 
 
 def _feed_forward_kept(spec: Any, tokens: float, hidden: float, split: int, act_bytes: int) -> float:
