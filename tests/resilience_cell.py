@@ -91,7 +91,7 @@ data = (SyntheticDataset(vocab_size=config.vocab_size, seq_len=config.seq_len, b
 trainer = colab_par.Trainer(pm, data, batch_size=None if DATA == "tokens" else BATCH, steps=STEPS,
                             checkpoints=Checkpoints(CKPT, every=EVERY, on_failure="restart", max_restarts=MAX_RESTARTS,
                                                     asynchronous=ASYNC, snapshot_every=SNAPSHOT),
-                            logs=Logs(telemetry=False))
+                            logs=Logs(telemetry=False, tensorboard=TENSORBOARD))
 started = time.perf_counter()
 trainer.fit()
 seconds = time.perf_counter() - started
@@ -109,10 +109,12 @@ if rank == 0:
 
 def run_cell(cluster, folder: Path, name: str, kills: list, *, layout: str, steps: int = 8, every: int = 4,
              snapshot_every=None, asynchronous: bool = False, batch: int = 4,
-             max_restarts: int = 3, model=None, data: str = "tokens") -> tuple[list[float], set[int]]:
+             max_restarts: int = 3, model=None, data: str = "tokens",
+             tensorboard: Path | None = None) -> tuple[list[float], set[int]]:
     """(rank 0's loss at every step, the pid of every engine that ran the cell); the notebook's
     messages go to the test's capsys. `model`: a GPTConfig (default a 2-layer GPT of width 32);
-    `data`: "tokens" (a SyntheticDataset) or "rows" (the user's own labelled rows, a torch Dataset)."""
+    `data`: "tokens" (a SyntheticDataset) or "rows" (the user's own labelled rows, a torch Dataset);
+    `tensorboard`: a folder for the Trainer's TensorBoard logs."""
     from colab_par.models import GPTConfig
 
     kills_file, ckpt = folder / f"{name}.kills", folder / name
@@ -120,7 +122,8 @@ def run_cell(cluster, folder: Path, name: str, kills: list, *, layout: str, step
     config = model or GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, kernels="torch")
     cluster.execute(CELL, namespace=dict(config=config, CKPT=str(ckpt), KILLS=str(kills_file), LAYOUT=layout,
                                          STEPS=steps, EVERY=every, SNAPSHOT=snapshot_every, ASYNC=asynchronous,
-                                         BATCH=batch, MAX_RESTARTS=max_restarts, DATA=data))
+                                         BATCH=batch, MAX_RESTARTS=max_restarts, DATA=data,
+                                         TENSORBOARD=None if tensorboard is None else str(tensorboard)))
     assert json.loads(kills_file.read_text()) == [], "a kill was never reached"
     pids = {int(line) for line in Path(f"{ckpt}.pids").read_text().split()}
     return json.loads(Path(f"{ckpt}.losses").read_text()), pids

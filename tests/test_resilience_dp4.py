@@ -3,7 +3,7 @@ SIGKILLed mid-step leaves the other three training on at dp 3 of 4 (each step's 
 one of them takes the lost rank's share with the lost rank's own random stream) while its replacement
 starts; the replacement then takes a live peer's state, degraded steps included, and the run's
 losses and final parameters equal an uninterrupted run's, on token data and on the user's own labelled
-rows (a torch Dataset). 20 kills at random moments (random ranks,
+rows (a torch Dataset); with rank 0 lost, TensorBoard's files still hold every step's loss once. 20 kills at random moments (random ranks,
 in the forward or before the optimizer step, also while the others train degraded) leave the final
 loss of the uninterrupted run, and no process or staging file behind.
 The model draws dropout masks, one stream per dp rank: a replaced rank must go on with its own
@@ -52,31 +52,52 @@ def uninterrupted(folder: Path) -> list[float]:
     return json.loads((folder / "dp4.losses").read_text())
 
 
-@pytest.mark.parametrize("data", ["tokens", "rows"])
+@pytest.mark.parametrize("data,killed,logged", [("tokens", 2, False), ("rows", 2, False), ("tokens", 0, True)])
 def test_the_others_train_on_while_a_killed_rank_is_replaced_and_no_step_is_lost(cluster, tmp_path, capsys,
-                                                                                  references, data) -> None:
-    """Killed in step 5's forward: ranks 0, 1, 3 go back to step 4 and train on (rank 0 takes rank 2's
-    share) until the replacement is ready or step 8's save is due; it takes rank 0's state at that step.
-    On the user's labelled rows each share holds its own count of labels: the loss divides by the
-    count over all four shares, as the whole world's does."""
+                                                                                  references, data, killed,
+                                                                                  logged) -> None:
+    """Killed in step 5's forward: the other three go back to step 4 and train on (the first of them
+    takes the lost rank's share) until the replacement is ready or step 8's save is due; it takes
+    that survivor's state at that step. On the user's labelled rows each share holds its own count
+    of labels: the loss divides by the count over all four shares, as the whole world's does. With
+    TensorBoard on and rank 0 (its writer) the one lost, the event files hold every step's loss
+    once: rank 0's up to step 4, the first survivor's while degraded, the replacement's after."""
     reference = references(data)
     cluster.restart()
     generation = cluster.generation
-    losses, _ = run_cell(cluster, tmp_path, "killed", [[2, "forward", 5]], layout="dp4", steps=STEPS, every=8,
-                         batch=8, model=MODEL, data=data)
+    logs = tmp_path / "tensorboard" if logged else None
+    losses, _ = run_cell(cluster, tmp_path, "killed", [[killed, "forward", 5]], layout="dp4", steps=STEPS, every=8,
+                         batch=8, model=MODEL, data=data, tensorboard=logs)
     said = capsys.readouterr()
-    trained = re.search(r"rank\(s\) 2 died; ranks 0,1,3 trained on at dp 3 of 4 \(steps 5\.\.([5-7])\) while the "
-                        r"replacement started; replaced the dead engine of rank 2", said.err)
+    others = [rank for rank in range(4) if rank != killed]
+    trained = re.search(rf"rank\(s\) {killed} died; ranks {','.join(map(str, others))} trained on at dp 3 of 4 "
+                        rf"\(steps 5\.\.([5-7])\) while the replacement started; replaced the dead engine of rank "
+                        rf"{killed}", said.err)
     assert trained, said.err
     last = int(trained.group(1))
-    assert f"resumed at step {last} from live replicas (ranks 2<-0), no step lost" in said.out, said.out
+    assert f"resumed at step {last} from live replicas (ranks {killed}<-{others[0]}), no step lost" in said.out, said.out
     assert cluster.generation == generation  # the dead engine alone was replaced
     assert degraded_steps(tmp_path, "killed") == {step: "dp 3 of 4" for step in range(5, last + 1)}
     assert losses == pytest.approx(uninterrupted(reference), rel=1e-6) and len(losses) == STEPS
+    if logged:
+        assert logged_losses(logs) == pytest.approx(dict(enumerate(uninterrupted(reference), start=1)), rel=1e-6)
     import torch
 
     torch.testing.assert_close(final_parameters(tmp_path, "killed"), final_parameters(reference, "dp4"),
                                rtol=1e-5, atol=1e-6)
+
+
+def logged_losses(folder: Path) -> dict[int, float]:
+    """{step: loss} as TensorBoard reads the folder's event files (purge steps applied); a step
+    logged twice fails."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    points = events.Scalars("train/loss")
+    steps = [point.step for point in points]
+    assert len(steps) == len(set(steps)), steps
+    return {point.step: point.value for point in points}
 
 
 def _alive(pid: int) -> bool:

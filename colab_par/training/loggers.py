@@ -64,7 +64,9 @@ class TensorBoardLogger:
 
     The writer opens on rank 0's first `begin`. A fit that starts again at an earlier step (a
     resume from a checkpoint) opens a new writer with `purge_step`, so TensorBoard drops the
-    abandoned run's later points instead of drawing a zigzag.
+    abandoned run's later points instead of drawing a zigzag. Each row is flushed to the file as it
+    is written: an engine killed mid-run loses no row it logged, and whoever logs on after it (a
+    replacement, or a survivor standing in while it is replaced) starts where it stopped.
     """
 
     def __init__(self, log_dir: str | os.PathLike):
@@ -94,6 +96,7 @@ class TensorBoardLogger:
         samples = valid_samples(row.get(SAMPLES_COLUMN)) if rank == 0 else None
         if samples is not None:  # what a GRPO policy wrote, in the text tab
             self._writer.add_text(f"train/{SAMPLES_COLUMN}", samples_markdown(samples), step)
+        self._writer.flush()
         self._last_step = max(self._last_step, step)
 
     def flush(self) -> None:
@@ -133,7 +136,7 @@ class RunLogs:
         failure = None
         if self.rank == 0:
             try:
-                self._each("begin", step)
+                self.open(history, step)
             except Exception as error:  # a folder it may not write, a logger's own error
                 failure = error
         if _any_rank(failure is not None, device):
@@ -142,23 +145,33 @@ class RunLogs:
             raise RuntimeError("rank 0 could not open the logs (its error says why); fix log_dir or "
                                "the logger, or leave them out")
 
+    def open(self, history: list[dict], step: int) -> None:
+        """Rank 0's part of `begin`, with no collective: also what a survivor standing in for a
+        lost rank 0 calls (`training/resilience/degraded.py`), which then passes rows on itself."""
+        self._written = len(history)
+        self._each("begin", step)
+
     def after_step(self, history: list[dict], row: dict | None, device: torch.device) -> None:
         """Call on every rank after each step (`row`: its log row or None)."""
         memory = _gather_memory(row, device) if row is not None else None
         if self.rank != 0:
             return
-        self._pass_on(history)
+        self.pass_on(history)
         for rank, figures in enumerate(memory or []):
             for logger in self.loggers if rank else ():  # rank 0's figures are in its row
                 logger.log({"step": row["step"], **figures}, rank)
 
-    def end(self, history: list[dict]) -> None:
-        """After a fit (also one that failed): pass on what is left and flush; no collective."""
+    def end(self, history: list[dict], *, close: bool = False) -> None:
+        """After a fit (also one that failed): pass on what is left and flush (`close`: and close,
+        for a stand-in's logs); no collective."""
         if self.rank == 0:
-            self._pass_on(history)
+            self.pass_on(history)
             self._each("flush")
+            if close:
+                self._each("close")
 
-    def _pass_on(self, history: list[dict]) -> None:
+    def pass_on(self, history: list[dict]) -> None:
+        """Every row `history` gained since the last call, to each logger."""
         for row in history[self._written:]:
             for logger in self.loggers:
                 logger.log(row, 0)

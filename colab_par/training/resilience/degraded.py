@@ -5,8 +5,9 @@ Only where every dp rank holds a whole copy and dp is the only parallel dimensio
 tiers, experts, tp, pp or cp), the data is a `TokenDataset` or the user's indexable dataset read in
 the engine's own process (`MapSource`: a lost rank's share is its rows of the global batch, read by
 its stand-in; a stream, which rank 0 reads for everyone, or a DataLoader's workers, which read ahead
-for their own rank, take the replacement's way), and no TensorBoard or loggers gather rows over the
-world.
+for their own rank, take the replacement's way). Logs go on: rank 0 passes the degraded rows to
+TensorBoard and the loggers, or, where rank 0 was lost, the first survivor does until the
+replacement takes over (the rows carry no per-rank memory figures, so nothing is gathered).
 The notebook (`Faults.replace_dead_training_on`) leaves a degrade message on each survivor and breaks
 their pending collectives; the Trainer's failed step comes here (`train_on`), which:
 1. takes the message (none within `MESSAGE_WAIT_S`: the failure was no lost peer's, re-raised as
@@ -43,6 +44,7 @@ from colab_par.data import TokenDataset
 from colab_par.data.sources import DataPlace, MapSource
 from colab_par.training import recovery
 from colab_par.training.checkpoint_files import rng_state, set_rng_state
+from colab_par.training.loggers import RunLogs
 from colab_par.training.resilience.rank_copy import loop_state
 from colab_par.training.resilience.recover import replica_key
 
@@ -61,12 +63,12 @@ def degradable(trainer: Any) -> bool:
     """Whether `trainer` can train on without a lost dp replica (module docstring)."""
     from colab_par.parallel.experts import moe_layers
 
-    pm, layout, logs = trainer.pm, trainer.pm.layout, trainer.logs
+    pm, layout = trainer.pm, trainer.pm.layout
     world = dist.get_world_size() if dist.is_initialized() else 1
     return (trainer.checkpoints is not None and trainer.checkpoints.on_failure == "restart"
             and replica_key(pm) >= 0 and layout.dp > 1 and layout.dp == world
             and layout.tp == layout.pp == layout.cp == layout.ep == 1 and _shares_readable(trainer.data)
-            and logs.tensorboard is None and not logs.loggers and not moe_layers(pm.model_parts))
+            and not moe_layers(pm.model_parts))
 
 
 def _shares_readable(data: Any) -> bool:
@@ -136,11 +138,13 @@ def train_on(trainer: Any, error: BaseException, stop_at: int, sinks: Any) -> No
         survivors = _Survivors(message, trainer.rank)
     except RuntimeError:  # a survivor did not join within _JOIN_TIMEOUT_S: none trains on
         raise error from None
+    stand_in = None
     try:
         streams = _agreed_streams(trainer, keeper.kept, survivors, willing=sinks is not None)
         if streams is None:
             raise error  # no whole step every survivor holds with every stream: the replicas' way back
         _go_back(trainer, keeper.kept)
+        stand_in = _stand_in_logs(trainer, survivors)
         first = trainer.step + 1
         record = {"steps": None, "dp": len(survivors.ranks), "of": survivors.full}
         recovery.record_degraded(record)
@@ -150,11 +154,26 @@ def train_on(trainer: Any, error: BaseException, stop_at: int, sinks: Any) -> No
             row = _degraded_step(trainer, survivors, streams)
             recovery.record_degraded({**record, "steps": [first, trainer.step]})  # told even if a later step fails
             sinks.after_step(row, False)
+            if stand_in is not None:
+                stand_in.pass_on(trainer.history)
         trained = f"trained steps {first}..{trainer.step}" if trainer.step >= first else "trained no step"
         raise Rejoin(f"rank {trainer.rank} {trained} at dp {len(survivors.ranks)} of {survivors.full} while rank(s) "
                      f"{', '.join(map(str, survivors.lost))} were replaced; the cell runs again with them")
     finally:
         survivors.group = None  # its connections close: nothing waits on them any more
+        if stand_in is not None:
+            stand_in.end(trainer.history, close=True)
+
+
+def _stand_in_logs(trainer: Any, survivors: _Survivors) -> RunLogs | None:
+    """Rank 0's TensorBoard and loggers, opened on the first survivor where rank 0 was lost (its
+    rows up to the last whole step are in the files: each was flushed as written), None elsewhere."""
+    if 0 not in survivors.lost or trainer.rank != survivors.ranks[0]:
+        return None
+    logs = RunLogs.build(trainer.logs.tensorboard, trainer.logs.loggers, 0)
+    if logs is not None:
+        logs.open(trainer.history, trainer.step)
+    return logs
 
 
 def _agreed_streams(trainer: Any, kept: Any, survivors: _Survivors, willing: bool) -> list[dict] | None:
