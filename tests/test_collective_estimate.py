@@ -36,7 +36,7 @@ TRACES = Path(__file__).parent / "data" / "dry_run_traces.json"
 # tensors, as does the pipeline (on fake tensors its stages failed to build when this was written)
 CASES = [
     ("gpt", "dp2 zero3", 2, "fake"),
-    ("gpt", "dp2 tp2", 4, "fake"),  # tp with the flat gradient all-reduce over dp
+    ("gpt", "dp2 tp2", 4, "fake"),  # tp with the gradient averager's all-reduce over dp (one bucket)
     ("gpt", "tp2", 2, "fake"),
     ("gpt", "tp2 sp", 2, "fake"),  # the norms' partial gradients reduced by Adam
     ("gpt", "dp4 zero2", 4, "fake"),

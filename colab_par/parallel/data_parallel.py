@@ -8,12 +8,12 @@ master weights and fp32 gradient reduction. Context-parallel ranks see different
 sequences, so gradients are averaged over the flattened dp·cp group, not over dp alone.
 
 DDP cannot wrap DTensor (tensor-parallel) parameters nor a pipeline stage driven by a schedule, so
-for zero=0 with tp/pp the gradients are averaged by `GradientAverager` (one flat all-reduce).
+for zero=0 with tp/pp the gradients are averaged by `GradientAverager` (an all-reduce per bucket).
 """
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,8 +27,10 @@ from torch.nn.parallel import DistributedDataParallel
 from colab_par.layout import Layout
 from colab_par.parallel.blocks import Block
 
-__all__ = ["apply_fsdp", "apply_ddp", "GradientAverager", "build_optimizer",
-           "needs_gradient_averager", "fsdp_options"]
+__all__ = ["apply_fsdp", "apply_ddp", "GradientAverager", "GRADIENT_BUCKET_BYTES", "gradient_buckets",
+           "build_optimizer", "needs_gradient_averager", "fsdp_options"]
+
+GRADIENT_BUCKET_BYTES = 25 * 2 ** 20  # DDP's bucket cap: what `GradientAverager` copies at once
 
 
 def fsdp_options(layout: Layout, device_type: str) -> dict:
@@ -62,12 +64,14 @@ def needs_gradient_averager(module: nn.Module, layout: Layout) -> bool:
 
 
 class GradientAverager:
-    """Average the local gradients of `params` over `group` with one flat all-reduce.
+    """Average the local gradients of `params` over `group`, a bucket of them at a time.
 
     Used only where DDP cannot wrap the module (DTensor parameters, pipeline stages): every rank of
     the group holds the same shard layout, so the local pieces line up element by element. The sum
     is divided by `divisor` (default: the group's size; experts under ep divide by dp), and `then`
-    (another averager, of other parameters over another group) runs after it.
+    (another averager, of other parameters over another group) runs after it. Consecutive gradients
+    share one flat all-reduce up to `GRADIENT_BUCKET_BYTES` (`gradient_buckets`), a larger one is
+    reduced in place: one flat copy of them all would hold every gradient twice at the step's end.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, *,
@@ -81,7 +85,13 @@ class GradientAverager:
         if self.then is not None:
             self.then()
         grads = [_local(p.grad) for p in self.params if p.grad is not None]
-        if not grads:
+        for bucket in gradient_buckets([grad.numel() * grad.element_size() for grad in grads]):
+            self._average([grads[i] for i in bucket])
+
+    def _average(self, grads: list[torch.Tensor]) -> None:
+        if len(grads) == 1 and grads[0].is_contiguous():
+            dist.all_reduce(grads[0], group=self.group)
+            grads[0].div_(self.size)
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.group)
@@ -90,6 +100,18 @@ class GradientAverager:
         for grad in grads:
             grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
             offset += grad.numel()
+
+
+def gradient_buckets(sizes: Sequence[int], cap: int = GRADIENT_BUCKET_BYTES) -> list[range]:
+    """Runs of consecutive indices of `sizes` (bytes) whose sum stays within `cap`; a size over
+    `cap` is a run of its own. Shared with the planner's collective estimate."""
+    buckets, start, total = [], 0, 0
+    for index, size in enumerate(sizes):
+        if index > start and total + size > cap:
+            buckets.append(range(start, index))
+            start, total = index, 0
+        total += size
+    return buckets + ([range(start, len(sizes))] if sizes else [])
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ an all-gather's output, a reduce-scatter's input, a broadcast's tensor.
   parameter order), one all-reduce each; the buffers broadcast every forward; on the second step
   the bucket rebuild broadcasts the new assignment (two int32 tensors). ZeRO-1 broadcasts every
   parameter from its owner after the update.
-- **flat gradient all-reduce** (zero0 with tp): `GradientAverager`, the local gradients at once.
+- **bucketed gradient all-reduce** (zero0 with tp or pp): `GradientAverager`, the local gradients in
+  order, in buckets of up to 25 MiB (`gradient_buckets`).
 - **recompute** (full or selective, per block): FSDP gathers nothing more; tensor parallel's
   forward collectives of each block run again in backward, but for the block's closing one.
 - **tensor parallel** (1d, DTensor): per block, the Megatron all-reduces (the kit's GPT plan shares
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from colab_par.layout import Layout
+from colab_par.parallel.data_parallel import gradient_buckets
 from colab_par.parallel.mesh import MESH_DIMS
 from colab_par.planning.flops import ModelSpec
 
@@ -49,7 +51,7 @@ __all__ = ["collective_bytes", "CollectiveKey"]
 
 CollectiveKey = tuple[str, str]  # (mesh dimension, op as `dry_run.collectives.CollectivesByDim` names it)
 
-ALL_REDUCE = "c10d.allreduce_"  # loss, DDP buckets, the flat gradient averager
+ALL_REDUCE = "c10d.allreduce_"  # loss, DDP buckets, the gradient averager's buckets
 BROADCAST = "c10d.broadcast_"  # DDP buffers and bucket rebuild, ZeRO-1's updated parameters
 FSDP_ALL_GATHER = "c10d._allgather_base_"
 FSDP_REDUCE_SCATTER = "c10d._reduce_scatter_base_"
@@ -175,8 +177,10 @@ def collective_bytes(model: Any, layout: "Layout | str", *, global_batch: int, s
     if layout.dp * layout.cp > 1:  # gradients averaged over the dp·cp ranks
         if layout.zero >= 2:
             _fully_sharded(tally, params, layout, names["dp_cp"])
-        elif layout.tp > 1 or layout.pp > 1:  # GradientAverager: one flat all-reduce
-            tally.add(names["dp_cp"], ALL_REDUCE, _averaged_gradient_elements(params, layout.tp) * FP32)
+        elif layout.tp > 1 or layout.pp > 1:  # GradientAverager: an all-reduce per bucket
+            sizes = _averaged_gradient_bytes(params, layout.tp)
+            for bucket in gradient_buckets(sizes):
+                tally.add(names["dp_cp"], ALL_REDUCE, sum(sizes[i] for i in bucket))
         else:
             _distributed_data_parallel(tally, spec, params, layout, names, steps)
     rows, local_seq = global_batch // layout.dp, seq_len // layout.cp
@@ -201,15 +205,16 @@ def _fully_sharded(tally: _Tally, params: list[ParamShape], layout: Layout, dim:
         tally.add(dim, FSDP_REDUCE_SCATTER, padded * FP32)
 
 
-def _averaged_gradient_elements(params: list[ParamShape], tp: int) -> int:
-    """Elements of this rank's local gradients: tensor-parallel pieces, but the embedding's whole:
-    DTensor's embedding backward returns it replicated, and the hook meant to chunk it back to
-    the weight's vocabulary split (`tensor_parallel._keep_gradient_sharded_like`) leaves it so."""
+def _averaged_gradient_bytes(params: list[ParamShape], tp: int) -> list[int]:
+    """Bytes of each of this rank's local gradients, in order: tensor-parallel pieces, but the
+    embedding's whole: DTensor's embedding backward returns it replicated, and the hook meant to
+    chunk it back to the weight's vocabulary split (`tensor_parallel._keep_gradient_sharded_like`)
+    leaves it so."""
     local = [param.local(tp) for param in params]
-    elements = sum(rows * cols for rows, cols in local)
+    sizes = [rows * cols * FP32 for rows, cols in local]
     if tp > 1:
-        elements += params[0].rows * params[0].cols - local[0][0] * local[0][1]
-    return elements
+        sizes[0] = params[0].rows * params[0].cols * FP32
+    return sizes
 
 
 def _distributed_data_parallel(tally: _Tally, spec: ModelSpec, params: list[ParamShape], layout: Layout,
