@@ -10,7 +10,7 @@ Forward, a rank sends each routed token to the rank holding its expert and gets 
 Gradients: the non-expert parameters are averaged over dp as usual. An expert's gradient already
 sums the contributions of every token of its ep group that reached it, so it is SUMMED over the
 ranks holding the same expert ("edp", dp/ep of them) and divided by dp, not by dp/ep: zero=0 with
-one flat all-reduce (`GradientAverager`), zero=2/3 with the experts fully_shard'ed over edp
+`GradientAverager`'s bucketed all-reduces, zero=2/3 with the experts fully_shard'ed over edp
 (FSDP divides by dp/ep) and their sharded gradients then scaled by 1/ep (`ScaleGradients`: FSDP's
 own `set_gradient_divide_factor` reduces with PREMUL_SUM, which gloo lacks). The routers'
 balance-loss statistics are summed over all ranks sharing the global batch (`MoE.stats_group`),

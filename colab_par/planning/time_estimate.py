@@ -144,8 +144,8 @@ def data_parallel_seconds(layout: Layout, local_params: float, units: float, act
     parameters, 3Ψ; FSDP zero2 gathers once and reduce-scatters, 2Ψ; zero3 gathers again for
     backward, 3Ψ, with one collective per FSDP unit (`units`). Hidden behind compute as far as the
     device allows: DDP's bucketed all-reduce behind backward only, FSDP's prefetched gathers behind
-    forward too. Zero 0 with tensor or pipeline parallel cannot use DDP: one flat all-reduce after
-    backward (data_parallel.GradientAverager), which nothing hides. Only the `trainable` share has
+    forward too. Zero 0 with tensor or pipeline parallel cannot use DDP: an all-reduce per 25 MiB
+    bucket after backward (data_parallel.GradientAverager), which nothing hides. Only the `trainable` share has
     gradients to reduce and (ZeRO-1) updates to gather.
     """
     n = layout.dp * layout.cp
@@ -158,7 +158,7 @@ def data_parallel_seconds(layout: Layout, local_params: float, units: float, act
                   "reduce_scatter": local_params * trainable * grad_bytes * leaves}
         hops = (gathers + 1) * units * (n - 1)
     else:
-        buckets = 1 if flat else 1 + local_params * trainable * grad_bytes / 25e6  # DDP's 25 MB buckets
+        buckets = 1 + local_params * trainable * grad_bytes / 25e6  # DDP's and the averager's 25 MB buckets
         volume = {"all_reduce": local_params * trainable * 2 * grad_bytes * leaves,
                   "all_gather": local_params * trainable * (4 if layout.zero == 1 else 0) * leaves}
         hops = buckets * 2 * (n - 1) + (n - 1 if layout.zero == 1 else 0)
