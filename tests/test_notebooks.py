@@ -325,8 +325,9 @@ def test_09_rl(kernel_path, tmp_path):
     """The GRPO notebook: pre-training leaves the model partly right on held-out sums, GRPO (rewards
     only) raises its greedy held-out accuracy clearly, with the dashboard live and the rollout readable."""
     notebook = execute("09_rl", tmp_path)
-    pretrained = float(re.search(r"held-out accuracy ([\d.]+) %", text_of(cell_of(notebook, "trainer.fit()"))).group(1))
-    assert 10 < pretrained < 80, f"pre-training should leave the model partly right, not {pretrained} %"
+    said = text_of(cell_of(notebook, "trainer.fit()"))
+    pretrained = float(re.search(r"held-out accuracy ([\d.]+) %", said).group(1))
+    assert 10 < pretrained < 80, f"pre-training should leave the model partly right, not {pretrained} %: {said}"
     training = cell_of(notebook, "grpo.fit()")
     frames = [o for o in training.outputs if "image/png" in o.get("data", {})]
     last = re.search(r"step (\d+)/\1 · loss", frames[-1].data["text/plain"]) if frames else None
