@@ -397,7 +397,7 @@ def step_instants(spec: ModelSpec, layout: Layout, rank: RankParams, state: Memo
     layer_gathered = rank.layer * act_bytes if layout.zero == 3 and not kept_gathered else 0.0
     if layout.zero >= 2:
         last_layer, outside = kept_activation_bytes(spec, layout, micro, seq, act_bytes)
-        final_norm = outside - micro * seq * spec.vocab_size * 4 - 2 * seq * spec.head_dim * act_bytes
+        final_norm = _final_norm_bytes(spec, outside, micro, seq, act_bytes)
         # their backward is done: the last layer's (a rebuilt one's is added back), and under full
         # recompute the final norm's too (traced: the rebuilt layer's peak comes after them)
         freed = final_norm if rebuilt else last_layer
@@ -418,7 +418,10 @@ def step_instants(spec: ModelSpec, layout: Layout, rank: RankParams, state: Memo
         before = MemoryBreakdown(instants.get("layer", instants["head"]).params,
                                  accumulated + head * (act_bytes if fsdp else 4), state.optimizer,
                                  activations - log_probs, buffers=ring)
-        reducing = _layer_buffers(layout, rank, act_bytes, layer_gathered) if fsdp else 0.0
+        # FSDP: under full recompute the last layer's reduce-scatter runs; without it the layer's own
+        # gradients wait, unreduced
+        reducing = 0.0 if not fsdp else (_layer_buffers(layout, rank, act_bytes, layer_gathered) if rebuilt
+                                         else rank.layer * act_bytes)
         instants["ring attention"] = _ring_attention(spec, layout, rank, before, micro=micro, seq=seq,
                                                      act_bytes=act_bytes, shard=shard, rebuilt=rebuilt,
                                                      reducing=reducing)
@@ -456,12 +459,16 @@ def _ring_attention(spec: ModelSpec, layout: Layout, rank: RankParams, before: M
     fsdp = layout.zero >= 2
     kept = before.activations - last_layer
     if rebuilt:
-        final_norm = outside - micro * seq * spec.vocab_size * 4 - 2 * seq * spec.head_dim * act_bytes
-        kept = before.activations - final_norm + rebuilt - feed_forward_kept_bytes(spec, layout, micro, seq, act_bytes)
-    else:
-        reducing = rank.layer * act_bytes if fsdp else 0.0  # the layer's gradients, not yet reduced
+        kept = (before.activations - _final_norm_bytes(spec, outside, micro, seq, act_bytes) + rebuilt
+                - feed_forward_kept_bytes(spec, layout, micro, seq, act_bytes))
     return replace(before, grads=before.grads + rank.layer * (act_bytes + 4 / shard if fsdp else 4),
                    activations=kept, buffers=before.buffers + reducing, phase="ring attention")
+
+
+def _final_norm_bytes(spec: ModelSpec, outside: float, micro: int, seq: int, act_bytes: int) -> float:
+    """The final norm's share of what is kept outside the layers (`kept_activation_bytes`): less the
+    log-probabilities and the rotary tables."""
+    return outside - micro * seq * spec.vocab_size * 4 - 2 * seq * spec.head_dim * act_bytes
 
 
 def _stages_stay_gathered(layout: Layout) -> bool:
