@@ -13,7 +13,7 @@ notebooks/data/05_traced.json, which the notebook reads beside its predictions.
 A row is one (model, GPUs, layout) of the notebook: the planner's best layout per model and
 cluster, and the 70B-on-512 candidates. Rows are kept by that key, so a planner whose choice
 changes leaves the new layout untraced until this runs again. Each row takes minutes on 2 cores
-(a 70B pipeline role ~10 min); the file is written after every row.
+(a 70B pipeline role ~3 min); the file is written after every row.
 """
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import colab_par  # noqa: E402
 from colab_par.layout import Layout  # noqa: E402
 from colab_par.models import GPTConfig  # noqa: E402
+from colab_par.planning.dry_run.microbatch_scaling import shortest_k  # noqa: E402
+from colab_par.planning.dry_run.roles import rank_roles  # noqa: E402
 from colab_par.planning.dry_run.verify import Verification, verify  # noqa: E402
 from colab_par.planning.layout_estimate import estimate  # noqa: E402
 
@@ -69,8 +71,21 @@ def key(name: str, gpus: int, layout: str) -> str:
 
 def scaled_microbatches(layout: Layout) -> int | None:
     """k for `verify(microbatches=k)`: the schedule's warm-up, when the step runs over twice that."""
-    k = 2 * layout.pp * layout.virtual_stages
+    k = shortest_k(layout)
     return k if layout.pp > 1 and 2 * k < layout.microbatches else None
+
+
+def traced_roles(name: str, layout: Layout, gpus: int) -> list[str] | None:
+    """The rank roles a row traces (None: every one). A pipeline of one stage a rank over 4 or more
+    ranks, its layers split evenly, traces its first, second and last: a middle stage holds the
+    second's layers and parameters with fewer microbatches in flight (1F1B: pp - i; GPipe: all,
+    as many), so it never holds more (the 1.3B shape's 8-stage 1F1B in tests/data/dry_run_traces.json:
+    381 MiB less each stage on, one microbatch's layers).
+    The fullest role, which the notebook shows, is one of the three."""
+    if layout.pp < 4 or layout.virtual_stages > 1 or MODELS[name]["n_layer"] % layout.pp:
+        return None
+    every = list(rank_roles(layout, gpus))
+    return [every[0], every[1], every[-1]]
 
 
 def cost(name: str, layout: Layout) -> float:
@@ -78,7 +93,8 @@ def cost(name: str, layout: Layout) -> float:
     microbatches = layout.microbatches if layout.pp > 1 else 1
     k = scaled_microbatches(layout)
     passes = 3 * k if k else microbatches
-    return MODELS[name]["n_layer"] * passes * 2
+    stages = min(layout.pp, 3) if layout.pp >= 4 and layout.virtual_stages == 1 else layout.pp
+    return MODELS[name]["n_layer"] / layout.pp * stages * passes * 2
 
 
 def record(name: str, gpus: int, batch: int, checked: Verification, seconds: float) -> dict[str, Any]:
@@ -86,6 +102,7 @@ def record(name: str, gpus: int, batch: int, checked: Verification, seconds: flo
             "device": DEVICE, "fits": checked.fits, "overflow": checked.overflow,
             "peak": checked.peak, "device_peak": max(c.report.device_peak for c in checked.roles),
             "traced_seconds": checked.traced_seconds, "predicted_seconds": checked.predicted_seconds,
+            "roles_of": len(rank_roles(Layout.parse(checked.layout), gpus)),
             "roles": [{"role": c.role, "rank": c.rank, "peak": c.report.peak.total,
                        "device_peak": c.report.device_peak, "host": c.report.host.total,
                        "scaled_from": c.report.scaled_from, "planner_total": c.comparison.rows[-1].predicted,
@@ -109,8 +126,13 @@ def print_table(stored: dict[str, Any]) -> None:
         scaled = {tuple(role["scaled_from"]) for role in row["roles"] if role["scaled_from"]}
         print(f"| {name} | {gpus} | `{text}` | {planned.memory.total / 2**30:.1f} | {row['device_peak'] / 2**30:.1f} | "
               f"{planned.memory.total / row['device_peak'] - 1:+.1%} | {'fits' if row['fits'] else 'OOM'} | "
-              f"{len(row['roles'])} | {', '.join(f'{a} and {b}' for a, b in scaled) or '-'} | "
+              f"{_roles_column(row)} | {', '.join(f'{a} and {b}' for a, b in scaled) or '-'} | "
               f"{row['wall_seconds']:.0f} s |")
+
+
+def _roles_column(row: dict[str, Any]) -> str:
+    traced, every = len(row["roles"]), row.get("roles_of", len(row["roles"]))
+    return str(traced) if traced == every else f"{traced} of {every}"
 
 
 def _write_row(name: str, row: dict[str, Any]) -> None:
@@ -151,7 +173,8 @@ def main() -> None:
         started = time.perf_counter()
         try:
             checked = verify(GPTConfig(**MODELS[name], seq_len=SEQ), layout, gpus, device=DEVICE, batch=(batch, SEQ),
-                             microbatches=scaled_microbatches(layout), timeout=7200)
+                             microbatches=scaled_microbatches(layout), timeout=7200,
+                             roles=traced_roles(name, layout, gpus))
         except (RuntimeError, ValueError) as error:  # the dry run failed or refused: say so in the row, go on
             reason = str(error).strip().splitlines()[-1]
             _write_row(key(name, gpus, text), {"model": name, "sizes": MODELS[name], "gpus": gpus, "layout": text,

@@ -124,8 +124,7 @@ def test_04_kernels(kernel_path, tmp_path):
     assert float(gpt.group(1)) == pytest.approx(float(gpt.group(2)), abs=1e-4)
 
 
-TRACED_05_ROWS = 33  # of notebook 05's 37 rows, traced so far (benchmarks/notebook05_traces.py): raise it as they are
-# (the corrected last stage moved five picks to deep 1F1B pipelines; four not traced yet)
+TRACED_05_ROWS = 37  # of notebook 05's 37 rows: every one traced (benchmarks/notebook05_traces.py)
 
 
 def test_05_planning_at_scale(kernel_path, tmp_path):

@@ -17,7 +17,7 @@ from colab_par.notebook.picker import LayoutPicker
 from colab_par.planning.devices import get_device
 from colab_par.planning.dry_run import dry_run
 from colab_par.planning.dry_run.compare import compare
-from colab_par.planning.dry_run.microbatch_scaling import scaled_report
+from colab_par.planning.dry_run.microbatch_scaling import scaled_report, short_layouts, shortest_k
 from colab_par.planning.dry_run.report import CollectiveCount, DryRunReport, MemoryKinds
 from colab_par.planning.dry_run.roles import rank_roles
 from colab_par.planning.dry_run.verify import verify
@@ -78,11 +78,27 @@ def test_a_pipeline_scaled_from_two_short_traces_equals_every_microbatch_traced(
     assert scaled.comparison.rows == full.comparison.rows
 
 
+def test_a_one_stage_a_rank_pipeline_scales_from_pp_plus_one_microbatches() -> None:
+    """1F1B's rank 0 (the one whose peak is last to settle: at k = pp it falls at the step's end,
+    14 % over the full step's here) traced at pp + 1 and twice that, against all 16 microbatches
+    traced: equal to the byte."""
+    layout = Layout.parse("dp2 pp4 zero3 1f1b mb16 bf16 ac-selective")
+    assert shortest_k(layout) == 5 and shortest_k(Layout.parse("pp4 zbv v2 mb32")) == 16
+    full = dry_run(FOUR_LAYERS, layout, 8, rank=0, batch=(64, 16), tensors="fake")
+    short, long = (dry_run(FOUR_LAYERS, variant, 8, rank=0, batch=batch, tensors="fake")
+                   for variant, batch in short_layouts(layout, (64, 16), 5))
+    carried = scaled_report(short, long, layout, (64, 16))
+    assert carried.scaled_from == (5, 10) and carried.collectives == full.collectives and carried.flops == full.flops
+    assert carried.peak == full.peak and carried.phases == full.phases and carried.host == full.host
+
+
 def test_microbatch_scaling_refuses_what_it_cannot_carry() -> None:
     with pytest.raises(ValueError, match="no pipeline"):
         verify(CONFIG, "dp2", 2, device="H100", batch=BATCH, microbatches=4)
     with pytest.raises(ValueError, match="warm-up 8; give k >= 8 with 2k < 16"):
         verify(FOUR_LAYERS, "pp2 zbv v2 mb16", 2, device="H100", batch=(16, 16), microbatches=8)
+    with pytest.raises(ValueError, match="warm-up 5; give k >= 5 with 2k < 16"):
+        verify(FOUR_LAYERS, "pp4 1f1b mb16", 4, device="H100", batch=(16, 16), microbatches=4)
     short = DryRunReport("pp2 mb4", 2, 0, (4, 16), {}, MemoryKinds(), (CollectiveCount("pp", "send", 4, 40),))
     long = DryRunReport("pp2 mb8", 2, 0, (8, 16), {}, MemoryKinds(), (CollectiveCount("pp", "send", 6, 80),))
     with pytest.raises(ValueError, match="whole amount per microbatch"):  # 0.5 calls a microbatch

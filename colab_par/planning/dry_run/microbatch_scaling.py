@@ -5,8 +5,8 @@ costs minutes per rank role on a CPU. Once its warm-up is over a schedule repeat
 microbatch's work: each more microbatch issues the same sends, per-layer collectives and FLOPs,
 and leaves the same bytes behind until the step ends (a stage-boundary activation's worth of
 temporaries, its loss). So the step is
-traced at `k` and `2k` microbatches of the same size (k at least the warm-up, 2 x pp x virtual
-stages), and every count, byte and FLOP (collectives, memory per kind at each phase's peak, the
+traced at `k` and `2k` microbatches of the same size (k at least the warm-up, `shortest_k`), and
+every count, byte and FLOP (collectives, memory per kind at each phase's peak, the
 operators' FLOPs) is carried along the line through the two to the layout's count: exactly, or
 refused where the line does not land on whole calls and bytes.
 """
@@ -17,7 +17,18 @@ import dataclasses
 from colab_par.layout import Layout
 from colab_par.planning.dry_run.report import CollectiveCount, DryRunReport, MemoryKinds
 
-__all__ = ["short_layouts", "scaled_report"]
+__all__ = ["shortest_k", "short_layouts", "scaled_report"]
+
+
+def shortest_k(layout: Layout) -> int:
+    """The fewest microbatches from which `layout`'s step repeats one microbatch's work on every
+    rank. One stage a rank (1F1B, GPipe): pp + 1, as rank 0 holds pp microbatches in 1F1B's steady
+    state and its peak repeats from the next on (at k = pp it falls at the step's end instead: a
+    4-stage 1F1B's rank 0 traced 16 % over its 16-microbatch step). Several stages a rank
+    (interleaved, zbv): 2 x pp x virtual stages, a warm-up of up to that many forwards."""
+    if layout.virtual_stages == 1:
+        return layout.pp + 1
+    return 2 * layout.pp * layout.virtual_stages
 
 
 def short_layouts(layout: Layout, batch: tuple[int, int], k: int) -> list[tuple[Layout, tuple[int, int]]]:
@@ -30,7 +41,7 @@ def short_layouts(layout: Layout, batch: tuple[int, int], k: int) -> list[tuple[
     per_rank = batch[0] // layout.dp
     if per_rank % layout.microbatches:
         raise ValueError(f"batch {batch[0]} does not split into {layout.dp} x {layout.microbatches} microbatches")
-    warm_up = 2 * layout.pp * layout.virtual_stages
+    warm_up = shortest_k(layout)
     if not warm_up <= k < 2 * k < layout.microbatches:
         raise ValueError(f"microbatches={k}: the layout runs {layout.microbatches} a step and its warm-up "
                          f"{warm_up}; give k >= {warm_up} with 2k < {layout.microbatches}, or None to trace every one")
