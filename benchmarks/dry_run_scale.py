@@ -81,6 +81,9 @@ FAMILY_ROWS = [
     ("small-gpt w4 tp4 2d", SMALL_GPT, "tp4 2d", 4, 256, 0),
     ("small-gpt w8 tp8 2.5d d2", SMALL_GPT, "tp8 2.5d d2", 4, 256, 0),
     ("small-gpt w8 tp8 3d", SMALL_GPT, "tp8 3d", 4, 256, 0),
+    # a grid under selective recompute: its matmuls rebuilt in backward, not cached
+    ("small-gpt w4 tp4 2d ac-selective", SMALL_GPT, "tp4 2d ac-selective", 4, 256, 0),
+    ("small-gpt w8 tp8 3d ac-selective", SMALL_GPT, "tp8 3d ac-selective", 4, 256, 0),
     ("small-gpt w4 dp4 zero3 ac-full", SMALL_GPT, "dp4 zero3 ac-full", 4, 256, 0),
     ("small-gpt w4 dp4 zero3 ac-selective", SMALL_GPT, "dp4 zero3 ac-selective", 4, 256, 0),
 ]
@@ -119,6 +122,9 @@ SCALE_ROLE_ROWS = [
      256, 8192, 0),
     # zero 0 beside tensor parallel: `GradientAverager`'s flat copy of every gradient
     ("gpt-70b-l4 w512 dp128 tp2 cp2 zero0 ac-selective", GPT_70B_L4, "dp128 tp2 cp2 sp bf16 ac-selective", 512, 4096, 0),
+    # selective recompute on a tensor grid: each layer rebuilt in backward (its matmuls are not cached)
+    ("gpt-1.3b-l16 w8 dp2 tp4 2d zero2 ac-selective", GPT_1_3B_L16, "dp2 tp4 2d zero2 bf16 ac-selective", 16, 4096, 0),
+    ("gpt-1.3b-l16 w8 tp8 3d ac-selective", GPT_1_3B_L16, "tp8 3d ac-selective", 8, 4096, 0),
     # selective recompute under sequence parallel: the layer's input is kept split
     ("gpt-70b-l4 w512 dp64 tp8 zero3 sp ac-selective", GPT_70B_L4, "dp64 tp8 zero3 sp bf16 ac-selective", 1024, 4096, 0),
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from colab_par.layout import PACKED_ATTENTION, has_expert_plan, model_sizes
+from colab_par.layout import PACKED_ATTENTION, Layout, has_expert_plan, model_sizes
 
 __all__ = ["ModelSpec", "flops_per_token", "trainable_share", "PACKED_ATTENTION"]
 
@@ -166,13 +166,25 @@ def trainable_share(model: Any) -> float:
     return trainable / total if total else 1.0
 
 
+def recompute_work(layout: Layout) -> str:
+    """What a step recomputes: its `checkpointing` ("none", "selective", "full"), except selective
+    on a tensor grid, "matmuls": the grid's matmuls run inside `_GridLinear`, an autograd Function
+    the selective policy rebuilds rather than caches (`parallel/checkpointing.py`), so backward
+    rebuilds each layer but SDPA, whose outputs are kept."""
+    if layout.checkpointing == "selective" and layout.tp_mode != "1d":
+        return "matmuls"
+    return layout.checkpointing
+
+
 def flops_per_token(spec: ModelSpec, seq_len: int, recompute: str) -> float:
     """6Ψ (forward, input and weight gradients: 2Ψ each; frozen weights skip theirs) + 12·L·h·s
-    attention; recompute repeats (part of) forward."""
+    attention; recompute (`recompute_work`) repeats (part of) forward."""
     dense = (4 + 2 * spec.trainable) * spec.matmul_params
     attention = 12 * spec.n_layer * spec.d_model * seq_len
     if recompute == "full":
         return (dense + attention) * 4 / 3
+    if recompute == "matmuls":
+        return dense * 4 / 3 + attention
     if recompute == "selective":
         return dense + attention * 4 / 3
     return dense + attention

@@ -15,7 +15,7 @@ from colab_par.layout.tier_options import bf16_working_shards
 from colab_par.parallel.data_parallel import GRADIENT_BUCKET_BYTES
 from colab_par.planning.devices import DeviceSpec
 from colab_par.planning.expert_costs import local_expert_params
-from colab_par.planning.flops import ModelSpec
+from colab_par.planning.flops import ModelSpec, recompute_work
 from colab_par.planning.tensor_costs import (GridShape, autocast, feed_forward_kept_bytes, grid_local_params,
                                              holds_ends, kept_activation_bytes, ring_attention_bytes)
 
@@ -190,8 +190,8 @@ def kept_activations(spec: ModelSpec, layout: Layout, micro: int, seq: int, act_
     fp32 log-probabilities): what the kit's layers save (`tensor_costs.kept_activation_bytes`:
     RMSNorm, SwiGLU, grouped heads, SDPA's output and log-sum-exp, no s² scores) times the layers
     and microbatches in flight, the final norm, rotary tables and log-probabilities beside them.
-    Full recompute keeps a layer's input only, selective its matmul and SDPA outputs (1d; a grid
-    counts it as none); backward rebuilds one layer whole (`rebuilt_layer_bytes`), not counted here."""
+    Full recompute keeps a layer's input only, selective its matmul and SDPA outputs (a grid its input
+    and SDPA's: `_layer_kept`); backward rebuilds one layer whole (`rebuilt_layer_bytes`), not counted here."""
     _, outside = kept_activation_bytes(spec, layout, micro, seq, act_bytes)
     log_probs = micro * seq * spec.vocab_size * 4 if holds_ends(layout)[1] else 0.0
     layers = _stage_layers_kept(spec, layout, micro, seq, act_bytes) * microbatches_in_flight(layout)
@@ -200,20 +200,36 @@ def kept_activations(spec: ModelSpec, layout: Layout, micro: int, seq: int, act_
 
 def _stage_layers_kept(spec: ModelSpec, layout: Layout, micro: int, seq: int, act_bytes: int) -> float:
     """What one microbatch leaves kept in a stage's layers (the whole model's without a pipeline)."""
-    per_layer, _ = kept_activation_bytes(spec, layout, micro, seq, act_bytes)
+    return spec.n_layer / layout.pp * _layer_kept(spec, layout, micro, seq, act_bytes)
+
+
+def _rebuilds_layers(layout: Layout) -> bool:
+    """Whether backward rebuilds each layer (almost) whole (`recompute_work`)."""
+    return recompute_work(layout) in ("full", "matmuls")
+
+
+def _layer_kept(spec: ModelSpec, layout: Layout, micro: int, seq: int, act_bytes: int) -> float:
+    """One layer's kept tensors for one microbatch: under full recompute its input; selective on a
+    grid its input and SDPA's output with its fp32 log-sum-exp (traced, tp4 2d and tp8 3d: within
+    2 KiB a layer); otherwise `kept_activation_bytes`' layer."""
+    tokens = micro * seq
     if layout.checkpointing == "full":
-        per_layer = _layer_input_bytes(spec, layout, micro * seq, act_bytes)
-    return spec.n_layer / layout.pp * per_layer
+        return _layer_input_bytes(spec, layout, tokens, act_bytes)
+    if _rebuilds_layers(layout):
+        grid = GridShape.of(layout)
+        sdpa = tokens / grid.batch_pieces * spec.n_head / grid.q * (spec.head_dim * act_bytes + 4)
+        return _layer_input_bytes(spec, layout, tokens, act_bytes) + sdpa
+    return kept_activation_bytes(spec, layout, micro, seq, act_bytes)[0]
 
 
 def rebuilt_layer_bytes(spec: ModelSpec, layout: Layout, micro: int, seq: int, act_bytes: int) -> float:
-    """What backward adds under full recompute while it rebuilds a layer: the layer's whole kept
-    activations less the input it kept (0 without full recompute). Present in backward only: the
-    trace's peak under full recompute is a layer's backward, not the loss."""
-    if layout.checkpointing != "full":
+    """What backward adds while it rebuilds a layer (`_rebuilds_layers`): the layer's whole kept
+    activations less what it kept (0 where nothing is rebuilt whole). Present in backward only:
+    the trace's peak under full recompute is a layer's backward, not the loss."""
+    if not _rebuilds_layers(layout):
         return 0.0
     whole = kept_activation_bytes(spec, layout.replace(checkpointing="none"), micro, seq, act_bytes)[0]
-    return whole - _layer_input_bytes(spec, layout, micro * seq, act_bytes)
+    return whole - _layer_kept(spec, layout, micro, seq, act_bytes)
 
 
 @dataclass(frozen=True)

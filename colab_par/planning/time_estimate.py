@@ -12,7 +12,7 @@ from typing import Callable
 from colab_par.layout import Layout
 from colab_par.planning.devices import DeviceSpec
 from colab_par.planning.expert_costs import all_to_all_bytes, expert_flops_share, packed_regroup_bytes
-from colab_par.planning.flops import ModelSpec, flops_per_token
+from colab_par.planning.flops import ModelSpec, flops_per_token, recompute_work
 from colab_par.planning.memory_estimate import MemoryBreakdown, state_precision
 from colab_par.planning.tensor_costs import GridShape, tensor_comm_bytes
 
@@ -55,10 +55,11 @@ def _compute_seconds(spec: ModelSpec, layout: Layout, dev: DeviceSpec, precision
     launches of the layers and their wrappers where those take longer (or add, without async
     launch); the pipeline bubble on top."""
     t, p, c, m = layout.tp, layout.pp, layout.cp, layout.microbatches
-    flops = global_batch * seq_len * flops_per_token(spec, seq_len, layout.checkpointing)
+    recompute = recompute_work(layout)
+    flops = global_batch * seq_len * flops_per_token(spec, seq_len, recompute)
     rate = dev.peak_flops[precision] * dev.efficiency * micro_tokens / (micro_tokens + dev.half_tokens)
     compute = flops / layout.world_size / rate
-    passes = {"none": 1.0, "selective": 1.1, "full": 1.5}[layout.checkpointing]
+    passes = {"none": 1.0, "selective": 1.1, "matmuls": 1.5, "full": 1.5}[recompute]
     wrappers = {"tp": t > 1, "fsdp": layout.zero >= 2, "cp": c > 1}
     per_pass = dev.layer_overhead + sum(dev.wrapper_overhead.get(k, 0.0) for k, on in wrappers.items() if on)
     launches = m * spec.n_layer / p * per_pass * passes
