@@ -39,7 +39,7 @@ BATCH = (4, 16)
 WORLDS = {
     2: ("dp2 zero1", "dp2 zero2", "dp2 zero3 offload", "tp2 sp", "cp2", "cp2 ulysses", "pp2 gpipe", "pp2 1f1b",
         "pp2 interleaved v2", "pp2 zbv v2", "dp2 ep2", "dp2 ep2 zero3", "dp2 zero3 bf16", "tp2 bf16",
-        "dp2 ac-full",
+        "dp2 ac-full", "tp2 ac-full",
         "dp2 zero3 ac-selective", "dp2 zero3 optimizer@disk grads@disk", "dp2 params@disk", "dp2 compile",
         "dp2 zero3 compile"),
     4: ("tp4 2d", "dp2 pp2", "dp2 tp2 zero3"),
@@ -47,7 +47,7 @@ WORLDS = {
 }
 # traced on fake tensors too (no storage: what a rank of a large model runs on), against the same
 # real runs (DDP's reducer too: the fake world answers its bucket all-reduces, `run._answer_ddp_on_fake_world`)
-FAKE_TENSORS = ("dp2 zero1", "dp2 ac-full", "cp2", "cp2 ulysses", "dp2 compile", "dp2 zero2", "dp2 zero3 offload", "tp2 sp", "tp2 bf16", "dp2 zero3 ac-selective",
+FAKE_TENSORS = ("dp2 zero1", "dp2 ac-full", "tp2 ac-full", "cp2", "cp2 ulysses", "dp2 compile", "dp2 zero2", "dp2 zero3 offload", "tp2 sp", "tp2 bf16", "dp2 zero3 ac-selective",
                 "dp2 zero3 optimizer@disk grads@disk", "pp2 1f1b", "pp2 interleaved v2", "pp2 zbv v2", "dp2 pp2",
                 "dp2 ep2 zero3", "dp2 zero3 compile", "pp2 tp4 2d zbv v2 mb2")
 
@@ -211,6 +211,9 @@ def test_each_family_shows_its_own_traffic_and_state(reports) -> None:
     assert {"row", "col"} <= set(fake("tp4 2d").collective_bytes())
     assert "edp" in fake("dp2 ep2").collective_bytes()
     assert fake("dp2 ac-full").flops > fake("dp2 zero1").flops
+    # a rank's own work: tp2 halves every matmul of the batch, dp2 the batch (DTensor's global
+    # shapes counted, as torch's counter did in a first step, would double it)
+    assert fake("tp2 ac-full").flops == fake("dp2 ac-full").flops
     offloaded = fake("dp2 zero3 offload")
     assert offloaded.host.params > 0 and offloaded.host.optimizer == offloaded.peak.optimizer > 0
     assert offloaded.device_peak == offloaded.peak.total - offloaded.host.total

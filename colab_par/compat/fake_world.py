@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 from colab_par.compat.support import _missing, _torch_private
 from colab_par.compat.torch_ops import torch_dispatch_mode
-from colab_par.compat.trees import tree_leaves
+from colab_par.compat.trees import tree_leaves, tree_map
 
 _FAKE_PG = "torch.testing._internal.distributed.fake_pg"
 _MEM_TRACKER = "torch.distributed._tools.mem_tracker"
@@ -31,6 +31,30 @@ def init_fake_world(rank: int, world_size: int) -> None:
     if not hasattr(fake_pg, "FakeStore"):
         raise _missing("torch", f"{_FAKE_PG}.FakeStore")
     dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world_size)
+
+
+def local_flop_counter() -> Any:
+    """torch's `FlopCounterMode`, counting what this rank computes: a DTensor operator by its local
+    shards' shapes. torch's counter sees a DTensor operator with its global shapes where DTensor
+    dispatches it in Python (a sharding it has not cached yet: a first step) and the local
+    operator otherwise, so under tensor parallel its count depended on the step it ran in (tp4:
+    4x). Reads the counter's private `_count_flops` and DTensor's `_local_tensor`."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if not hasattr(FlopCounterMode, "_count_flops"):
+        raise _missing("torch", "torch.utils.flop_counter.FlopCounterMode._count_flops")
+
+    def local(value: Any) -> Any:
+        return value._local_tensor if isinstance(value, DTensor) else value
+
+    class LocalFlopCounter(FlopCounterMode):
+        def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+            mapped = tree_map(local, (out, args, kwargs))
+            super()._count_flops(func_packet, *mapped)
+            return out
+
+    return LocalFlopCounter(display=False)
 
 
 def memory_tracker() -> Any:

@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.flop_counter import FlopCounterMode
 
 from colab_par.compat import fake_world
 from colab_par.layout import Layout, grid_batch_chunks, tensor_grid
@@ -142,7 +141,7 @@ def traced_step(pm: Any, inputs: torch.Tensor, targets: torch.Tensor, *, steps: 
     def split() -> Any:  # the trackers' module hooks under zbv's split backward
         return fake_world.following_split_backward() if pm.layout.pp_schedule == "zbv" else contextlib.nullcontext()
 
-    flops = FlopCounterMode(display=False)
+    flops = fake_world.local_flop_counter()
     recompute = pm.layout.checkpointing != "none"
     warm_ups = steps - 1 + (recompute and pm.layout.pp > 1)  # a pipeline's first step also builds its stages
     for index in range(warm_ups):  # optimizer state exists from the first step on
