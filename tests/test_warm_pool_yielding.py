@@ -54,6 +54,11 @@ warm_pool._QUIET_S = {quiet}
 warm_pool._main(["serve", path, "busy"])
 """
 
+# the zygote's owner (whose CPU it watches, as it watches the notebook's kernel): a quiet stand-in
+# that passes its stdin on and says the zygote's pid, not this process, whose threads left by
+# earlier tests of a full run can keep it busy for longer than the test waits
+OWNER = "import subprocess, sys; p = subprocess.Popen(sys.argv[1:]); print(p.pid, flush=True); sys.exit(p.wait())"
+
 
 def _slow_package(folder) -> None:
     package = folder / "slow_idle_import"
@@ -88,12 +93,14 @@ def _wait_for(condition, seconds: float, what: str) -> None:
 def test_idle_imports_wait_while_a_forked_child_is_busy_and_are_made_once_it_is_quiet(tmp_path):
     _slow_package(tmp_path)
     log, path = tmp_path / "log", str(tmp_path / "busy.sock")
-    zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE.format(child=CHILD, quiet=QUIET_S), path, str(tmp_path)],
-                              stdin=subprocess.PIPE)
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, sys.executable, "-c",
+                              ZYGOTE.format(child=CHILD, quiet=QUIET_S), path, str(tmp_path)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    zygote = int(owner.stdout.readline())
     proxies, samples, done = [], [], threading.Event()
 
     def sample() -> None:  # the zygote's CPU time, every 10 ms
-        while not done.wait(0.01) and (cpu := _cpu_seconds(zygote.pid)) is not None:
+        while not done.wait(0.01) and (cpu := _cpu_seconds(zygote)) is not None:
             samples.append((time.monotonic(), cpu))
 
     sampler = threading.Thread(target=sample)
@@ -102,11 +109,11 @@ def test_idle_imports_wait_while_a_forked_child_is_busy_and_are_made_once_it_is_
         _wait_for(lambda: os.path.exists(path), 60, "the zygote to serve")
         def launch(*burns: float) -> None:
             proxies.append(subprocess.Popen([sys.executable, "-m", "colab_par.cluster.warm_pool", "launch", path,
-                                             str(zygote.pid), "busy", str(log), *map(str, burns)]))
+                                             str(zygote), "busy", str(log), *map(str, burns)]))
 
         launch(FIRST_BURN_S, SECOND_BURN_S)
-        _wait_for(lambda: descendant_pids(zygote.pid), 30, "the forked child")
-        (child,) = descendant_pids(zygote.pid)
+        _wait_for(lambda: descendant_pids(zygote), 30, "the forked child")
+        (child,) = descendant_pids(zygote)
         _wait_for(lambda: len(_read(log, "module")) >= 3, 30, "the idle import to begin")  # after the first burn
         os.kill(child, signal.SIGUSR1)  # busy again, in the middle of the idle import
         _wait_for(lambda: os.path.exists(path + ".warm"), 60, "the idle imports to be made")
@@ -119,8 +126,9 @@ def test_idle_imports_wait_while_a_forked_child_is_busy_and_are_made_once_it_is_
         for proxy in proxies:
             proxy.terminate()  # forwarded to its child
             proxy.wait(10)
-        zygote.stdin.close()  # its owner gone: it exits
-        zygote.wait(10)
+        owner.stdin.close()  # its owner's stdin, which it shares, at its end: it exits, and so does the owner
+        owner.wait(10)
+        owner.stdout.close()
     assert alarms == [(1.0, 0.0), (1.0, 0.0)]  # SIGALRM's default action, no timer armed
     assert len(burns) == 2 and len(modules) == MODULES, (burns, modules)
     (first_start, first_end), (second_start, second_end) = burns
