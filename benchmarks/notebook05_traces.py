@@ -89,7 +89,7 @@ def traced_roles(name: str, layout: Layout, gpus: int) -> list[str] | None:
 
 
 def cost(name: str, layout: Layout) -> float:
-    """Layer passes the row's traces run (2 steps, every role), to run the cheap rows first."""
+    """Layer passes the row's traces run (2 steps, the roles `traced_roles` picks), to run the cheap rows first."""
     microbatches = layout.microbatches if layout.pp > 1 else 1
     k = scaled_microbatches(layout)
     passes = 3 * k if k else microbatches

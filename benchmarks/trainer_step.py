@@ -112,9 +112,11 @@ def ddp_worker(steps: int, warmup: int, out: str) -> None:
 
 
 def own_work_on_engine(model: dict, batch: int, steps: int, warmup: int,
-                       layout: str = "dp2") -> dict[str, float]:
-    """On an engine: CPU seconds per timed step of `Trainer.fit()` ("step"), of the model's work
-    in it ("model") and of the Trainer's own work ("own", and its parts)."""
+                       layout: str = "dp2", rounds: int = 1) -> list[dict[str, float]]:
+    """On an engine: for each of `rounds` runs of `steps` steps of one `Trainer.fit()`, CPU seconds
+    per step ("step"), of the model's work in it ("model") and of the Trainer's own work ("own",
+    and its parts). The engine's other threads (heartbeat, messaging) add to "other" now and then:
+    rounds let the caller take a median."""
     import torch
 
     from colab_par import Trainer, parallelize
@@ -127,7 +129,7 @@ def own_work_on_engine(model: dict, batch: int, steps: int, warmup: int,
     pm = parallelize(GPT(GPTConfig(**model)), layout,
                      optimizer_fn=lambda params: torch.optim.AdamW(params, lr=LR))
     trainer = Trainer(pm, SyntheticDataset(model["vocab_size"], model["seq_len"], batch),
-                      steps=warmup + steps)
+                      steps=warmup + rounds * steps)
     trainer.fit(stop_at=warmup)
     spent = dict.fromkeys(("model", "hooks", "data", "grad norm", "grad bytes", "row", "publish"), 0.0)
 
@@ -153,17 +155,22 @@ def own_work_on_engine(model: dict, batch: int, steps: int, warmup: int,
     grad_bytes, publish = telemetry.grad_bytes, telemetry.Publisher.publish
     telemetry.grad_bytes = timed(grad_bytes, "grad bytes")
     telemetry.Publisher.publish = timed(publish, "publish")
+    samples = []
     try:
-        started = time.process_time()
-        trainer.fit()
-        total = time.process_time() - started
+        for done in range(1, rounds + 1):
+            spent.update(dict.fromkeys(spent, 0.0))
+            started = time.process_time()
+            trainer.fit(stop_at=warmup + done * steps)
+            total = time.process_time() - started
+            parts = dict(spent)
+            model_work = parts.pop("model") - parts["hooks"]
+            figures = {"step": total, "model": model_work, "own": total - model_work, **parts}
+            figures["other"] = figures["own"] - sum(parts.values())
+            samples.append({name: seconds / steps for name, seconds in figures.items()})
     finally:
         telemetry.grad_bytes, telemetry.Publisher.publish = grad_bytes, publish
         activations._identity = unpack
-    model_work = spent.pop("model") - spent["hooks"]
-    figures = {"step": total, "model": model_work, "own": total - model_work, **spent}
-    figures["other"] = figures["own"] - sum(spent.values())
-    return {name: seconds / steps for name, seconds in figures.items()}
+    return samples
 
 
 def own_work(args: argparse.Namespace) -> None:
@@ -176,8 +183,8 @@ def own_work(args: argparse.Namespace) -> None:
     samples: list[dict[str, float]] = []
     with Cluster(n=2, backend="gloo") as cluster:
         for _ in range(args.rounds):
-            samples += cluster.run(own_work_on_engine, MODEL, BATCH, args.steps, args.warmup,
-                                   args.layout)
+            samples += [round_ for rank in cluster.run(own_work_on_engine, MODEL, BATCH, args.steps,
+                                                       args.warmup, args.layout) for round_ in rank]
     shares = [s["own"] / s["step"] for s in samples]
     print(f"GPT {MODEL}, global batch {BATCH}, AdamW, {args.layout} on 2 gloo engines, telemetry "
           f"on, dashboard on, {args.steps} timed steps after {args.warmup}, {args.rounds} rounds x 2 ranks, "

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 from colab_par.layout import PACKED_ATTENTION, Layout, has_expert_plan, model_sizes
 
-__all__ = ["ModelSpec", "flops_per_token", "trainable_share", "PACKED_ATTENTION"]
+__all__ = ["ModelSpec", "flops_per_token", "recompute_work", "trainable_share", "PACKED_ATTENTION"]
 
 """Hugging Face families (by ``model_type``) whose attention projects q, k and v in one weight,
 side by side, that the kit's tensor plan splits by columns and regroups over tp every forward

@@ -215,7 +215,7 @@ def _layer_kept(spec: ModelSpec, layout: Layout, micro: int, seq: int, act_bytes
     tokens = micro * seq
     if layout.checkpointing == "full":
         return _layer_input_bytes(spec, layout, tokens, act_bytes)
-    if _rebuilds_layers(layout):
+    if recompute_work(layout) == "matmuls":
         grid = GridShape.of(layout)
         sdpa = tokens / grid.batch_pieces * spec.n_head / grid.q * (spec.head_dim * act_bytes + 4)
         return _layer_input_bytes(spec, layout, tokens, act_bytes) + sdpa
