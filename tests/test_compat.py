@@ -554,6 +554,28 @@ def test_group_sequence_counts_each_collective_and_process_groups_lists_the_worl
     assert after == before + 1 and listed and second == (before, after, True)
 
 
+def gathered_over_a_rebound_group(store_file: str) -> list[float]:
+    """A DTensor's all-gather after its mesh's group was rebound to a gloo group over `store_file`
+    that numbers the two ranks the other way round: the gather must come back in that order."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = DeviceMesh.from_group(dist.new_group([0, 1]), "cpu", mesh_dim_names=("tp",))  # not the world's group
+    sharded = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+    kept = compat.rebind_group(mesh.get_group(), dist.FileStore(store_file, 2), 1 - dist.get_rank(), 2,
+                               timedelta(seconds=30))
+    assert mesh.get_group() is kept and dist.group.WORLD is not kept
+    return sharded.redistribute(mesh, [Replicate()]).to_local().tolist()
+
+
+def test_rebind_group_sends_a_meshs_collectives_to_the_new_group(cluster2, tmp_path):
+    assert cluster2.run(gathered_over_a_rebound_group, str(tmp_path / "store")) == [[2.0, 3.0, 0.0, 1.0]] * 2
+
+
 def test_compile_seconds_count_each_compiled_frame_and_lazy_backward_but_not_reuse():
     import torch._dynamo
 

@@ -3,9 +3,10 @@ SIGKILLed mid-step leaves the other three training on at dp 3 of 4 (each step's 
 one of them takes the lost rank's share with the lost rank's own random stream) while its replacement
 starts; the replacement then takes a live peer's state, degraded steps included, and the run's
 losses and final parameters equal an uninterrupted run's, on token data and on the user's own labelled
-rows (a torch Dataset); with rank 0 lost, TensorBoard's files still hold every step's loss once. 20 kills at random moments (random ranks,
-in the forward or before the optimizer step, also while the others train degraded) leave the final
-loss of the uninterrupted run, and no process or staging file behind.
+rows (a torch Dataset); with rank 0 lost, TensorBoard's files still hold every step's loss once. Under
+`dp2 tp2` the whole replica trains on while the lost rank's tp peer waits. 20 kills at random moments
+(random ranks, in the forward or before the optimizer step, also while the others train degraded)
+leave the final loss of the uninterrupted run, and no process or staging file behind.
 The model draws dropout masks, one stream per dp rank: a replaced rank must go on with its own
 stream where the lost engine (or its stand-in) left it (its peers gathered it at the step's end), or
 its masks, and so the losses, differ from the uninterrupted run's."""
@@ -35,21 +36,22 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def references(cluster, tmp_path_factory):
-    """The folder of the uninterrupted run ("dp4") on each kind of data, run when first asked for."""
+    """The folder of the uninterrupted run of each kind of data and layout, run when first asked for."""
     folders = {}
 
-    def reference(data: str) -> Path:
-        if data not in folders:
+    def reference(data: str, layout: str = "dp4", steps: int = STEPS) -> Path:
+        if (data, layout, steps) not in folders:
             cluster.restart()
-            folders[data] = tmp_path_factory.mktemp(f"reference-{data}")
-            run_cell(cluster, folders[data], "dp4", [], layout="dp4", steps=STEPS, every=8, batch=8, model=MODEL,
+            folder = tmp_path_factory.mktemp(f"reference-{data}-{layout.replace(' ', '-')}-{steps}")
+            run_cell(cluster, folder, "uninterrupted", [], layout=layout, steps=steps, every=8, batch=8, model=MODEL,
                      data=data)
-        return folders[data]
+            folders[data, layout, steps] = folder
+        return folders[data, layout, steps]
     return reference
 
 
 def uninterrupted(folder: Path) -> list[float]:
-    return json.loads((folder / "dp4.losses").read_text())
+    return json.loads((folder / "uninterrupted.losses").read_text())
 
 
 @pytest.mark.parametrize("data,killed,logged", [("tokens", 2, False), ("rows", 2, False), ("tokens", 0, True)])
@@ -68,22 +70,52 @@ def test_the_others_train_on_while_a_killed_rank_is_replaced_and_no_step_is_lost
     logs = tmp_path / "tensorboard" if logged else None
     losses, _ = run_cell(cluster, tmp_path, "killed", [[killed, "forward", 5]], layout="dp4", steps=STEPS, every=8,
                          batch=8, model=MODEL, data=data, tensorboard=logs)
-    said = capsys.readouterr()
     others = [rank for rank in range(4) if rank != killed]
-    trained = re.search(rf"rank\(s\) {killed} died; ranks {','.join(map(str, others))} trained on at dp 3 of 4 "
+    assert_no_step_lost(capsys.readouterr(), tmp_path, reference, losses,
+                        rf"rank\(s\) {killed} died; ranks {','.join(map(str, others))} trained on at dp 3 of 4 "
                         rf"\(steps 5\.\.([5-7])\) while the replacement started; replaced the dead engine of rank "
-                        rf"{killed}", said.err)
-    assert trained, said.err
-    last = int(trained.group(1))
-    assert f"resumed at step {last} from live replicas (ranks {killed}<-{others[0]}), no step lost" in said.out, said.out
+                        rf"{killed}", f"{killed}<-{others[0]}", "dp 3 of 4")
     assert cluster.generation == generation  # the dead engine alone was replaced
-    assert degraded_steps(tmp_path, "killed") == {step: "dp 3 of 4" for step in range(5, last + 1)}
-    assert losses == pytest.approx(uninterrupted(reference), rel=1e-6) and len(losses) == STEPS
     if logged:
         assert logged_losses(logs) == pytest.approx(dict(enumerate(uninterrupted(reference), start=1)), rel=1e-6)
+
+
+def test_the_whole_replica_of_dp2_tp2_trains_on_while_the_other_waits(cluster, tmp_path, capsys, references) -> None:
+    """`dp2 tp2`: rank 1 (replica 0's second tp rank) killed in step 5's forward. Replica 1 (ranks
+    2, 3) trains on at dp 1 of 2 over its own tp group, rebound on the survivors' store (the old
+    one's connections were broken with the rest), each of its ranks taking replica 0's share with
+    the stream of replica 0's rank at its own tp place; rank 0 waits. When the cell runs again,
+    ranks 0 and 1 take replica 1's state by tp place: the run equals the uninterrupted one. 12 steps:
+    the save at step 8 ends the degraded steps at the latest."""
+    steps = 12
+    reference = references("tokens", "dp2 tp2", steps)
+    cluster.restart()
+    generation = cluster.generation
+    losses, _ = run_cell(cluster, tmp_path, "killed", [[1, "forward", 5]], layout="dp2 tp2", steps=steps, every=8,
+                         batch=8, model=MODEL)
+    assert_no_step_lost(capsys.readouterr(), tmp_path, reference, losses,
+                        r"rank\(s\) 1 died; ranks 2,3 trained on at dp 1 of 2 \(steps 5\.\.([5-7])\) while the "
+                        r"replacement started; rank\(s\) 0, of the lost ranks' replicas, waited; replaced the dead "
+                        r"engine of rank 1", "0<-2, 1<-3", "dp 1 of 2")
+    assert cluster.generation == generation
+
+
+def assert_no_step_lost(said, folder: Path, reference: Path, losses: list[float], trained: str, sources: str,
+                        dp: str) -> None:
+    """The killed run in `folder` trained on from step 5 as the notebook's words (`trained`, whose
+    group is the last degraded step) and its rows (`dp`) say, the replaced ranks took their state
+    from live replicas (`sources`), and its losses and final parameters equal the uninterrupted
+    run's in `reference`."""
     import torch
 
-    torch.testing.assert_close(final_parameters(tmp_path, "killed"), final_parameters(reference, "dp4"),
+    found = re.search(trained, said.err)
+    assert found, said.err
+    last = int(found.group(1))
+    assert f"resumed at step {last} from live replicas (ranks {sources}), no step lost" in said.out, said.out
+    assert degraded_steps(folder, "killed") == {step: dp for step in range(5, last + 1)}
+    expected = uninterrupted(reference)
+    assert losses == pytest.approx(expected, rel=1e-6) and len(losses) == len(expected)
+    torch.testing.assert_close(final_parameters(folder, "killed"), final_parameters(reference, "uninterrupted"),
                                rtol=1e-5, atol=1e-6)
 
 

@@ -244,14 +244,18 @@ def _trained_on(records: list[Any], dead: list[int], survivors: list[int]) -> st
     done = next((record for record in records if record), None)
     if done is None:
         return (f"rank(s) {ranks_text(dead)} died; ranks {ranks_text(survivors)} could not train on without "
-                "them (no whole step every rank held with every random stream) and waited for the replacement")
+                "them (no dp replica was left whole, or no whole step every rank held with every random stream) "
+                "and waited for the replacement")
+    trainers = done.get("ranks", survivors)
+    waited = [rank for rank in survivors if rank not in trainers]
+    waiting = f"; rank(s) {ranks_text(waited)}, of the lost ranks' replicas, waited" if waited else ""
     if done["steps"] is None:
-        return (f"rank(s) {ranks_text(dead)} died; ranks {ranks_text(survivors)} began to train on at dp "
+        return (f"rank(s) {ranks_text(dead)} died; ranks {ranks_text(trainers)} began to train on at dp "
                 f"{done['dp']} of {done['of']} but finished no step before the replacement was ready (or a "
-                "save was due, or another rank was lost)")
+                f"save was due, or another rank was lost){waiting}")
     first, last = done["steps"]
-    return (f"rank(s) {ranks_text(dead)} died; ranks {ranks_text(survivors)} trained on at dp {done['dp']} of "
-            f"{done['of']} (steps {first}..{last}) while the replacement started")
+    return (f"rank(s) {ranks_text(dead)} died; ranks {ranks_text(trainers)} trained on at dp {done['dp']} of "
+            f"{done['of']} (steps {first}..{last}) while the replacement started{waiting}")
 
 
 def _kept_text(stale: list[str], what: str) -> str:

@@ -59,3 +59,32 @@ def process_groups() -> list[Any]:
     if names is None:
         raise _missing("torch", "distributed_c10d._world.pg_names")
     return list(names)
+
+
+def rebind_group(group: Any, store: Any, rank: int, size: int, timeout: Any) -> Any:
+    """Make every collective torch resolves by `group`'s name (DTensor's, through its DeviceMesh)
+    run on a fresh gloo group over `store` instead, with this process at `rank` of `size`; returns
+    that group, which the caller keeps (torch's registry holds it weakly). For the survivors of a
+    lost peer, whose own group's connections were broken. The old group object itself stays broken:
+    code that kept it fails, never hangs. Private: `_unregister_process_group`,
+    `_register_process_group`, `ProcessGroup._register_backend`, `_set_default_backend`,
+    `_set_group_name`."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    name = group.group_name
+    for needed in ("_unregister_process_group", "_register_process_group"):
+        if not hasattr(distributed_c10d, needed):
+            raise _missing("torch", f"distributed_c10d.{needed}")
+    for needed in ("_register_backend", "_set_default_backend", "_set_group_name"):
+        if not hasattr(dist.ProcessGroup, needed):
+            raise _missing("torch", f"ProcessGroup.{needed}")
+    fresh = dist.ProcessGroup(store, rank, size)
+    fresh._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    fresh._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
+                            dist.ProcessGroupGloo(store, rank, size, timeout))
+    fresh._set_group_name(name)
+    distributed_c10d._unregister_process_group(name)
+    distributed_c10d._register_process_group(name, fresh)
+    return fresh
