@@ -54,14 +54,17 @@ def uninterrupted(folder: Path) -> list[float]:
     return json.loads((folder / "uninterrupted.losses").read_text())
 
 
-@pytest.mark.parametrize("data,killed,logged", [("tokens", 2, False), ("rows", 2, False), ("tokens", 0, True)])
+@pytest.mark.parametrize("data,killed,logged", [("tokens", 2, False), ("rows", 2, False), ("loader", 1, False),
+                                                ("tokens", 0, True)])
 def test_the_others_train_on_while_a_killed_rank_is_replaced_and_no_step_is_lost(cluster, tmp_path, capsys,
                                                                                   references, data, killed,
                                                                                   logged) -> None:
     """Killed in step 5's forward: the other three go back to step 4 and train on (the first of them
     takes the lost rank's share) until the replacement is ready or step 8's save is due; it takes
     that survivor's state at that step. On the user's labelled rows each share holds its own count
-    of labels: the loss divides by the count over all four shares, as the whole world's does. With
+    of labels: the loss divides by the count over all four shares, as the whole world's does. Read
+    through a DataLoader's worker, the stand-in reads the lost rank's rows through a worker of its
+    own (its own rows' worker reading ahead meanwhile) in the loader's shuffled order. With
     TensorBoard on and rank 0 (its writer) the one lost, the event files hold every step's loss
     once: rank 0's up to step 4, the first survivor's while degraded, the replacement's after."""
     reference = references(data)

@@ -141,7 +141,7 @@ class MapSource(DataSource):
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
         self.collate, self.drop_last = collate_fn or stack_rows, drop_last
         self.reading = reading if reading is not None and reading.reads_apart else None
-        self._reader: WorkerReader | None = None
+        self._readers: dict[DataPlace, WorkerReader] = {}  # one a dp place read (`local_batch`)
         self.length = len(dataset)
         if self.length == 0:
             raise ValueError(f"the dataset ({type(dataset).__name__}) has no rows; give one with at "
@@ -179,13 +179,21 @@ class MapSource(DataSource):
     def local_batch(self, index: int, place: DataPlace) -> Batch:
         if self.reading is None:
             return self.collate(self._read(self.row_numbers(index, place)))
-        if self._reader is None:
-            self._reader = WorkerReader(self.dataset, self.row_numbers, self.collate, self.reading)
-        return self._reader.batch(index, place)
+        return self._reader(place).batch(index, place)
+
+    def _reader(self, place: DataPlace) -> WorkerReader:
+        """The workers reading `place`'s shares ahead: one reader a place of the world, so a rank
+        that also reads a lost rank's shares (`training/resilience/degraded.py`) keeps both
+        streams of batches flowing; readers of another world's places (a relayout) are dropped."""
+        if place not in self._readers:
+            for other in [other for other in self._readers if other.dp_rank_of != place.dp_rank_of]:
+                self._readers.pop(other).close()
+            self._readers[place] = WorkerReader(self.dataset, self.row_numbers, self.collate, self.reading)
+        return self._readers[place]
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
+        for reader in self._readers.values():
+            reader.close()
 
     def first_rows(self, count: int) -> list[Any]:
         return self._read(self.row_numbers(0, DataPlace())[:count])

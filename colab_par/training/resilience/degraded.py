@@ -3,9 +3,9 @@ with the same global batch while its replacement starts, so the run neither wait
 
 Where every dp replica holds a whole copy (no ZeRO, offload, tiers or experts) and spans dp and
 tensor parallelism alone (tp 1d; no pp or cp), the data is a `TokenDataset` or the user's indexable
-dataset read in the engine's own process (`MapSource`: a lost replica's share is its rows of the
-global batch, read by its stand-in; a stream, which rank 0 reads for everyone, or a DataLoader's
-workers, which read ahead for their own rank, take the replacement's way). A replica is the ranks
+dataset (`MapSource`: a lost replica's share is its rows of the global batch, read by its stand-in,
+through DataLoader workers of its own where the user's loader has workers; a stream, which rank 0
+reads for everyone, takes the replacement's way). A replica is the ranks
 of one dp index; one with a lost rank is broken, and its live ranks wait with the notebook while
 the whole replicas train (under dp alone every survivor is a whole replica). Logs go on: rank 0
 passes the degraded rows to TensorBoard and the loggers, or, where rank 0 does not train, the first
@@ -88,7 +88,7 @@ def degradable(trainer: Any) -> bool:
 
 def _shares_readable(data: Any) -> bool:
     """Whether a survivor can read any dp rank's share of `data` itself (module docstring)."""
-    return isinstance(data, TokenDataset) or (isinstance(data, MapSource) and data.reading is None)
+    return isinstance(data, (TokenDataset, MapSource))
 
 
 def _share(data: Any, position: int, share: int, place: DataPlace) -> tuple[Any, torch.Tensor | None]:
