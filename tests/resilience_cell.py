@@ -86,10 +86,16 @@ class Rows(torch.utils.data.Dataset):
         labels[:1 + i % 7] = -100
         return {"tokens": tokens[:-1], "labels": labels}
 
+class Stream(torch.utils.data.IterableDataset):
+    """The same rows as a stream, which rank 0 reads for every rank."""
+    def __iter__(self):
+        rows = Rows()
+        return (rows[i] for i in range(len(rows)))
+
 data = {"tokens": lambda: SyntheticDataset(vocab_size=config.vocab_size, seq_len=config.seq_len, batch_size=BATCH),
-        "rows": Rows,
+        "rows": Rows, "stream": Stream,
         "loader": lambda: torch.utils.data.DataLoader(Rows(), batch_size=BATCH, shuffle=True, num_workers=1)}[DATA]()
-trainer = colab_par.Trainer(pm, data, batch_size=BATCH if DATA == "rows" else None, steps=STEPS,
+trainer = colab_par.Trainer(pm, data, batch_size=BATCH if DATA in ("rows", "stream") else None, steps=STEPS,
                             checkpoints=Checkpoints(CKPT, every=EVERY, on_failure="restart", max_restarts=MAX_RESTARTS,
                                                     asynchronous=ASYNC, snapshot_every=SNAPSHOT),
                             logs=Logs(telemetry=False, tensorboard=TENSORBOARD))
@@ -114,8 +120,9 @@ def run_cell(cluster, folder: Path, name: str, kills: list, *, layout: str, step
              tensorboard: Path | None = None) -> tuple[list[float], set[int]]:
     """(rank 0's loss at every step, the pid of every engine that ran the cell); the notebook's
     messages go to the test's capsys. `model`: a GPTConfig (default a 2-layer GPT of width 32);
-    `data`: "tokens" (a SyntheticDataset), "rows" (the user's own labelled rows, a torch Dataset) or
-    "loader" (those rows through a shuffling DataLoader with a worker process);
+    `data`: "tokens" (a SyntheticDataset), "rows" (the user's own labelled rows, a torch Dataset),
+    "loader" (those rows through a shuffling DataLoader with a worker process) or "stream" (those
+    rows as an IterableDataset);
     `tensorboard`: a folder for the Trainer's TensorBoard logs."""
     from colab_par.models import GPTConfig
 

@@ -27,11 +27,12 @@ def uninterrupted(cluster, tmp_path_factory):
     """Each layout's losses without a kill (the engines seeded afresh first)."""
     folder, losses = tmp_path_factory.mktemp("reference"), {}
 
-    def of(layout: str) -> list[float]:
-        if layout not in losses:
+    def of(layout: str, data: str = "tokens") -> list[float]:
+        if (layout, data) not in losses:
             cluster.restart()
-            losses[layout] = run_cell(cluster, folder, layout.replace(" ", "-"), [], layout=layout)[0]
-        return losses[layout]
+            losses[layout, data] = run_cell(cluster, folder, f"{layout.replace(' ', '-')}-{data}", [], layout=layout,
+                                            data=data)[0]
+        return losses[layout, data]
     return of
 
 
@@ -58,6 +59,20 @@ def test_a_lost_shard_comes_back_from_its_buddys_snapshot(cluster, tmp_path, cap
     losses, out = killed_run(cluster, tmp_path, capsys, [kill], layout=layout, snapshot_every=2)
     assert said in out, out
     assert losses == pytest.approx(uninterrupted(layout), rel=1e-6) and len(losses) == 8
+
+
+def test_a_lost_rank_0_of_a_stream_takes_its_place_in_the_stream_from_a_live_replica(cluster, tmp_path, capsys,
+                                                                                    uninterrupted) -> None:
+    """dp2 on a stream (an IterableDataset, which rank 0 reads for every rank): rank 0 killed in
+    step 5's forward. The replacement takes rank 1's live state, whose place in the stream must be
+    rank 0's (every rank keeps the place rank 0 sends with the shares): it reads on from there, so
+    every loss equals the uninterrupted run's. Were rank 1's place its own (nothing read), the new
+    rank 0 would read the stream again from its first row."""
+    cluster.restart()
+    losses, _ = run_cell(cluster, tmp_path, "killed", [[0, "forward", 5]], layout="dp2", data="stream")
+    out = capsys.readouterr().out
+    assert "resumed at step 4 from live replicas (ranks 0<-1), no step lost" in out, out
+    assert losses == pytest.approx(uninterrupted("dp2", "stream"), rel=1e-6) and len(losses) == 8
 
 
 def test_snapshots_at_a_measured_cadence_bring_a_lost_rank_back(cluster, tmp_path, capsys, uninterrupted) -> None:

@@ -55,7 +55,7 @@ def uninterrupted(folder: Path) -> list[float]:
 
 
 @pytest.mark.parametrize("data,killed,logged", [("tokens", 2, False), ("rows", 2, False), ("loader", 1, False),
-                                                ("tokens", 0, True)])
+                                                ("stream", 0, False), ("tokens", 0, True)])
 def test_the_others_train_on_while_a_killed_rank_is_replaced_and_no_step_is_lost(cluster, tmp_path, capsys,
                                                                                   references, data, killed,
                                                                                   logged) -> None:
@@ -64,7 +64,9 @@ def test_the_others_train_on_while_a_killed_rank_is_replaced_and_no_step_is_lost
     that survivor's state at that step. On the user's labelled rows each share holds its own count
     of labels: the loss divides by the count over all four shares, as the whole world's does. Read
     through a DataLoader's worker, the stand-in reads the lost rank's rows through a worker of its
-    own (its own rows' worker reading ahead meanwhile) in the loader's shuffled order. With
+    own (its own rows' worker reading ahead meanwhile) in the loader's shuffled order. From a stream
+    whose reader (rank 0) is the one lost, each survivor reads the stream itself from the place
+    rank 0 sent with its shares. With
     TensorBoard on and rank 0 (its writer) the one lost, the event files hold every step's loss
     once: rank 0's up to step 4, the first survivor's while degraded, the replacement's after."""
     reference = references(data)

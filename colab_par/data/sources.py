@@ -21,8 +21,10 @@ One contract for every source, whatever the layout:
 An IterableDataset cannot be indexed, so rank 0 alone reads it and sends each rank its collated
 dp share (one `scatter_object_list` per micro-step). That costs a collective per micro-step and
 rank 0's reading time inside every step, but the stream is read once in all rather than once per
-rank. Its position adds (pass, rows read in that pass), which rank 0 saves; a resume opens that
-pass again and skips those rows (reading them once more), since a plain iterable cannot seek.
+rank. Its position adds (pass, rows read in that pass), which rank 0 sends with every share (so
+every rank holds it, and a replacement of rank 0 can take it from a live peer) and saves; a resume
+opens that pass again and skips those rows (reading them once more), since a plain iterable
+cannot seek.
 Streams are not shuffled here: one with `set_epoch` (Hugging Face's IterableDataset) is told each
 pass's number, so its own seeded shuffle changes per pass.
 
@@ -225,20 +227,16 @@ class IterableSource(DataSource):
         self._description: dict | None = None
 
     def local_batch(self, index: int, place: DataPlace) -> Batch:
-        if index != self.batches:
-            raise RuntimeError(f"a stream is read in order: batch {index} was asked for after "
-                               f"{self.batches} batches; resume through Trainer.load_state_dict (a "
-                               "checkpoint) rather than by setting data_position")
+        self._next_batch(index)
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        self.batches += 1
         if world == 1:
             return self._read_shares(1)[0]
         outgoing, failure = None, None
         if rank == 0:
             try:
                 shares = self._read_shares(place.dp_size)
-                outgoing = [shares[dp_rank] for dp_rank in place.dp_rank_of]
+                outgoing = [(shares[dp_rank], self.epoch, self.offset) for dp_rank in place.dp_rank_of]
             except Exception as error:  # every rank waits on this scatter: tell them, then raise
                 failure, outgoing = error, [_ReadFailure(f"{type(error).__name__}: {error}")] * world
         mine: list[Any] = [None]
@@ -247,7 +245,22 @@ class IterableSource(DataSource):
             raise failure
         if isinstance(mine[0], _ReadFailure):
             raise RuntimeError(f"rank 0, which reads the stream for every rank, failed: {mine[0].message}")
-        return mine[0]
+        share, self.epoch, self.offset = mine[0]  # every rank keeps rank 0's place: any can hand it on
+        return share
+
+    def shares_read_here(self, index: int, dp_size: int) -> list[Batch]:
+        """Every dp share of global batch `index`, read by this rank alone from the place it holds,
+        no collective: for the ranks that train on without a lost peer
+        (`training/resilience/degraded.py`), each reading the stream itself."""
+        self._next_batch(index)
+        return self._read_shares(dp_size)
+
+    def _next_batch(self, index: int) -> None:
+        if index != self.batches:
+            raise RuntimeError(f"a stream is read in order: batch {index} was asked for after "
+                               f"{self.batches} batches; resume through Trainer.load_state_dict (a "
+                               "checkpoint) rather than by setting data_position")
+        self.batches += 1
 
     def _read_shares(self, dp_size: int) -> list[Batch]:
         rows: list[Any] = []
@@ -299,7 +312,8 @@ class IterableSource(DataSource):
         return self._description
 
     def state_dict(self) -> dict:
-        """Rank 0's place in the stream (the one checkpoints save)."""
+        """The place in the stream: rank 0's, which it sends every rank with its share, so a
+        replacement of rank 0 that takes a live peer's state reads on from there."""
         return {"pass": self.epoch, "rows_read": self.offset, "batches": self.batches}
 
     def load_state_dict(self, state: dict) -> None:

@@ -2,10 +2,12 @@
 with the same global batch while its replacement starts, so the run neither waits nor loses a step.
 
 Where every dp replica holds a whole copy (no ZeRO, offload, tiers or experts) and spans dp and
-tensor parallelism alone (tp 1d; no pp or cp), the data is a `TokenDataset` or the user's indexable
-dataset (`MapSource`: a lost replica's share is its rows of the global batch, read by its stand-in,
-through DataLoader workers of its own where the user's loader has workers; a stream, which rank 0
-reads for everyone, takes the replacement's way). A replica is the ranks
+tensor parallelism alone (tp 1d; no pp or cp), and the data is a `TokenDataset` or any of the
+user's (`data.sources`). A lost replica's share is its rows of the global batch, read by its
+stand-in: from an indexable dataset through DataLoader workers of its own where the user's loader
+has workers; from a stream, which rank 0 reads for every rank in a whole world, by every trainer
+for itself, from the place in the stream every rank holds (rank 0 sends it with the shares). A
+replica is the ranks
 of one dp index; one with a lost rank is broken, and its live ranks wait with the notebook while
 the whole replicas train (under dp alone every survivor is a whole replica). Logs go on: rank 0
 passes the degraded rows to TensorBoard and the loggers, or, where rank 0 does not train, the first
@@ -55,7 +57,7 @@ from torch.distributed.tensor import DTensor
 
 from colab_par import compat
 from colab_par.data import TokenDataset
-from colab_par.data.sources import DataPlace, MapSource
+from colab_par.data.sources import DataPlace, IterableSource, MapSource
 from colab_par.parallel.grad_norm import total_gradient_norm
 from colab_par.training import recovery
 from colab_par.training.checkpoint_files import rng_state, set_rng_state
@@ -88,14 +90,17 @@ def degradable(trainer: Any) -> bool:
 
 def _shares_readable(data: Any) -> bool:
     """Whether a survivor can read any dp rank's share of `data` itself (module docstring)."""
-    return isinstance(data, (TokenDataset, MapSource))
+    return isinstance(data, (TokenDataset, MapSource, IterableSource))
 
 
-def _share(data: Any, position: int, share: int, place: DataPlace) -> tuple[Any, torch.Tensor | None]:
-    """(dp rank `share`'s batch at `position`, its targets: None for the user's rows)."""
+def _batches(data: Any, position: int, shares: list[int], place: DataPlace) -> dict[int, tuple[Any, Any]]:
+    """{dp rank: (its batch at `position`, its targets: None for the user's rows)} for `shares`."""
     if isinstance(data, TokenDataset):
-        return data.batch(position, share, place.dp_size)
-    return data.local_batch(position, replace(place, dp_rank=share)), None
+        return {share: data.batch(position, share, place.dp_size) for share in shares}
+    if isinstance(data, IterableSource):
+        every = data.shares_read_here(position, place.dp_size)
+        return {share: (every[share], None) for share in shares}
+    return {share: (data.local_batch(position, replace(place, dp_rank=share)), None) for share in shares}
 
 
 def _replicas(pm: Any) -> list[list[int]]:
@@ -275,7 +280,7 @@ def _degraded_step(trainer: Any, survivors: _Survivors, streams: list[dict], dp:
     losses = []
     for _ in range(trainer.grad_accum):
         total = torch.zeros((), dtype=torch.float64, device=pm.device)
-        batches = {share: _share(trainer.data, trainer.data_position, share, place) for share in survivors.shares}
+        batches = _batches(trainer.data, trainer.data_position, survivors.shares, place)
         labels = _labels_total(pm, [batch for batch, targets in batches.values() if targets is None], survivors)
         for share in survivors.shares:  # each share's gradient apart, accumulated as its own ranks would
             set_rng_state(pm.rng, streams[survivors.rank_of(share)])
