@@ -67,6 +67,8 @@ def commit_that_may_die(staged, group):
     return commit(staged, group)
 checkpoint_async.commit = commit_that_may_die
 
+if SEED is not None:  # the model's initial weights, else the engines' seeded streams as they stand
+    torch.manual_seed(SEED)
 model = GPT(config)
 model.layers["0"].register_forward_pre_hook(lambda *_: die_if("forward", trainer.step + 1))
 model.register_forward_pre_hook(first_forward_after_a_kill)
@@ -117,13 +119,14 @@ if rank == 0:
 def run_cell(cluster, folder: Path, name: str, kills: list, *, layout: str, steps: int = 8, every: int = 4,
              snapshot_every=None, asynchronous: bool = False, batch: int = 4,
              max_restarts: int = 3, model=None, data: str = "tokens",
-             tensorboard: Path | None = None) -> tuple[list[float], set[int]]:
+             tensorboard: Path | None = None, seed: int | None = None) -> tuple[list[float], set[int]]:
     """(rank 0's loss at every step, the pid of every engine that ran the cell); the notebook's
     messages go to the test's capsys. `model`: a GPTConfig (default a 2-layer GPT of width 32);
     `data`: "tokens" (a SyntheticDataset), "rows" (the user's own labelled rows, a torch Dataset),
     "loader" (those rows through a shuffling DataLoader with a worker process) or "stream" (those
     rows as an IterableDataset);
-    `tensorboard`: a folder for the Trainer's TensorBoard logs."""
+    `tensorboard`: a folder for the Trainer's TensorBoard logs; `seed`: seeds the model's initial
+    weights (else they come from the engines' streams: restart the cluster for equal runs)."""
     from colab_par.models import GPTConfig
 
     kills_file, ckpt = folder / f"{name}.kills", folder / name
@@ -131,7 +134,7 @@ def run_cell(cluster, folder: Path, name: str, kills: list, *, layout: str, step
     config = model or GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, kernels="torch")
     cluster.execute(CELL, namespace=dict(config=config, CKPT=str(ckpt), KILLS=str(kills_file), LAYOUT=layout,
                                          STEPS=steps, EVERY=every, SNAPSHOT=snapshot_every, ASYNC=asynchronous,
-                                         BATCH=batch, MAX_RESTARTS=max_restarts, DATA=data,
+                                         BATCH=batch, MAX_RESTARTS=max_restarts, DATA=data, SEED=seed,
                                          TENSORBOARD=None if tensorboard is None else str(tensorboard)))
     assert json.loads(kills_file.read_text()) == [], "a kill was never reached"
     pids = {int(line) for line in Path(f"{ckpt}.pids").read_text().split()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import pickle
 import re
 import subprocess
@@ -574,6 +575,37 @@ def gathered_over_a_rebound_group(store_file: str) -> list[float]:
 
 def test_rebind_group_sends_a_meshs_collectives_to_the_new_group(cluster2, tmp_path):
     assert cluster2.run(gathered_over_a_rebound_group, str(tmp_path / "store")) == [[2.0, 3.0, 0.0, 1.0]] * 2
+
+
+def _reformed_world_rank(rank: int, folder: str, out: str) -> None:
+    """A dp2 tp2 DTensor op in a world of 4, then the same op after the world is re-formed with
+    other group names (one more group first): it must run on the new world's mesh."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from colab_par.layout import Layout
+    from colab_par.parallel.mesh import build_mesh
+
+    results = []
+    for world in range(2):
+        store = dist.FileStore(f"{folder}/store{world}", 4)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=4)
+        if world:
+            dist.new_group([0, 1])  # the mesh's groups now get other names than in the first world
+        mesh, _ = build_mesh(Layout.parse("dp2 tp2"), torch.device("cpu"))
+        doubled = distribute_tensor(torch.arange(4.0), mesh["tp"], [Shard(0)]) * 2
+        results.append(doubled.full_tensor().tolist())
+        dist.destroy_process_group()
+    Path(out, f"{rank}.json").write_text(json.dumps(results))
+
+
+def test_forget_dtensor_plans_lets_a_reformed_world_run_dtensor_ops(tmp_path):
+    """Without it (`build_mesh` calls it in a new world) the second world's op reuses the first
+    world's cached plan and mesh: "Could not resolve the process group registered under the name"."""
+    torch.multiprocessing.start_processes(_reformed_world_rank, args=(str(tmp_path), str(tmp_path)), nprocs=4,
+                                          start_method="spawn")
+    assert [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(4)] == [[[0.0, 2.0, 4.0, 6.0]] * 2] * 4
 
 
 def test_compile_seconds_count_each_compiled_frame_and_lazy_backward_but_not_reuse():

@@ -63,6 +63,23 @@ def test_a_resumed_run_replaces_the_abandoned_points(tmp_path):
     assert read_back(tmp_path)["train/loss"] == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 104.0), (5, 105.0)]
 
 
+def test_a_stand_in_that_opens_in_the_same_second_keeps_its_rows(tmp_path, monkeypatch):
+    """A survivor standing in for a killed rank 0 opens its writer moments after rank 0 began, from a
+    process whose pid sorts before rank 0's: its file must still be read after rank 0's, or rank 0's
+    purge (its writer opened at step 1) drops the stand-in's rows."""
+    first = TensorBoardLogger(tmp_path)
+    first.begin(0)
+    for step in range(1, 5):
+        first.log({"step": step, "loss": 10.0 - step}, 0)
+    monkeypatch.setattr("os.getpid", lambda: 1)  # an older process than this one
+    stand_in = TensorBoardLogger(tmp_path)
+    stand_in.begin(4)
+    for step in (5, 6):
+        stand_in.log({"step": step, "loss": 10.0 - step}, 0)
+    stand_in.close()
+    assert read_back(tmp_path)["train/loss"] == [(step, 10.0 - step) for step in range(1, 7)]
+
+
 def test_scalar_tags_leave_out_what_is_not_a_number():
     assert scalar_tags({"step": 3, "rank": 1, "ok": True, "mfu": None, "layout": "dp2"}) == {}
 

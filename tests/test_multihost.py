@@ -2,7 +2,7 @@
 address and sshd; see two_hosts.py) started through ipyparallel's SSH launcher: ranks grouped by
 host, local ranks per host, devices bound, the rendezvous on rank 0's address (not loopback), a
 training step under dp2 and tp2 across the hosts equal to one-process training, and a dead remote
-engine reported within 15 s. A machine that cannot make the hosts fails these tests, never skips."""
+engine reported within 15 s and replaced alone, on its host, also while the other replica trains on. A machine that cannot make the hosts fails these tests, never skips."""
 from __future__ import annotations
 
 import os
@@ -12,11 +12,13 @@ import time
 
 import pytest
 from parity import assert_parity, engine_run, reference_run
+from resilience_cell import degraded_steps, run_cell
 from two_hosts import CONTROLLER, HOSTS, CannotMakeHosts, TwoHosts
 
 from colab_par import SSH, Cluster
 from colab_par.cluster.engine import stack_file
 from colab_par.cluster.output import CollectiveDeadlockError, DeadEngineError
+from colab_par.models import GPTConfig
 
 A, B = HOSTS.values()
 
@@ -114,6 +116,16 @@ def test_two_engines_per_host_rank_bind_and_meet_at_rank_0s_address(hosts) -> No
                             "dist.barrier()")
         assert time.monotonic() - started < 15.0
         survivors = [row["pid"] for row in cluster.status()[:3]]
+
+        # Its engine alone is replaced, over SSH on its own host: the others keep theirs.
+        generation = cluster.generation
+        said = cluster.replace_dead()
+        assert "replaced the dead engine of rank 3 on colabpar-b (cpu)" in said, said
+        assert cluster.generation == generation and [row["pid"] for row in cluster.status()[:3]] == survivors
+        placed = cluster.run(where_am_i)
+        assert [(row["host"], row["local_rank"]) for row in placed] == [
+            ("colabpar-a", "0"), ("colabpar-a", "1"), ("colabpar-b", "0"), ("colabpar-b", "1")]
+        assert cluster.run(all_reduced) == [4.0] * 4
     # The engines that ended cleanly removed their stack files themselves: the client does so only
     # on its own host, and these hosts' temp folders are, in this test, one folder.
     assert not [pid for pid in survivors if os.path.exists(stack_file(pid))]
@@ -151,3 +163,20 @@ def test_relayout_across_hosts_needs_a_shared_folder(one_engine_per_host, tmp_pa
     assert "the ranks run on 2 hosts (colabpar-a: rank(s) 0; colabpar-b: rank(s) 1)" in refused
     assert "pass scratch_dir=" in refused and "--scratch-dir PATH" in refused
     assert results[0]["layout"] == "tp2" and results[0]["same"] and results[0]["left"] == []
+
+
+def test_a_replica_on_the_other_host_trains_on_while_the_lost_one_is_replaced_over_ssh(one_engine_per_host,
+                                                                                       tmp_path, capsys) -> None:
+    """dp2 over the two hosts, rank 1 (colabpar-b) SIGKILLed in step 5's forward: rank 0 trains on
+    at dp 1 of 2 (the survivors' store served on the notebook's address toward the hosts, not
+    loopback) while a fresh engine starts over SSH on colabpar-b, which then takes rank 0's state;
+    the losses equal an uninterrupted run's."""
+    cluster = one_engine_per_host
+    model = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, kernels="torch", dropout=0.1)
+    reference, _ = run_cell(cluster, tmp_path, "uninterrupted", [], layout="dp2", model=model, seed=0)
+    losses, _ = run_cell(cluster, tmp_path, "killed", [[1, "forward", 5]], layout="dp2", model=model, seed=0)
+    said = capsys.readouterr()
+    assert "rank(s) 1 died; ranks 0 trained on at dp 1 of 2 (steps 5.." in said.err, said.err
+    assert "replaced the dead engine of rank 1 on colabpar-b (cpu)" in said.err, said.err
+    assert "from live replicas (ranks 1<-0), no step lost" in said.out, said.out
+    assert degraded_steps(tmp_path, "killed") and losses == pytest.approx(reference, rel=1e-6)

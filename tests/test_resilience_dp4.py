@@ -41,10 +41,9 @@ def references(cluster, tmp_path_factory):
 
     def reference(data: str, layout: str = "dp4", steps: int = STEPS) -> Path:
         if (data, layout, steps) not in folders:
-            cluster.restart()
             folder = tmp_path_factory.mktemp(f"reference-{data}-{layout.replace(' ', '-')}-{steps}")
             run_cell(cluster, folder, "uninterrupted", [], layout=layout, steps=steps, every=8, batch=8, model=MODEL,
-                     data=data)
+                     data=data, seed=0)
             folders[data, layout, steps] = folder
         return folders[data, layout, steps]
     return reference
@@ -70,11 +69,10 @@ def test_the_others_train_on_while_a_killed_rank_is_replaced_and_no_step_is_lost
     TensorBoard on and rank 0 (its writer) the one lost, the event files hold every step's loss
     once: rank 0's up to step 4, the first survivor's while degraded, the replacement's after."""
     reference = references(data)
-    cluster.restart()
     generation = cluster.generation
     logs = tmp_path / "tensorboard" if logged else None
     losses, _ = run_cell(cluster, tmp_path, "killed", [[killed, "forward", 5]], layout="dp4", steps=STEPS, every=8,
-                         batch=8, model=MODEL, data=data, tensorboard=logs)
+                         batch=8, model=MODEL, data=data, tensorboard=logs, seed=0)
     others = [rank for rank in range(4) if rank != killed]
     assert_no_step_lost(capsys.readouterr(), tmp_path, reference, losses,
                         rf"rank\(s\) {killed} died; ranks {','.join(map(str, others))} trained on at dp 3 of 4 "
@@ -94,10 +92,9 @@ def test_the_whole_replica_of_dp2_tp2_trains_on_while_the_other_waits(cluster, t
     the save at step 8 ends the degraded steps at the latest."""
     steps = 12
     reference = references("tokens", "dp2 tp2", steps)
-    cluster.restart()
     generation = cluster.generation
     losses, _ = run_cell(cluster, tmp_path, "killed", [[1, "forward", 5]], layout="dp2 tp2", steps=steps, every=8,
-                         batch=8, model=MODEL)
+                         batch=8, model=MODEL, seed=0)
     assert_no_step_lost(capsys.readouterr(), tmp_path, reference, losses,
                         r"rank\(s\) 1 died; ranks 2,3 trained on at dp 1 of 2 \(steps 5\.\.([5-7])\) while the "
                         r"replacement started; rank\(s\) 0, of the lost ranks' replicas, waited; replaced the dead "
@@ -149,9 +146,8 @@ def test_twenty_kills_at_random_moments_end_as_the_uninterrupted_run(cluster, tm
     draw = random.Random(20261129)
     moments = sorted(draw.sample(range(2, 2 * STEPS + 2), 20))  # (step, forward or before the optimizer)
     kills = [[draw.randrange(4), ("forward", "optimizer")[moment % 2], moment // 2] for moment in moments]
-    cluster.restart()
     losses, pids = run_cell(cluster, tmp_path, "killed", kills, layout="dp4", steps=STEPS, every=8, batch=8,
-                            max_restarts=len(kills), model=MODEL)
+                            max_restarts=len(kills), model=MODEL, seed=0)
     assert len(losses) == STEPS and losses[-1] == pytest.approx(uninterrupted(references("tokens"))[-1], rel=1e-6)
     live = {row["pid"] for row in cluster.status()}
     assert len(pids - live) == len(kills)  # every killed engine ran the cell ...

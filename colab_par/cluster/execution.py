@@ -68,7 +68,7 @@ class Execution:
                 if len(attempts) > policy["max_restarts"]:
                     raise RecoveryError(attempts, policy["max_restarts"]) from error
                 generation = self.state.generation
-                if self.state.launcher.name != "local":
+                if self.state.launcher.cannot_replace:
                     self.lifecycle.restart()
                 elif policy.get("degradable") and targets is None and len(dead) < self.state.n:
                     print(f"colab_par: {self.faults.replace_dead_training_on(dead)}", file=sys.stderr)

@@ -42,11 +42,10 @@ class Faults:
         dead = dead_ranks(state)
         if not dead:
             return "no engine is dead; nothing to replace (restart() gives every rank a fresh engine)"
-        if state.launcher.name != "local":
-            raise RuntimeError(f"replacing one engine needs engines on this host (launcher='local'); a "
-                               f"{state.launcher.name} launcher starts its engines together (one job), and "
-                               "a new one could land on another node. Use restart(): fresh engines for "
-                               "every rank, engine variables gone")
+        if state.launcher.cannot_replace:
+            raise RuntimeError(f"replacing one engine needs a launcher that can start one where it ran "
+                               f"(local, SSH); under {state.launcher.name} {state.launcher.cannot_replace}. Use "
+                               "restart(): fresh engines for every rank, engine variables gone")
         started = time.monotonic()
         survivors = [rank for rank in range(state.n) if rank not in dead]
         if not self._settle(survivors):
@@ -65,7 +64,7 @@ class Faults:
         state, calls = self.state, self.calls
         started = time.monotonic()
         survivors = [rank for rank in range(state.n) if rank not in dead]
-        host = state.world_addresses()[0]
+        host = state.notebook_address()
         store = served_store(host, state.timeout)
         message = {"survivors": survivors, "lost": dead, "world": state.n, "host": host, "port": store.port,
                    "timeout_s": state.timeout}
@@ -97,13 +96,16 @@ class Faults:
         return self.state.client[[self.state.engine_ids[r] for r in idle]].apply_sync(recovery.degraded_record)
 
     def _start_in_place(self, dead: list[int]) -> None:
-        """Fresh engines in the places of `dead`: started, prepared and bound, not yet in the world."""
+        """Fresh engines in the places of `dead` (on their hosts): started, prepared and bound, not
+        yet in the world."""
         state = self.state
-        fresh = self.lifecycle.start_engines(len(dead))
+        fresh = self.lifecycle.start_engines([state.hosts[rank] for rank in dead])
         state.direct.forget([state.engine_ids[rank] for rank in dead])
         self.lifecycle.remove_stack_files(dead)  # what they said of their end was read: DeadEngineError
         prepared = self.world.prepare(fresh)
-        for rank, engine_id in zip(dead, fresh):
+        for rank in dead:  # each rank an engine that runs on its host
+            engine_id = next(e for e in fresh if prepared[e]["host"]["host"] == state.hosts[rank]["host"])
+            fresh.remove(engine_id)
             state.engine_ids[rank], state.hosts[rank] = engine_id, prepared[engine_id]["host"]
             state.stack_files[rank] = prepared[engine_id]["stack_file"]
         self.world.bind(dead)

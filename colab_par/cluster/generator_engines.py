@@ -25,7 +25,6 @@ import time
 import uuid
 from typing import Any, Callable
 
-from colab_par.cluster.engine import address_toward
 from colab_par.cluster.world import served_store
 from colab_par.cluster.facade import Cluster
 from colab_par.cluster.output import EngineError
@@ -190,6 +189,6 @@ def _check(trainers: Any, generators: Generators, loop: Any) -> None:
 
 def _store_host(*clusters: Cluster) -> str:
     """Loopback when every engine runs on this host, else this host's address toward the engines."""
-    addresses = [address for cluster in clusters for address in cluster._state.world_addresses()]
-    remote = [address for address in addresses if address != "127.0.0.1"]
-    return address_toward(remote[0]) if remote else "127.0.0.1"
+    remote = [address for address in (cluster._state.notebook_address() for cluster in clusters)
+              if address != "127.0.0.1"]
+    return remote[0] if remote else "127.0.0.1"

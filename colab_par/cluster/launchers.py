@@ -32,6 +32,13 @@ class _Launcher:
 
     name = ""
     nanny = False  # engines on this host are signalled with a plain os.kill
+    # Why this launcher cannot start one engine in a dead one's place ("" where it can)
+    cannot_replace = "it starts its engines together (one job), and a new one could land on another node"
+
+    def replacement_sets(self, places: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+        """The engine sets ipyparallel starts to put fresh engines where the engines of `places`
+        (their `engine.host_info`) ran: (count, the set's launcher options) each."""
+        return [(len(places), {})]
 
     def check(self) -> None:
         """Refuse, before anything starts, what cannot work."""
@@ -55,6 +62,7 @@ class Local(_Launcher):
     """Engines as child processes of this kernel."""
 
     name = "local"
+    cannot_replace = ""
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,7 @@ class SSH(_Launcher):
     python: str = sys.executable
     name = "ssh"
     nanny = True  # signals to engines on other hosts go through ipyparallel's nanny
+    cannot_replace = ""
 
     def __post_init__(self) -> None:
         if not self.hosts or any(not isinstance(n, int) or n < 1 for n in self.hosts.values()):
@@ -108,6 +117,23 @@ class SSH(_Launcher):
 
     def controller_ip(self) -> str:
         return address_toward(_host_address(next(iter(self.hosts))))
+
+    def replacement_sets(self, places: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+        """One SSH engine set a host: as many engines as died there."""
+        counts: dict[str, int] = {}
+        for place in places:
+            host = self.host_of(place)
+            counts[host] = counts.get(host, 0) + 1
+        return [(count, {"engines": {host: count}}) for host, count in counts.items()]
+
+    def host_of(self, place: dict[str, Any]) -> str:
+        """The host (as `hosts` names it) of an engine that reported `place` (`engine.host_info`):
+        named by its hostname, or by an address that resolves to the engine's."""
+        for host in self.hosts:
+            if host == place["host"] or _host_address(host) == place["ip"]:
+                return host
+        raise LauncherError(f"the engine on {place['host']} ({place['ip']}) runs on none of the SSH hosts "
+                            f"{', '.join(self.hosts)}; restart() starts every engine again")
 
     def configure(self, config: Config) -> None:
         config.SSHEngineSetLauncher.engines = dict(self.hosts)

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import time
-from typing import Iterable
+from typing import Any, Iterable
 
 import ipyparallel as ipp
 from traitlets.config import Config
@@ -188,11 +188,14 @@ class Lifecycle:
                         + "; stopped them. Pass a longer timeout=... or ask for fewer engines"
                     ) from None
 
-    def start_engines(self, count: int) -> list[int]:
-        """`count` new engines on this host; their ids once registered."""
+    def start_engines(self, places: list[dict[str, Any]]) -> list[int]:
+        """New engines where those of `places` (their `engine.host_info`) ran, one each (the
+        launcher's `replacement_sets`); their ids once registered."""
         state = self.state
         known = set(state.client.ids) | set(state.engine_ids)
-        state.ipp.start_engines_sync(n=count)
+        for count, options in state.launcher.replacement_sets(places):
+            state.ipp.start_engines_sync(n=count, **options)
+        count = len(places)
         deadline = time.monotonic() + state.timeout
         while len(fresh := sorted(set(state.client.ids) - known)) < count:
             if time.monotonic() > deadline:

@@ -70,6 +70,14 @@ class ClusterState:
             return ["127.0.0.1"]
         return list(dict.fromkeys(info["ip"] for info in self.hosts))
 
+    def notebook_address(self) -> str:
+        """The address engines reach a store this process serves at: loopback on one host, else
+        this host's address toward rank 0's host."""
+        from colab_par.cluster.engine import address_toward
+
+        addresses = self.world_addresses()
+        return addresses[0] if addresses == ["127.0.0.1"] else address_toward(addresses[0])
+
     def forget_engines(self) -> None:
         """Nothing runs any more (after a stop)."""
         self.ipp, self.client, self.engine_ids, self.hosts, self.launched_pids = None, None, [], [], set()

@@ -40,8 +40,9 @@ from colab_par.compat.support import SUPPORTED, CompatError
 from colab_par.compat.torch_compile import (compile_seconds, failing_at_recompile_limit, pin_inductor_vector_width,
                                             recompile_limit, recompile_limit_error)
 from colab_par.compat.torch_distributed import (DCP_METADATA_GLOBALS, STAGE_COMPUTE_HOOKS, check_stage_compute_hooks,
-                                               dcp_metadata_path, dtensor_over, flatten_mesh, fsdp_offload_policy,
-                                               local_shard_offsets, storage_holder, unflatten_mesh)
+                                               dcp_metadata_path, dtensor_over, flatten_mesh, forget_dtensor_plans,
+                                               fsdp_offload_policy, local_shard_offsets, storage_holder,
+                                               unflatten_mesh)
 from colab_par.compat.torch_modules import (checkpoint_wrapper, module_reset, non_persistent_buffers,
                                             swapped_parameters, unwrapped_name)
 from colab_par.compat.torch_ops import (assert_async, device_constructors, fused_optimizer_devices, grouped_mm,
@@ -69,7 +70,7 @@ __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_pat
            "failing_at_recompile_limit", "recompile_limit_error", "swapped_parameters", "hf_output_recorder",
            "storage_holder", "dtensor_over", "fsdp_offload_policy", "non_persistent_buffers", "client_metadata",
            "failed_at", "flight_record", "gpu_uuids", "local_shard_offsets", "output_futures", "output_mark",
-           "output_since", "rebind_group", "unflatten_mesh", "unwrapped_name"]
+           "output_since", "rebind_group", "forget_dtensor_plans", "unflatten_mesh", "unwrapped_name"]
 
 # The topics' private helpers, reachable from here too (tests/test_compat.py builds errors with
 # `compat._missing`).

@@ -113,3 +113,24 @@ def fsdp_offload_policy(module: Any) -> Any:
     if not hasattr(group, "offload_policy"):
         raise _missing("torch", "FSDPParamGroup.offload_policy")
     return group.offload_policy
+
+
+def forget_dtensor_plans() -> None:
+    """Clear DTensor's caches of sharding plans: the sharding propagation caches, Python's and the
+    C++ fast path's (`torch.distributed.tensor.debug._clear_sharding_prop_cache`), and the
+    redistribute plans (`_redistribute._gen_transform_infos`, the planners); all private. A
+    DeviceMesh equals any mesh of the same ranks and dim names whatever its groups, so after the
+    world is re-formed a cached plan hands new DTensors the old world's mesh, whose groups are gone
+    ("Could not resolve the process group registered under the name ...")."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    found = {name: getattr(module, attribute, None) for name, module, attribute in (
+        ("debug._clear_sharding_prop_cache", debug, "_clear_sharding_prop_cache"),
+        ("_redistribute._gen_transform_infos", _redistribute, "_gen_transform_infos"),
+        ("_redistribute.clear_redistribute_planner_cache", _redistribute, "clear_redistribute_planner_cache"))}
+    for name, value in found.items():
+        if value is None or (name.endswith("_gen_transform_infos") and not hasattr(value, "cache_clear")):
+            raise _missing("torch", f"torch.distributed.tensor.{name}")
+    found["debug._clear_sharding_prop_cache"]()
+    found["_redistribute._gen_transform_infos"].cache_clear()
+    found["_redistribute.clear_redistribute_planner_cache"]()

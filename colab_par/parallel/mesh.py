@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from colab_par.compat import flatten_mesh, unflatten_mesh
+from colab_par.compat import flatten_mesh, forget_dtensor_plans, unflatten_mesh
 from colab_par.layout import Layout, tensor_grid
 
 __all__ = ["MESH_DIMS", "GRID_DIMS", "build_mesh", "build_grid_mesh", "build_expert_mesh",
@@ -46,6 +46,7 @@ def build_mesh(layout: Layout, device: torch.device) -> tuple[DeviceMesh, Device
     if _MESHES_WORLD[0] is not dist.group.WORLD:
         _MESHES.clear()
         _GRIDS.clear()
+        forget_dtensor_plans()  # cached plans would hand new DTensors the old world's meshes
         _MESHES_WORLD[0] = dist.group.WORLD
     shape = tuple(getattr(layout, name) for name in MESH_DIMS)
     key = (device.type, shape)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
@@ -84,8 +85,21 @@ class TensorBoardLogger:
 
         if self._writer is not None:
             self._writer.close()
+        self._after_every_event_file()
         self._writer = SummaryWriter(str(self.log_dir), purge_step=step + 1)
         self._last_step = step
+
+    def _after_every_event_file(self) -> None:
+        """Wait, if need be, for the second after the newest event file's. TensorBoard reads a
+        folder's files in name order, and a file is named by the second it opened, then host and
+        pid: a writer that opens in the same second as an earlier one (a survivor standing in for a
+        killed rank 0 moments after it began) may sort before it, and the earlier file's purge then
+        drops the later file's rows."""
+        files = self.log_dir.glob("events.out.tfevents.*") if self.log_dir.is_dir() else []
+        newest = max((int(name.split(".")[3]) for name in (path.name for path in files)
+                      if name.split(".")[3].isdigit()), default=-1)
+        while int(time.time()) <= newest:
+            time.sleep(0.02)
 
     def log(self, row: dict, rank: int = 0) -> None:
         if self._writer is None:

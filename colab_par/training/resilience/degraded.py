@@ -223,19 +223,36 @@ def train_on(trainer: Any, error: BaseException, stop_at: int, sinks: Any) -> No
     finally:
         survivors.close()  # nothing waits on its groups any more
         if stand_in is not None:
-            stand_in.end(trainer.history, close=True)
+            stand_in.end(trainer.history)
 
 
-def _stand_in_logs(trainer: Any, survivors: _Survivors) -> RunLogs | None:
-    """Rank 0's TensorBoard and loggers, opened on the first trainer where rank 0 does not train
-    (its rows up to the last whole step are in the files: each was flushed as written), None
-    elsewhere."""
+class _StandInLogs:
+    """Rank 0's TensorBoard and loggers, on the first trainer where rank 0 does not train (its rows
+    up to the last whole step are in the files: each was flushed as written). Opened at the first
+    degraded row, so a writer that waits for a fresh second (`TensorBoardLogger`) never holds up
+    the first step."""
+
+    def __init__(self, trainer: Any):
+        self.logs = RunLogs.build(trainer.logs.tensorboard, trainer.logs.loggers, 0)
+        self.whole, self.step, self.opened = len(trainer.history), trainer.step, False
+
+    def pass_on(self, history: list[dict]) -> None:
+        if self.logs is not None and not self.opened:
+            self.logs.open(history[:self.whole], self.step)
+            self.opened = True
+        if self.opened:
+            self.logs.pass_on(history)
+
+    def end(self, history: list[dict]) -> None:
+        if self.opened:
+            self.logs.end(history, close=True)
+
+
+def _stand_in_logs(trainer: Any, survivors: _Survivors) -> _StandInLogs | None:
+    """`_StandInLogs` on the first trainer where rank 0 does not train, None elsewhere."""
     if 0 in survivors.trainers or trainer.rank != survivors.trainers[0]:
         return None
-    logs = RunLogs.build(trainer.logs.tensorboard, trainer.logs.loggers, 0)
-    if logs is not None:
-        logs.open(trainer.history, trainer.step)
-    return logs
+    return _StandInLogs(trainer)
 
 
 def _agreed_streams(trainer: Any, kept: Any, survivors: _Survivors, willing: bool) -> list[dict] | None:
