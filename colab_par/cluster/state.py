@@ -14,6 +14,7 @@ from ipyparallel import Client
 from ipyparallel import Cluster as IppCluster
 
 from colab_par.cluster.direct import Channels
+from colab_par.cluster.engine import address_toward
 from colab_par.cluster.launchers import Launcher
 
 
@@ -73,8 +74,6 @@ class ClusterState:
     def notebook_address(self) -> str:
         """The address engines reach a store this process serves at: loopback on one host, else
         this host's address toward rank 0's host."""
-        from colab_par.cluster.engine import address_toward
-
         addresses = self.world_addresses()
         return addresses[0] if addresses == ["127.0.0.1"] else address_toward(addresses[0])
 

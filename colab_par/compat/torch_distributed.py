@@ -124,13 +124,14 @@ def forget_dtensor_plans() -> None:
     ("Could not resolve the process group registered under the name ...")."""
     from torch.distributed.tensor import _redistribute, debug
 
-    found = {name: getattr(module, attribute, None) for name, module, attribute in (
-        ("debug._clear_sharding_prop_cache", debug, "_clear_sharding_prop_cache"),
-        ("_redistribute._gen_transform_infos", _redistribute, "_gen_transform_infos"),
-        ("_redistribute.clear_redistribute_planner_cache", _redistribute, "clear_redistribute_planner_cache"))}
-    for name, value in found.items():
-        if value is None or (name.endswith("_gen_transform_infos") and not hasattr(value, "cache_clear")):
+    clear_propagation = getattr(debug, "_clear_sharding_prop_cache", None)
+    transforms = getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None)
+    planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    for name, found in (("debug._clear_sharding_prop_cache", clear_propagation),
+                        ("_redistribute._gen_transform_infos.cache_clear", transforms),
+                        ("_redistribute.clear_redistribute_planner_cache", planners)):
+        if found is None:
             raise _missing("torch", f"torch.distributed.tensor.{name}")
-    found["debug._clear_sharding_prop_cache"]()
-    found["_redistribute._gen_transform_infos"].cache_clear()
-    found["_redistribute.clear_redistribute_planner_cache"]()
+    clear_propagation()
+    transforms()
+    planners()

@@ -7,9 +7,8 @@ user's (`data.sources`). A lost replica's share is its rows of the global batch,
 stand-in: from an indexable dataset through DataLoader workers of its own where the user's loader
 has workers; from a stream, which rank 0 reads for every rank in a whole world, by every trainer
 for itself, from the place in the stream every rank holds (rank 0 sends it with the shares). A
-replica is the ranks
-of one dp index; one with a lost rank is broken, and its live ranks wait with the notebook while
-the whole replicas train (under dp alone every survivor is a whole replica). Logs go on: rank 0
+replica is the ranks of one dp index; one with a lost rank is broken, and its live ranks wait with
+the notebook while the whole replicas train (under dp alone every survivor is a whole replica). Logs go on: rank 0
 passes the degraded rows to TensorBoard and the loggers, or, where rank 0 does not train, the first
 rank that does, until the cell runs again (the rows carry no per-rank memory figures, so nothing is
 gathered).
@@ -53,7 +52,6 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from colab_par import compat
 from colab_par.data import TokenDataset
@@ -62,7 +60,7 @@ from colab_par.parallel.grad_norm import total_gradient_norm
 from colab_par.training import recovery
 from colab_par.training.checkpoint_files import rng_state, set_rng_state
 from colab_par.training.loggers import RunLogs
-from colab_par.training.resilience.rank_copy import loop_state
+from colab_par.training.resilience.rank_copy import local_piece, loop_state
 from colab_par.training.resilience.recover import replica_key
 
 __all__ = ["Rejoin", "degradable", "train_on"]
@@ -339,11 +337,6 @@ def _labels_total(pm: Any, batches: list[Any], survivors: _Survivors) -> torch.T
     return _sum(survivors.peers, torch.stack(counts).sum().cpu()).to(pm.device)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of `tensor` (a view: writing it writes the DTensor)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _sum_gradients(params: list[torch.Tensor], grads: dict[int, list[torch.Tensor | None]],
                    survivors: _Survivors) -> None:
     """Each parameter's gradient: its shares' gradients times 1/dp (as DDP scales a rank's before
@@ -357,7 +350,7 @@ def _sum_gradients(params: list[torch.Tensor], grads: dict[int, list[torch.Tenso
             param.grad = pieces[0].mul(scale)
             for piece in pieces[1:]:
                 param.grad.add_(piece.mul(scale))
-            mine.append(_local(param.grad))
+            mine.append(local_piece(param.grad))
     if mine:
         flat = _sum(survivors.peers, torch.cat([grad.reshape(-1) for grad in mine]))
         offset = 0

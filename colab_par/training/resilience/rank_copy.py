@@ -15,7 +15,7 @@ from colab_par.training.checkpoint import install_state, rank_state
 from colab_par.training.checkpoint_files import rng_state, set_rng_state
 from colab_par.training.checkpoint_format import CheckpointError, from_json, split_state, to_json
 
-__all__ = ["RankCopy", "loop_state", "take", "put", "to_bytes", "from_bytes"]
+__all__ = ["RankCopy", "local_piece", "loop_state", "take", "put", "to_bytes", "from_bytes"]
 
 
 @dataclass
@@ -31,7 +31,8 @@ class RankCopy:
     values: dict[str, Any]
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_piece(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `tensor` (a view: writing it writes the DTensor)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -49,7 +50,7 @@ def take(pm: Any, trainer: Any, world_size: int, loop: dict[str, Any] | None = N
     encoded, refused = to_json(others)
     if refused:
         raise CheckpointError(f"cannot keep {refused[0]} in memory: only tensors and JSON values are copied")
-    copies = {f"{part}.{key}": _local(value).detach().to("cpu", copy=True)
+    copies = {f"{part}.{key}": local_piece(value).detach().to("cpu", copy=True)
               for part, values in tensors.items() for key, value in values.items()}
     loop = loop if loop is not None else loop_state(pm, trainer)
     values = {"others": encoded, "trainer": loop["trainer"], "rng": loop["rng"],
@@ -66,7 +67,7 @@ def put(copy: RankCopy, pm: Any, trainer: Any, *, with_rng: bool = True) -> None
     tensors, others = split_state(state)
     for part, values in tensors.items():
         for key, value in values.items():
-            _local(value).copy_(copy.tensors[f"{part}.{key}"])
+            local_piece(value).copy_(copy.tensors[f"{part}.{key}"])
     for name in others:
         part, key = name.split(".", 1)
         state[part][key] = from_json(copy.values["others"][name], name)
