@@ -555,9 +555,10 @@ def test_group_sequence_counts_each_collective_and_process_groups_lists_the_worl
     assert after == before + 1 and listed and second == (before, after, True)
 
 
-def gathered_over_a_rebound_group(store_file: str) -> list[float]:
-    """A DTensor's all-gather after its mesh's group was rebound to a gloo group over `store_file`
-    that numbers the two ranks the other way round: the gather must come back in that order."""
+def calls_after_a_rebind(store_file: str) -> tuple[list[float], list[int], list[int]]:
+    """A DTensor all-gather and a send through a captured group object after that group was rebound
+    to a fresh gloo backend over `store_file`: (the gathered tensor, the calls the old backend ran
+    before and after them, the calls the fresh one ran)."""
     from datetime import timedelta
 
     import torch
@@ -565,16 +566,24 @@ def gathered_over_a_rebound_group(store_file: str) -> list[float]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    mesh = DeviceMesh.from_group(dist.new_group([0, 1]), "cpu", mesh_dim_names=("tp",))  # not the world's group
+    group = dist.new_group([0, 1])  # not the world's group
+    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("tp",))
     sharded = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
-    kept = compat.rebind_group(mesh.get_group(), dist.FileStore(store_file, 2), 1 - dist.get_rank(), 2,
-                               timedelta(seconds=30))
-    assert mesh.get_group() is kept and dist.group.WORLD is not kept
-    return sharded.redistribute(mesh, [Replicate()]).to_local().tolist()
+    old = group._get_backend(torch.device("cpu"))
+    before = old._get_sequence_number_for_group()
+    compat.rebind_group(group, dist.FileStore(store_file, 2), timedelta(seconds=30))
+    gathered = sharded.redistribute(mesh, [Replicate()]).to_local().tolist()
+    message = torch.tensor([float(dist.get_rank())])
+    (dist.isend(message, 1, group=group) if dist.get_rank() == 0 else dist.irecv(message, 0, group=group)).wait()
+    fresh = group._get_backend(torch.device("cpu"))._get_sequence_number_for_group()
+    return gathered + message.tolist(), [before, old._get_sequence_number_for_group()], [fresh]
 
 
-def test_rebind_group_sends_a_meshs_collectives_to_the_new_group(cluster2, tmp_path):
-    assert cluster2.run(gathered_over_a_rebound_group, str(tmp_path / "store")) == [[2.0, 3.0, 0.0, 1.0]] * 2
+def test_rebind_group_sends_what_holds_the_group_object_to_the_fresh_backend(cluster2, tmp_path):
+    """DTensor resolves the group by name, a pipeline stage calls with the object: both reach the
+    fresh backend, the old one runs nothing more."""
+    for gathered, (before, after), (fresh,) in cluster2.run(calls_after_a_rebind, str(tmp_path / "store")):
+        assert gathered == [0.0, 1.0, 2.0, 3.0, 0.0] and after == before and fresh == 2
 
 
 def _reformed_world_rank(rank: int, folder: str, out: str) -> None:

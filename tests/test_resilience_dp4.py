@@ -4,7 +4,7 @@ one of them takes the lost rank's share with the lost rank's own random stream) 
 starts; the replacement then takes a live peer's state, degraded steps included, and the run's
 losses and final parameters equal an uninterrupted run's, on token data and on the user's own labelled
 rows (a torch Dataset); with rank 0 lost, TensorBoard's files still hold every step's loss once. Under
-`dp2 tp2` the whole replica trains on while the lost rank's tp peer waits. 20 kills at random moments
+`dp2 tp2`, `dp2 pp2` and `dp2 cp2` the whole replica trains on while the lost rank's peer waits. 20 kills at random moments
 (random ranks, in the forward or before the optimizer step, also while the others train degraded)
 leave the final loss of the uninterrupted run, and no process or staging file behind.
 The model draws dropout masks, one stream per dp rank: a replaced rank must go on with its own
@@ -83,22 +83,26 @@ def test_the_others_train_on_while_a_killed_rank_is_replaced_and_no_step_is_lost
         assert logged_losses(logs) == pytest.approx(dict(enumerate(uninterrupted(reference), start=1)), rel=1e-6)
 
 
-def test_the_whole_replica_of_dp2_tp2_trains_on_while_the_other_waits(cluster, tmp_path, capsys, references) -> None:
-    """`dp2 tp2`: rank 1 (replica 0's second tp rank) killed in step 5's forward. Replica 1 (ranks
-    2, 3) trains on at dp 1 of 2 over its own tp group, rebound on the survivors' store (the old
-    one's connections were broken with the rest), each of its ranks taking replica 0's share with
-    the stream of replica 0's rank at its own tp place; rank 0 waits. When the cell runs again,
-    ranks 0 and 1 take replica 1's state by tp place: the run equals the uninterrupted one. 12 steps:
-    the save at step 8 ends the degraded steps at the latest."""
+@pytest.mark.parametrize("layout, trained, waited, sources", [
+    ("dp2 tp2", "2,3", "0", "0<-2, 1<-3"), ("dp2 pp2", "0,2", "3", "1<-0, 3<-2"), ("dp2 cp2", "2,3", "0", "0<-2, 1<-3")])
+def test_the_whole_replica_trains_on_while_the_other_waits(cluster, tmp_path, capsys, references, layout, trained,
+                                                           waited, sources) -> None:
+    """Rank 1 killed in step 5's forward: its replica is broken, the other one trains on at dp 1 of 2
+    over its own tp, pp or cp group, rebound on the survivors' store (the old one's connections were
+    broken with the rest; pipeline stages and ring attention hold the group object itself), each of
+    its ranks taking the lost replica's share with the stream of that replica's rank at its own place;
+    the broken replica's live rank waits. When the cell runs again, the broken replica's ranks take
+    the whole one's state by place: the run equals the uninterrupted one. 12 steps: the save at step 8
+    ends the degraded steps at the latest."""
     steps = 12
-    reference = references("tokens", "dp2 tp2", steps)
+    reference = references("tokens", layout, steps)
     generation = cluster.generation
-    losses, _ = run_cell(cluster, tmp_path, "killed", [[1, "forward", 5]], layout="dp2 tp2", steps=steps, every=8,
+    losses, _ = run_cell(cluster, tmp_path, "killed", [[1, "forward", 5]], layout=layout, steps=steps, every=8,
                          batch=8, model=MODEL, seed=0)
     assert_no_step_lost(capsys.readouterr(), tmp_path, reference, losses,
-                        r"rank\(s\) 1 died; ranks 2,3 trained on at dp 1 of 2 \(steps 5\.\.([5-7])\) while the "
-                        r"replacement started; rank\(s\) 0, of the lost ranks' replicas, waited; replaced the dead "
-                        r"engine of rank 1", "0<-2, 1<-3", "dp 1 of 2")
+                        rf"rank\(s\) 1 died; ranks {trained} trained on at dp 1 of 2 \(steps 5\.\.([5-7])\) while the "
+                        rf"replacement started; rank\(s\) {waited}, of the lost ranks' replicas, waited; replaced the "
+                        r"dead engine of rank 1", sources, "dp 1 of 2")
     assert cluster.generation == generation
 
 

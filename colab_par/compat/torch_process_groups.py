@@ -61,30 +61,18 @@ def process_groups() -> list[Any]:
     return list(names)
 
 
-def rebind_group(group: Any, store: Any, rank: int, size: int, timeout: Any) -> Any:
-    """Make every collective torch resolves by `group`'s name (DTensor's, through its DeviceMesh)
-    run on a fresh gloo group over `store` instead, with this process at `rank` of `size`; returns
-    that group, which the caller keeps (torch's registry holds it weakly). For the survivors of a
-    lost peer, whose own group's connections were broken. The old group object itself stays broken:
-    code that kept it fails, never hangs. Private: `_unregister_process_group`,
-    `_register_process_group`, `ProcessGroup._register_backend`, `_set_default_backend`,
-    `_set_group_name`."""
+def rebind_group(group: Any, store: Any, timeout: Any) -> None:
+    """Make `group` itself run every collective and point-to-point call on a fresh gloo backend over
+    `store`, this process at the same rank of the same size: for the survivors of a lost peer whose
+    own group's connections were broken. Whatever holds the group object (DTensor's meshes by name,
+    pipeline stages, context-parallel attention, plans that captured it) then reaches the new one.
+    A process group keeps one backend per backend type and reuses it when that type is registered
+    again, so the fresh one is registered as the custom type, which the CPU's calls then take.
+    Private: `ProcessGroup._register_backend`."""
     import torch
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d
 
-    name = group.group_name
-    for needed in ("_unregister_process_group", "_register_process_group"):
-        if not hasattr(distributed_c10d, needed):
-            raise _missing("torch", f"distributed_c10d.{needed}")
-    for needed in ("_register_backend", "_set_default_backend", "_set_group_name"):
-        if not hasattr(dist.ProcessGroup, needed):
-            raise _missing("torch", f"ProcessGroup.{needed}")
-    fresh = dist.ProcessGroup(store, rank, size)
-    fresh._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    fresh._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
-                            dist.ProcessGroupGloo(store, rank, size, timeout))
-    fresh._set_group_name(name)
-    distributed_c10d._unregister_process_group(name)
-    distributed_c10d._register_process_group(name, fresh)
-    return fresh
+    if not hasattr(dist.ProcessGroup, "_register_backend"):
+        raise _missing("torch", "ProcessGroup._register_backend")
+    fresh = dist.ProcessGroupGloo(store, group.rank(), group.size(), timeout)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, fresh)

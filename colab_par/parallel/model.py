@@ -97,19 +97,26 @@ class ParallelModel:
     def forward_backward_share(self, batch: Any, targets: torch.Tensor | None, loss_scale: float,
                                labels_total: torch.Tensor | None = None) -> torch.Tensor:
         """The mean loss on one dp share (float64, on the device), its gradient times `loss_scale`
-        added to `.grad`, and no collective at all: neither the loss's all-reduce nor DDP's gradient
-        sync (the module is called past its DDP wrapper). For a world that lost a dp replica
-        (`training/resilience/degraded.py` sums the gradients over the survivors itself). As in
+        added to `.grad`, and no collective beyond this rank's dp replica: neither the loss's
+        all-reduce over the world nor DDP's gradient sync (the module is called past its DDP
+        wrapper); pipeline stages and tp / cp ranks talk over their own groups. For a world that
+        lost a dp replica (`training/resilience/degraded.py` sums the gradients over the survivors
+        itself, tied pipeline copies included). As in
         `forward_backward_tensor`, `targets` None means `batch` is a batch of the user's data; the
         default loss then divides by `labels_total`, the labels of the full world's shares
         (`share_labels` summed), as `_count_labels` does in a whole world."""
         module = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
         with self.rng.active():
             if targets is not None:
-                loss, _ = self._token_loss(batch.to(self.device), targets.to(self.device), module)
+                batch, targets = batch.to(self.device), targets.to(self.device)
+                if self._runner is not None:  # the share's mean loss, on every pp rank
+                    return self._runner.step(batch, targets, loss_scale=loss_scale, on_device=True).reshape(())
+                loss, _ = self._token_loss(batch, targets, module)
             else:
                 batch = batch_to(batch, self.device)
                 inputs = batch if labels_total is None else self._divide_by_labels(batch, labels_total)
+                if self._runner is not None:
+                    return self._runner.step_batch(batch, loss_scale=loss_scale, on_device=True).reshape(())
                 loss = self._batch_loss(module, inputs, batch)
             (loss * loss_scale).backward()
         return loss.detach().to(torch.float64)

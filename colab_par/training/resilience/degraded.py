@@ -1,19 +1,19 @@
 """Replicas keep training: when an engine of a data-parallel replica dies, the whole replicas go on
 with the same global batch while its replacement starts, so the run neither waits nor loses a step.
 
-Where every dp replica holds a whole copy (no ZeRO, offload, tiers or experts) and spans dp and
-tensor parallelism alone (tp 1d; no pp or cp), and the data is a `TokenDataset` or any of the
-user's (`data.sources`). A lost replica's share is its rows of the global batch, read by its
+Where every dp replica holds a whole copy (no ZeRO, offload, tiers or experts; tp 1d; pp and cp
+in any measure) and the data is a `TokenDataset` or any of the user's (`data.sources`). A lost replica's share is its rows of the global batch, read by its
 stand-in: from an indexable dataset through DataLoader workers of its own where the user's loader
 has workers; from a stream, which rank 0 reads for every rank in a whole world, by every trainer
 for itself, from the place in the stream every rank holds (rank 0 sends it with the shares). A
-replica is the ranks of one dp index; one with a lost rank is broken, and its live ranks wait with
-the notebook while the whole replicas train (under dp alone every survivor is a whole replica). Logs go on: rank 0
+replica is the ranks of one dp index, each at its place (pp, cp, tp); one with a lost rank is
+broken, and its live ranks wait with the notebook while the whole replicas train (under dp alone
+every survivor is a whole replica). Logs go on: rank 0
 passes the degraded rows to TensorBoard and the loggers, or, where rank 0 does not train, the first
 rank that does, until the cell runs again (the rows carry no per-rank memory figures, so nothing is
 gathered).
 The notebook (`Faults.replace_dead_training_on`) leaves a degrade message on each survivor and breaks
-their pending collectives (every gloo connection, the replicas' own tp groups' too); the Trainer's
+their pending collectives (every gloo connection, the replicas' own groups' too); the Trainer's
 failed step comes here (`train_on`), which:
 1. takes the message (none within `MESSAGE_WAIT_S`: the failure was no lost peer's, re-raised as
    before), joins the survivors' own gloo group (the notebook serves its store; a survivor that
@@ -23,14 +23,16 @@ failed step comes here (`train_on`), which:
    step). Else `error` is re-raised on all of them: the notebook replaces the engine as before. The
    ranks of broken replicas re-raise it here too, and wait;
 2. the whole replicas' ranks form their groups over the same store: all of them (to agree when to
-   stop), each tp place across replicas (to sum gradients and losses), and each replica's own tp
-   group, rebound under its old name (`compat.rebind_group`) so the model's DTensor collectives run
-   on it; then each goes back to the last whole step (data position, stream, no gradient: the
-   optimizer has not stepped since);
+   stop and sum losses), and the ranks that hold the same parameters (one pp and tp place, every
+   replica and cp place: to sum gradients and label counts); each replica's own tp, pp and cp groups
+   get a fresh backend in place (`compat.rebind_group`), so DTensor's collectives, the pipeline
+   stages and ring attention, which hold the group objects, run on them; then each goes back to the
+   last whole step (data position, stream, no gradient: the optimizer has not stepped since);
 3. trains whole steps: each lost replica's share is one whole replica's extra micro-steps, each of
-   its ranks drawing from the stream of the lost replica's rank at its own tp place; each share's
-   gradient is kept apart, scaled by 1/dp as DDP scales it, the shares added and summed over the
-   whole replicas: the full world's mean gradient, from the same data and masks. The default loss of
+   its ranks drawing from the stream of the lost replica's rank at its own place; each share's
+   gradient is kept apart, scaled by 1/(dp·cp) as the world's average scales it, the shares added
+   and summed over the ranks holding the same parameters (tied pipeline copies then summed over
+   the stages): the full world's mean gradient, from the same data and masks. The default loss of
    labelled rows divides by the labels of every share of the full world (counted on the replicas,
    summed over them), as a whole world does. Each step's row says "dp 3 of 4"; the Keeper's live
    state and streams (every rank's of the broken replicas as their stand-ins advanced them) stay
@@ -39,7 +41,7 @@ failed step comes here (`train_on`), which:
 4. leaves `fit` with `Rejoin` at the first step boundary after the notebook said the replacement is
    ready (all trainers agree on it), or before a step whose end saves or evaluates (those need the
    whole world). The notebook re-forms the world and runs the cell again; `recover` hands each rank
-   of a broken replica its tp place's state from a whole replica, and its own stream, degraded
+   of a broken replica its place's state from a whole replica, and its own stream, degraded
    steps included.
 """
 from __future__ import annotations
@@ -81,9 +83,8 @@ def degradable(trainer: Any) -> bool:
     pm, layout = trainer.pm, trainer.pm.layout
     world = dist.get_world_size() if dist.is_initialized() else 1
     return (trainer.checkpoints is not None and trainer.checkpoints.on_failure == "restart"
-            and replica_key(pm) >= 0 and layout.dp > 1 and layout.dp * layout.tp == world
-            and layout.pp == layout.cp == layout.ep == 1 and _shares_readable(trainer.data)
-            and not moe_layers(pm.model_parts))
+            and replica_key(pm) >= 0 and layout.dp > 1 and layout.dp * layout.pp * layout.cp * layout.tp == world
+            and layout.ep == 1 and _shares_readable(trainer.data) and not moe_layers(pm.model_parts))
 
 
 def _shares_readable(data: Any) -> bool:
@@ -101,12 +102,14 @@ def _batches(data: Any, position: int, shares: list[int], place: DataPlace) -> d
     return {share: (data.local_batch(position, replace(place, dp_rank=share)), None) for share in shares}
 
 
+_PLACE_DIMS = ("pp", "cp", "tp")  # a rank's place in its replica, outermost first (as `replica_key`)
+
+
 def _replicas(pm: Any) -> list[list[int]]:
-    """The world's ranks as [dp replica][tp place] (`degradable`: no pp, no cp)."""
-    grid = pm.mesh.mesh
+    """The world's ranks as [dp replica][place: pp, cp, tp]."""
     names = pm.mesh.mesh_dim_names
-    return grid.permute(names.index("dp"), names.index("tp"), *(names.index(d) for d in ("pp", "cp"))).reshape(
-        pm.layout.dp, pm.layout.tp).tolist()
+    order = [names.index(name) for name in ("dp", *_PLACE_DIMS)]
+    return pm.mesh.mesh.permute(*order).reshape(pm.layout.dp, -1).tolist()
 
 
 class _Survivors:
@@ -128,8 +131,7 @@ class _Survivors:
         self.store.wait([f"joined/{i}" for i in range(len(self.ranks))], timedelta(seconds=_JOIN_TIMEOUT_S))
         self.everyone: Any = self._group("everyone", index, len(self.ranks))
         self.team: Any = None  # the whole replicas' ranks, all of them
-        self.peers: Any = None  # the whole replicas' ranks at this rank's tp place
-        self.tp: Any = None  # this replica's tp group, rebound (kept alive here)
+        self.peers: Any = None  # the whole replicas' ranks at this rank's pp and tp place, any cp place
 
     def _group(self, name: str, rank: int, size: int) -> Any:
         return dist.ProcessGroupGloo(dist.PrefixStore(name, self.store), rank, size,
@@ -142,18 +144,24 @@ class _Survivors:
         self.shares = [replica, *(lost for i, lost in enumerate(self.broken)
                                   if self.whole[i % len(self.whole)] == replica)]
         self.team = self._group("team", self.trainers.index(self.rank), len(self.trainers))
-        self.peers = self._group(f"place{self.place}", self.whole.index(replica), len(self.whole))
-        if len(self.replicas[replica]) > 1:
-            self.tp = compat.rebind_group(pm.mesh["tp"].get_group(), dist.PrefixStore(f"replica{replica}", self.store),
-                                          self.place, len(self.replicas[replica]),
-                                          timedelta(seconds=self.message["timeout_s"]))
+        cp, tp = pm.layout.cp, pm.layout.tp
+        kin = (self.place // (cp * tp), self.place % tp)  # (pp, tp) place: its ranks hold the same parameters
+        peers = [self.replicas[index][place] for index in self.whole for place in range(len(self.replicas[index]))
+                 if (place // (cp * tp), place % tp) == kin]
+        self.peers = self._group(f"peers{kin}", peers.index(self.rank), len(peers))
+        for dim in _PLACE_DIMS:
+            if pm.mesh[dim].size() > 1:
+                group = pm.mesh[dim].get_group()
+                ranks = dist.get_process_group_ranks(group)
+                compat.rebind_group(group, dist.PrefixStore(f"{dim}{ranks}", self.store),
+                                    timedelta(seconds=self.message["timeout_s"]))
 
     def rank_of(self, share: int) -> int:
-        """The rank at this rank's tp place in dp replica `share`."""
+        """The rank at this rank's place in dp replica `share`."""
         return self.replicas[share][self.place]
 
     def close(self) -> None:
-        self.everyone = self.team = self.peers = self.tp = None  # their connections close
+        self.everyone = self.team = self.peers = None  # their connections close (rebound groups: with the world)
 
 
 def _sum(group: Any, tensor: torch.Tensor) -> torch.Tensor:
@@ -306,11 +314,13 @@ def _degraded_step(trainer: Any, survivors: _Survivors, streams: list[dict], dp:
         trainer.data_position += 1
         losses.append(total)
     set_rng_state(pm.rng, streams[trainer.rank])
-    _sum_gradients(params, grads, survivors)
+    _sum_gradients(params, grads, survivors, 1.0 / (survivors.full * pm.layout.cp))
+    if pm._runner is not None:
+        pm._runner.sync_tied_gradients()  # over the replica's rebound pp group
     lr = trainer._apply_lr()
-    grad_norm = _clip(params, trainer.grad_clip, pm.device) if trainer.grad_clip is not None else None
+    grad_norm = _clip(pm, params, trainer.grad_clip) if trainer.grad_clip is not None else None
     logged = trainer._live.logged(trainer.step + 1, trainer.steps)
-    summed = _sum(survivors.peers, torch.stack(losses)).div_(survivors.full).tolist() if logged else []
+    summed = _sum(survivors.team, torch.stack(losses)).div_(survivors.world).tolist() if logged else []
     mine = {str(survivors.rank_of(share)): streams[survivors.rank_of(share)] for share in survivors.shares}
     for text in _texts(survivors.team, json.dumps(mine)):  # final for this step (as `Keeper.step_begins`)
         for rank, stream in json.loads(text).items():
@@ -338,11 +348,11 @@ def _labels_total(pm: Any, batches: list[Any], survivors: _Survivors) -> torch.T
 
 
 def _sum_gradients(params: list[torch.Tensor], grads: dict[int, list[torch.Tensor | None]],
-                   survivors: _Survivors) -> None:
-    """Each parameter's gradient: its shares' gradients times 1/dp (as DDP scales a rank's before
-    adding), added, then summed over the whole replicas' ranks at this tp place in one flat
-    all-reduce of the local pieces."""
-    scale, mine = 1.0 / survivors.full, []
+                   survivors: _Survivors, scale: float) -> None:
+    """Each parameter's gradient: its shares' gradients times `scale` (1/(dp·cp), as the whole
+    world's gradient average scales a rank's), added, then summed over `survivors.peers` (the whole
+    replicas' ranks that hold the same parameters) in one flat all-reduce of the local pieces."""
+    mine = []
     for i, param in enumerate(params):
         pieces = [share[i] for share in grads.values() if share[i] is not None]
         param.grad = None
@@ -359,11 +369,13 @@ def _sum_gradients(params: list[torch.Tensor], grads: dict[int, list[torch.Tenso
             offset += grad.numel()
 
 
-def _clip(params: list[torch.Tensor], max_norm: float, device: torch.device) -> float:
-    """The gradients' 2-norm (every trainer of a tp place holds the same pieces; the tp pieces add
-    over the rebound tp group), clipped to `max_norm`."""
+def _clip(pm: Any, params: list[torch.Tensor], max_norm: float) -> float:
+    """The gradients' 2-norm (every peer holds the same pieces; tp pieces and pipeline stages add
+    over the replica's rebound groups, a tied tensor counted once), clipped to `max_norm`."""
+    copies = pm._runner.duplicate_copies() if pm._runner is not None else set()
     grads = [(param, param.grad) for param in params if param.grad is not None]
-    total = float(total_gradient_norm(grads, {}, device))
+    counted = [(param, grad) for param, grad in grads if id(param) not in copies]
+    total = float(total_gradient_norm(counted, {}, pm.device, pm.mesh["pp"].get_group() if pm.layout.pp > 1 else None))
     scale = max_norm / (total + 1e-6)
     if scale < 1.0:
         for _, grad in grads:
