@@ -24,7 +24,7 @@ import colab_par.training.recovery as recovery
 import colab_par.training.resilience.peers as peers
 from colab_par.data import SyntheticDataset
 from colab_par.models import GPT
-from colab_par.training.options import Checkpoints, Logs
+from colab_par.training.options import Checkpoints, Evaluation, Logs
 
 with open(CKPT + ".pids", "a") as handle:
     handle.write(f"{os.getpid()}\n")
@@ -97,7 +97,11 @@ class Stream(torch.utils.data.IterableDataset):
 data = {"tokens": lambda: SyntheticDataset(vocab_size=config.vocab_size, seq_len=config.seq_len, batch_size=BATCH),
         "rows": Rows, "stream": Stream,
         "loader": lambda: torch.utils.data.DataLoader(Rows(), batch_size=BATCH, shuffle=True, num_workers=1)}[DATA]()
+held_out = SyntheticDataset(vocab_size=config.vocab_size, seq_len=config.seq_len, batch_size=BATCH, seed=1) \
+    if DATA == "tokens" else torch.utils.data.Subset(Rows(), range(2 * BATCH))
+evaluation = None if EVAL_EVERY is None else Evaluation(held_out, every=EVAL_EVERY, batches=2 if DATA == "tokens" else None)
 trainer = colab_par.Trainer(pm, data, batch_size=BATCH if DATA in ("rows", "stream") else None, steps=STEPS,
+                            evaluation=evaluation,
                             checkpoints=Checkpoints(CKPT, every=EVERY, on_failure="restart", max_restarts=MAX_RESTARTS,
                                                     asynchronous=ASYNC, snapshot_every=SNAPSHOT),
                             logs=Logs(telemetry=False, tensorboard=TENSORBOARD))
@@ -107,7 +111,9 @@ seconds = time.perf_counter() - started
 params = pm.full_state_dict()  # every rank takes part; rank 0 holds them
 if rank == 0:
     with open(CKPT + ".losses", "w") as handle:
-        handle.write(json.dumps([row["loss"] for row in trainer.history]))
+        handle.write(json.dumps([row["loss"] for row in trainer.history if row.get("kind") != "eval"]))
+    with open(CKPT + ".evals", "w") as handle:
+        handle.write(json.dumps([[row["step"], row["eval_loss"]] for row in trainer.history if row.get("kind") == "eval"]))
     with open(CKPT + ".degraded", "w") as handle:
         handle.write(json.dumps({row["step"]: row["degraded"] for row in trainer.history if "degraded" in row}))
     torch.save(params, CKPT + ".params.pt")
@@ -119,14 +125,17 @@ if rank == 0:
 def run_cell(cluster, folder: Path, name: str, kills: list, *, layout: str, steps: int = 8, every: int = 4,
              snapshot_every=None, asynchronous: bool = False, batch: int = 4,
              max_restarts: int = 3, model=None, data: str = "tokens",
-             tensorboard: Path | None = None, seed: int | None = None) -> tuple[list[float], set[int]]:
+             tensorboard: Path | None = None, seed: int | None = None,
+             evaluate_every: int | None = None) -> tuple[list[float], set[int]]:
     """(rank 0's loss at every step, the pid of every engine that ran the cell); the notebook's
     messages go to the test's capsys. `model`: a GPTConfig (default a 2-layer GPT of width 32);
     `data`: "tokens" (a SyntheticDataset), "rows" (the user's own labelled rows, a torch Dataset),
     "loader" (those rows through a shuffling DataLoader with a worker process) or "stream" (those
     rows as an IterableDataset);
     `tensorboard`: a folder for the Trainer's TensorBoard logs; `seed`: seeds the model's initial
-    weights (else they come from the engines' streams: restart the cluster for equal runs)."""
+    weights (else they come from the engines' streams: restart the cluster for equal runs);
+    `evaluate_every`: the Trainer evaluates held-out data (2 global batches of the same kind) every
+    so many steps (`evaluations`)."""
     from colab_par.models import GPTConfig
 
     kills_file, ckpt = folder / f"{name}.kills", folder / name
@@ -135,6 +144,7 @@ def run_cell(cluster, folder: Path, name: str, kills: list, *, layout: str, step
     cluster.execute(CELL, namespace=dict(config=config, CKPT=str(ckpt), KILLS=str(kills_file), LAYOUT=layout,
                                          STEPS=steps, EVERY=every, SNAPSHOT=snapshot_every, ASYNC=asynchronous,
                                          BATCH=batch, MAX_RESTARTS=max_restarts, DATA=data, SEED=seed,
+                                         EVAL_EVERY=evaluate_every,
                                          TENSORBOARD=None if tensorboard is None else str(tensorboard)))
     assert json.loads(kills_file.read_text()) == [], "a kill was never reached"
     pids = {int(line) for line in Path(f"{ckpt}.pids").read_text().split()}
@@ -151,3 +161,11 @@ def final_parameters(folder: Path, name: str) -> dict:
     import torch
 
     return torch.load(folder / f"{name}.params.pt")
+
+
+def evaluations(folder: Path, name: str) -> dict[int, float]:
+    """{step: held-out loss} of rank 0's evaluation rows in the run `name` (a step evaluated twice
+    fails)."""
+    rows = json.loads((folder / f"{name}.evals").read_text())
+    assert len({step for step, _ in rows}) == len(rows), rows
+    return {step: loss for step, loss in rows}

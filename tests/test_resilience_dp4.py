@@ -22,7 +22,7 @@ import pytest
 
 from colab_par import Cluster
 from colab_par.models import GPTConfig
-from resilience_cell import degraded_steps, final_parameters, run_cell
+from resilience_cell import degraded_steps, evaluations, final_parameters, run_cell
 
 STEPS = 24
 MODEL = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, kernels="torch", dropout=0.1)
@@ -39,13 +39,14 @@ def references(cluster, tmp_path_factory):
     """The folder of the uninterrupted run of each kind of data and layout, run when first asked for."""
     folders = {}
 
-    def reference(data: str, layout: str = "dp4", steps: int = STEPS) -> Path:
-        if (data, layout, steps) not in folders:
+    def reference(data: str, layout: str = "dp4", steps: int = STEPS, evaluate_every: int | None = None) -> Path:
+        key = (data, layout, steps, evaluate_every)
+        if key not in folders:
             folder = tmp_path_factory.mktemp(f"reference-{data}-{layout.replace(' ', '-')}-{steps}")
             run_cell(cluster, folder, "uninterrupted", [], layout=layout, steps=steps, every=8, batch=8, model=MODEL,
-                     data=data, seed=0)
-            folders[data, layout, steps] = folder
-        return folders[data, layout, steps]
+                     data=data, seed=0, evaluate_every=evaluate_every)
+            folders[key] = folder
+        return folders[key]
     return reference
 
 
@@ -53,11 +54,12 @@ def uninterrupted(folder: Path) -> list[float]:
     return json.loads((folder / "uninterrupted.losses").read_text())
 
 
-@pytest.mark.parametrize("data,killed,logged", [("tokens", 2, False), ("rows", 2, False), ("loader", 1, False),
-                                                ("stream", 0, False), ("tokens", 0, True)])
+@pytest.mark.parametrize("data,killed,logged,evaluate_every", [
+    ("tokens", 2, False, None), ("rows", 2, False, 5), ("loader", 1, False, None), ("stream", 0, False, None),
+    ("tokens", 0, True, None)])
 def test_the_others_train_on_while_a_killed_rank_is_replaced_and_no_step_is_lost(cluster, tmp_path, capsys,
                                                                                   references, data, killed,
-                                                                                  logged) -> None:
+                                                                                  logged, evaluate_every) -> None:
     """Killed in step 5's forward: the other three go back to step 4 and train on (the first of them
     takes the lost rank's share) until the replacement is ready or step 8's save is due; it takes
     that survivor's state at that step. On the user's labelled rows each share holds its own count
@@ -67,12 +69,14 @@ def test_the_others_train_on_while_a_killed_rank_is_replaced_and_no_step_is_lost
     whose reader (rank 0) is the one lost, each survivor reads the stream itself from the place
     rank 0 sent with its shares. With
     TensorBoard on and rank 0 (its writer) the one lost, the event files hold every step's loss
-    once: rank 0's up to step 4, the first survivor's while degraded, the replacement's after."""
-    reference = references(data)
+    once: rank 0's up to step 4, the first survivor's while degraded, the replacement's after. With
+    held-out rows evaluated every 5 steps, step 5's evaluation runs degraded, the first survivor
+    scoring the lost rank's share of the held-out rows too."""
+    reference = references(data, evaluate_every=evaluate_every)
     generation = cluster.generation
     logs = tmp_path / "tensorboard" if logged else None
     losses, _ = run_cell(cluster, tmp_path, "killed", [[killed, "forward", 5]], layout="dp4", steps=STEPS, every=8,
-                         batch=8, model=MODEL, data=data, tensorboard=logs, seed=0)
+                         batch=8, model=MODEL, data=data, tensorboard=logs, seed=0, evaluate_every=evaluate_every)
     others = [rank for rank in range(4) if rank != killed]
     assert_no_step_lost(capsys.readouterr(), tmp_path, reference, losses,
                         rf"rank\(s\) {killed} died; ranks {','.join(map(str, others))} trained on at dp 3 of 4 "
@@ -92,13 +96,14 @@ def test_the_whole_replica_trains_on_while_the_other_waits(cluster, tmp_path, ca
     broken with the rest; pipeline stages and ring attention hold the group object itself), each of
     its ranks taking the lost replica's share with the stream of that replica's rank at its own place;
     the broken replica's live rank waits. When the cell runs again, the broken replica's ranks take
-    the whole one's state by place: the run equals the uninterrupted one. 12 steps: the save at step 8
-    ends the degraded steps at the latest."""
+    the whole one's state by place: the run equals the uninterrupted one, step 5's evaluation (run
+    degraded, over the rebound groups) included. 12 steps: the save at step 8 ends the degraded steps
+    at the latest."""
     steps = 12
-    reference = references("tokens", layout, steps)
+    reference = references("tokens", layout, steps, evaluate_every=5)
     generation = cluster.generation
     losses, _ = run_cell(cluster, tmp_path, "killed", [[1, "forward", 5]], layout=layout, steps=steps, every=8,
-                         batch=8, model=MODEL, seed=0)
+                         batch=8, model=MODEL, seed=0, evaluate_every=5)
     assert_no_step_lost(capsys.readouterr(), tmp_path, reference, losses,
                         rf"rank\(s\) 1 died; ranks {trained} trained on at dp 1 of 2 \(steps 5\.\.([5-7])\) while the "
                         rf"replacement started; rank\(s\) {waited}, of the lost ranks' replicas, waited; replaced the "
@@ -106,21 +111,61 @@ def test_the_whole_replica_trains_on_while_the_other_waits(cluster, tmp_path, ca
     assert cluster.generation == generation
 
 
+def test_a_rank_killed_while_the_world_evaluates_leaves_the_others_to_evaluate_and_train_on(
+        cluster, tmp_path, capsys, references) -> None:
+    """Held-out data every 5 steps; rank 0 killed in the forward of step 5's evaluation. The others
+    go back to step 5, evaluate it themselves (the first of them scoring the lost rank's share too)
+    and train on from step 6; the replacement takes the first one's rows, that evaluation's row
+    included (it joined the step's kept state): the evaluations rank 0 holds, the losses and the
+    parameters equal the uninterrupted run's."""
+    reference = references("tokens", evaluate_every=5)
+    losses, _ = run_cell(cluster, tmp_path, "killed", [[0, "forward", 6]], layout="dp4", steps=STEPS, every=8,
+                         batch=8, model=MODEL, seed=0, evaluate_every=5)
+    assert_no_step_lost(capsys.readouterr(), tmp_path, reference, losses,
+                        r"rank\(s\) 0 died; ranks 1,2,3 trained on at dp 3 of 4 \(steps 6\.\.([67])\) while the "
+                        r"replacement started; replaced the dead engine of rank 0", "0<-1", "dp 3 of 4", first=6)
+
+
+def rows_kept_after_an_evaluation(folder: str) -> tuple[int, int]:
+    """(the rows of the step kept whole, the rows in the history) after a fit whose last step
+    evaluates."""
+    import colab_par
+    from colab_par.data import SyntheticDataset
+    from colab_par.models import GPT
+    from colab_par.training.options import Checkpoints, Evaluation, Logs
+
+    pm = colab_par.parallelize(GPT(MODEL), "dp4")
+    held_out = SyntheticDataset(vocab_size=MODEL.vocab_size, seq_len=MODEL.seq_len, batch_size=8, seed=1)
+    trainer = colab_par.Trainer(pm, SyntheticDataset(vocab_size=MODEL.vocab_size, seq_len=MODEL.seq_len, batch_size=8),
+                                steps=2, evaluation=Evaluation(held_out, every=2, batches=1),
+                                checkpoints=Checkpoints(folder, every=2, on_failure="restart"), logs=Logs(telemetry=False))
+    trainer.fit()
+    return trainer._keeper.kept.live_loop["history"], len(trainer.history)
+
+
+def test_an_evaluation_row_belongs_to_its_steps_kept_state(cluster, tmp_path) -> None:
+    """The evaluation after a step joins that step's kept state: survivors going back to the step,
+    and a replacement taking a peer's rows, keep it (and do not evaluate the step again)."""
+    assert cluster.run(rows_kept_after_an_evaluation, str(tmp_path)) == [(3, 3)] * 4
+
+
 def assert_no_step_lost(said, folder: Path, reference: Path, losses: list[float], trained: str, sources: str,
-                        dp: str) -> None:
-    """The killed run in `folder` trained on from step 5 as the notebook's words (`trained`, whose
-    group is the last degraded step) and its rows (`dp`) say, the replaced ranks took their state
-    from live replicas (`sources`), and its losses and final parameters equal the uninterrupted
-    run's in `reference`."""
+                        dp: str, first: int = 5) -> None:
+    """The killed run in `folder` trained on from step `first` as the notebook's words (`trained`,
+    whose group is the last degraded step) and its rows (`dp`) say, the replaced ranks took their
+    state from live replicas (`sources`), and its losses, evaluations and final parameters equal the
+    uninterrupted run's in `reference`."""
     import torch
 
     found = re.search(trained, said.err)
     assert found, said.err
     last = int(found.group(1))
     assert f"resumed at step {last} from live replicas (ranks {sources}), no step lost" in said.out, said.out
-    assert degraded_steps(folder, "killed") == {step: dp for step in range(5, last + 1)}
+    assert degraded_steps(folder, "killed") == {step: dp for step in range(first, last + 1)}
     expected = uninterrupted(reference)
     assert losses == pytest.approx(expected, rel=1e-6) and len(losses) == len(expected)
+    expected_evaluations = evaluations(reference, "uninterrupted")
+    assert evaluations(folder, "killed") == pytest.approx(expected_evaluations, rel=1e-6)  # as the losses
     torch.testing.assert_close(final_parameters(folder, "killed"), final_parameters(reference, "uninterrupted"),
                                rtol=1e-5, atol=1e-6)
 

@@ -246,15 +246,22 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Evaluate on `eval_data` now; the row (``kind: "eval"``) joins `history` and is returned."""
+        return self.evaluate_by(lambda: self.pm.evaluate(self.eval_data, self.evaluation.batches))
+
+    def evaluate_by(self, score: Callable[[], dict]) -> dict:
+        """`evaluate` with the result of `score()` (an `inference.evaluate` result: survivors that
+        train on without a lost replica score its shares too)."""
         if self.evaluation is None:
             raise ValueError("this Trainer has no held-out data; pass Trainer(..., evaluation=Evaluation(held_out, "
                              "every=k))")
         start = time.perf_counter()
-        result = self.pm.evaluate(self.eval_data, self.evaluation.batches)
+        result = score()
         row = {"step": self.step, "rank": self.rank, "kind": "eval", "eval_loss": result["loss"],
                **{f"eval_{key}": value for key, value in result.items() if key != "loss"},
                "eval_time": time.perf_counter() - start}
         self.history.append(row)
+        if self._keeper is not None:
+            self._keeper.row_added(self)
         return row
 
     def _eval_due(self) -> bool:

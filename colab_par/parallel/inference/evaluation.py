@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -35,7 +36,7 @@ from colab_par.models.hf import hf_token_loss
 from colab_par.data.batch import (LabelMean, batch_size, batch_to, call_model, check_batch, counted_labels,
                                       labels_of, slice_batch)
 
-__all__ = ["evaluate", "check_data", "eval_data"]
+__all__ = ["evaluate", "evaluate_shares", "check_data", "eval_data"]
 
 
 def evaluate(pm: Any, data: Any, num_batches: int | None = None,
@@ -51,12 +52,19 @@ def evaluate(pm: Any, data: Any, num_batches: int | None = None,
     ``train_step(batch)``. Returns ``{"loss", "perplexity" (language models), <unit>: count,
     "batches"}`` where the unit is "tokens", "labels" or "samples".
     """
-    data = eval_data(data, batch_size)
+    return evaluate_shares(pm, eval_data(data, batch_size), num_batches, [pm.dp_rank], dist.all_reduce)
+
+
+def evaluate_shares(pm: Any, data: Any, num_batches: int | None, shares: list[int],
+                    sum_over: Callable[[torch.Tensor], Any]) -> dict[str, float]:
+    """`evaluate`, this rank scoring the dp shares `shares` of every batch (its own in a whole
+    world; a lost replica's too where survivors train on without it), and `sum_over` adding a
+    tensor in place over the ranks that score every share once (every rank of a whole world)."""
     if isinstance(data, EvalRows):
         data.check(pm)
-    pieces = _pieces(pm, data, num_batches)  # refuses what it cannot read before any work
+    pieces = [piece for share in shares for piece in _pieces(pm, data, num_batches, share)]  # refused before work
     totals = torch.zeros(2, dtype=torch.float64, device=pm.device)
-    units, language, batches = set(), True, 0
+    units, language = set(), True
     try:
         with training_state_kept(pm), _summed_labels(pm.batch_loss_fn):
             for kind, piece in pieces:
@@ -65,16 +73,16 @@ def evaluate(pm: Any, data: Any, num_batches: int | None = None,
                 totals += torch.tensor([total, count], dtype=torch.float64, device=pm.device)
                 units.add(unit)
                 language &= is_language
-                batches += 1
             if len(units) > 1:
                 raise ValueError(f"the batches mix units ({', '.join(sorted(units))}); evaluate data of one "
                                  "kind at a time")
             if pm.tp_rank != 0 or pm.pp_rank != 0:
                 totals.zero_()  # tensor-parallel ranks repeat their group's sums; pipeline ranks all hold them
-            dist.all_reduce(totals)
+            sum_over(totals)
     finally:
         if isinstance(data, EvalRows):
             data.close()
+    batches = len(pieces) // len(shares)
     total, count = totals.tolist()
     if count == 0:
         raise ValueError("the data holds no scored units (every target is -100); nothing to evaluate")
@@ -124,14 +132,14 @@ def check_data(data: Any, num_batches: int | None) -> int | None:
                     f"{type(data).__name__}")
 
 
-def _pieces(pm: Any, data: Any, num_batches: int | None) -> Iterator[tuple[str, Any]]:
-    """("tokens", (inputs, targets, local)) or ("batch", (batch, local)) per global batch; local:
-    the batch is already this rank's dp share."""
+def _pieces(pm: Any, data: Any, num_batches: int | None, share: int) -> Iterator[tuple[str, Any]]:
+    """("tokens", (inputs, targets, local)) or ("batch", (batch, local)) per global batch: its dp
+    share `share`, local (already sliced) but where it is this rank's own and the model slices it."""
     count = check_data(data, num_batches)
     if isinstance(data, TokenDataset):
-        return (("tokens", (*data.batch(i, pm.dp_rank, pm.dp_size), True)) for i in range(count))
+        return (("tokens", (*data.batch(i, share, pm.dp_size), True)) for i in range(count))
     if isinstance(data, EvalRows):
-        place = DataPlace.of(pm)
+        place = replace(DataPlace.of(pm), dp_rank=share)
         return (_piece(data.local_batch(i, place), True) for i in range(count))
     batches = ([data.global_batch(i) for i in range(count)] if isinstance(data, BatchList)
                else list(data[:count]))
@@ -139,7 +147,8 @@ def _pieces(pm: Any, data: Any, num_batches: int | None) -> Iterator[tuple[str, 
     for batch in batches:
         if not token_pair(batch):
             check_batch(batch)
-        pieces.append(_piece(batch, False))
+        own = share == pm.dp_rank or pm.dp_size == 1
+        pieces.append(_piece(batch if own else slice_batch(batch, pm.dp_size, share), not own))
     return iter(pieces)
 
 

@@ -37,10 +37,13 @@ failed step comes here (`train_on`), which:
    summed over them), as a whole world does. Each step's row says "dp 3 of 4"; the Keeper's live
    state and streams (every rank's of the broken replicas as their stand-ins advanced them) stay
    current, so the replacement and its waiting replica take them; every collective of a step comes
-   before its optimizer step, so a rank lost too leaves the others a whole step;
+   before its optimizer step, so a rank lost too leaves the others a whole step. Held-out data is
+   evaluated when due as the world would, each trainer scoring its shares of every batch and the
+   sums added over all trainers (also at the last whole step, where the peer was lost while the
+   world evaluated it);
 4. leaves `fit` with `Rejoin` at the first step boundary after the notebook said the replacement is
-   ready (all trainers agree on it), or before a step whose end saves or evaluates (those need the
-   whole world). The notebook re-forms the world and runs the cell again; `recover` hands each rank
+   ready (all trainers agree on it), or before a step whose end saves a checkpoint (the whole world
+   writes one). The notebook re-forms the world and runs the cell again; `recover` hands each rank
    of a broken replica its place's state from a whole replica, and its own stream, degraded
    steps included.
 """
@@ -59,6 +62,7 @@ from colab_par import compat
 from colab_par.data import TokenDataset
 from colab_par.data.sources import DataPlace, IterableSource, MapSource
 from colab_par.parallel.grad_norm import total_gradient_norm
+from colab_par.parallel.inference.evaluation import evaluate_shares
 from colab_par.training import recovery
 from colab_par.training.checkpoint_files import rng_state, set_rng_state
 from colab_par.training.loggers import RunLogs
@@ -215,12 +219,20 @@ def train_on(trainer: Any, error: BaseException, stop_at: int, sinks: Any) -> No
         first, dp = trainer.step + 1, f"dp {len(survivors.whole)} of {survivors.full}"
         record = {"steps": None, "dp": len(survivors.whole), "of": survivors.full, "ranks": survivors.trainers}
         recovery.record_degraded(record)
+        if _evaluation_missed(trainer):  # the peer was lost while the world evaluated
+            _evaluate(trainer, survivors)
+            sinks.refresh()
         while trainer.step < stop_at and not _most(survivors.team, int(recovery.rejoin_requested())):
-            if _needs_everyone(trainer, trainer.step + 1, stop_at):
+            if _saves(trainer, trainer.step + 1, stop_at):
                 break
             row = _degraded_step(trainer, survivors, streams, dp)
             recovery.record_degraded({**record, "steps": [first, trainer.step]})  # told even if a later step fails
+            evaluated = trainer._eval_due()
+            if evaluated:
+                _evaluate(trainer, survivors)
             sinks.after_step(row, False)
+            if evaluated:
+                sinks.refresh()
             if stand_in is not None:
                 stand_in.pass_on(trainer.history)
         trained = f"trained steps {first}..{trainer.step}" if trainer.step >= first else "trained no step"
@@ -284,12 +296,23 @@ def _go_back(trainer: Any, kept: Any) -> None:
     trainer.pm.optimizer.zero_grad(set_to_none=True)
 
 
-def _needs_everyone(trainer: Any, step: int, stop_at: int) -> bool:
-    """Whether `step`'s end saves a checkpoint or evaluates: the whole world does those."""
-    saves, evaluation = trainer.checkpoints.every, trainer.evaluation
-    return bool((saves and step % saves == 0) or step == stop_at
-                or (evaluation is not None and evaluation.every and (step % evaluation.every == 0
-                                                                     or step == trainer.steps)))
+def _saves(trainer: Any, step: int, stop_at: int) -> bool:
+    """Whether `step`'s end saves a checkpoint: the whole world does that."""
+    every = trainer.checkpoints.every
+    return bool((every and step % every == 0) or step == stop_at)
+
+
+def _evaluation_missed(trainer: Any) -> bool:
+    """Whether the last whole step's evaluation was due but its row is not in the history."""
+    return trainer.step > 0 and trainer._eval_due() and not any(
+        row.get("kind") == "eval" and row["step"] == trainer.step for row in trainer.history)
+
+
+def _evaluate(trainer: Any, survivors: _Survivors) -> None:
+    """The Trainer's evaluation row, each trainer scoring its shares of every held-out batch (the
+    lost replica's with its own), summed over all trainers: the whole world's result."""
+    trainer.evaluate_by(lambda: evaluate_shares(trainer.pm, trainer.eval_data, trainer.evaluation.batches,
+                                                survivors.shares, lambda totals: _sum(survivors.team, totals)))
 
 
 def _degraded_step(trainer: Any, survivors: _Survivors, streams: list[dict], dp: str) -> dict | None:

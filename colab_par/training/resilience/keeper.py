@@ -64,6 +64,12 @@ class Keeper:
         if streams is not None:
             loop["streams"] = streams
 
+    def row_added(self, trainer: Any) -> None:
+        """A row (an evaluation's) joined `trainer.history` after its step was kept whole: it is
+        part of that step's state, so going back to the step, or a replacement taking it, keeps it."""
+        if self.kept.live is trainer:
+            self.kept.live_loop["history"] = len(trainer.history)
+
     def _gathered_streams(self, trainer: Any) -> list[dict] | None:
         """Every rank's random stream as it stands, in rank order, where dp peers are replicas."""
         if self._replicas is None:
