@@ -1,12 +1,13 @@
 """Resilience on a real 2-engine cluster (issue 42): how long from a SIGKILLed engine to training
 again and how many steps are lost, per layout and way back (live replicas, in-memory snapshots,
 disk); and what in-memory snapshots every K steps cost the step. Where the survivors train on
-degraded while the replacement starts (dp only: `training/resilience/degraded.py`), the kill to
-their first degraded step and the kill to the full world training again apart, and how many steps
-ran degraded.
+degraded while the replacement starts (`training/resilience/degraded.py`), the kill to their first
+degraded step and the kill to the full world training again apart, and how many steps ran
+degraded. On 4 engines, replicas that span tp, pp or cp (`dp2 tp2`, `dp2 pp2`, `dp2 cp2`): the
+whole replica trains on while the lost rank's replica waits.
 
 It runs the fault-injection cell the tests prove recovery with (tests/resilience_cell.py), so the
-figures are of the same code. Usage: python benchmarks/resilience.py [--rounds 3]
+figures are of the same code. Usage: python benchmarks/resilience.py [--rounds 3] [--engines 2 4]
 (asynchronous saves against synchronous ones: benchmarks/checkpoint_async.py)."""
 from __future__ import annotations
 
@@ -26,13 +27,15 @@ from resilience_cell import degraded_steps, run_cell  # noqa: E402
 from colab_par import Cluster  # noqa: E402
 from colab_par.models import GPTConfig  # noqa: E402
 
-# rank 1 killed in step 8's forward; 10 steps, disk saves every 4, snapshots (where used) every 2. The dp2 arm
-# (its survivor trains on degraded) runs 30 steps saving only at the end: a save is due at step 8 otherwise, which
-# needs the whole world, so the survivor would stop before its first degraded step
+# rank 1 killed in step 8's forward; 10 steps, disk saves every 4, snapshots (where used) every 2. The arms whose
+# survivors train on degraded run 30 steps saving only at the end, so the degraded steps time training alone (a
+# save due at step 8 would be written by the survivors within them)
 TEN, THIRTY = dict(steps=10, every=4), dict(steps=30, every=1000)
 RECOVERIES = (("dp2", None, "live replicas, the survivor trains on", THIRTY),
               ("dp2 zero3", 2, "in-memory snapshot", TEN), ("tp2", 2, "in-memory snapshot", TEN),
               ("dp2 zero3", None, "disk checkpoint", TEN))
+REPLICAS = tuple((layout, None, "live replicas, the whole replica trains on", THIRTY)
+                 for layout in ("dp2 tp2", "dp2 pp2", "dp2 cp2"))
 MEDIUM = GPTConfig(vocab_size=512, seq_len=128, n_layer=4, n_head=4, d_model=256, kernels="torch")  # ~3.4 M params
 
 
@@ -49,13 +52,13 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})" if values else "-"
 
 
-def recovery_rows(cluster: Cluster, folder: Path, rounds: int) -> list[str]:
+def recovery_rows(cluster: Cluster, folder: Path, rounds: int, arms: tuple) -> list[str]:
     """Per arm: kill to the survivors' first degraded forward (where they train on), kill to the first
     forward of the cell run again (the full world), steps run degraded, steps lost. Rank 1 dies in
     step 8, so step 7 is the last whole one before the kill, or the last degraded step after it; a
     step lost is one trained before the cell ran again and not in the state it resumed from."""
     rows = []
-    for layout, every, way, run in RECOVERIES:
+    for layout, every, way, run in arms:
         survivors, world, ran_degraded, lost = [], [], [], set()
         for round_ in range(rounds):
             cluster.restart()
@@ -66,7 +69,7 @@ def recovery_rows(cluster: Cluster, folder: Path, rounds: int) -> list[str]:
             world.append(again - killed)
             if (folder / f"{name}.degraded_at").exists():
                 survivors.append(float((folder / f"{name}.degraded_at").read_text()) - killed)
-            degraded = sorted(degraded_steps(folder, name))  # rank 0's rows: rank 0 survives
+            degraded = sorted(degraded_steps(folder, name))  # rank 0's rows (a waiting rank 0 took a trainer's)
             assert degraded == list(range(8, 8 + len(degraded))), degraded
             ran_degraded.append(len(degraded))
             found = re.search(r"resumed at step (\d+)|resumed from the checkpoint of step (\d+)", said)
@@ -94,20 +97,26 @@ def snapshot_cost_rows(cluster: Cluster, folder: Path, rounds: int) -> list[str]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--engines", type=int, nargs="+", choices=(2, 4), default=(2, 4),
+                        help="2: the dp, zero3, tp and disk arms and the snapshot costs; 4: the replicas spanning tp, pp, cp")
     args = parser.parse_args()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    with tempfile.TemporaryDirectory() as scratch, Cluster(n=2, backend="gloo", timeout=120.0,
-                                                           dashboard=False) as cluster:
-        folder = Path(scratch)
-        recoveries = recovery_rows(cluster, folder, args.rounds)
-        costs = snapshot_cost_rows(cluster, folder, args.rounds)
-    print(f"\n{started}, {args.rounds} rounds, GPT 4 layers x 256 (3.4 M parameters), 2 engines")
+    recoveries, costs = [], []
+    for engines in args.engines:
+        with tempfile.TemporaryDirectory() as scratch, Cluster(n=engines, backend="gloo", timeout=120.0,
+                                                               dashboard=False) as cluster:
+            folder = Path(scratch)
+            recoveries += recovery_rows(cluster, folder, args.rounds, RECOVERIES if engines == 2 else REPLICAS)
+            if engines == 2:
+                costs = snapshot_cost_rows(cluster, folder, args.rounds)
+    print(f"\n{started}, {args.rounds} rounds, GPT 4 layers x 256 (3.4 M parameters), {' and '.join(map(str, args.engines))} engines")
     print("| layout | way back | kill to training again (survivors), s median (min-max) "
           "| kill to the full world again, s median (min-max) | steps run degraded, min-max (per round) "
           "| steps lost |\n|---|---|---|---|---|---|")
     print("\n".join(recoveries))
-    print("\n| snapshot_every | ms per step, median (min-max) | vs none |\n|---|---|---|")
-    print("\n".join(costs))
+    if costs:
+        print("\n| snapshot_every | ms per step, median (min-max) | vs none |\n|---|---|---|")
+        print("\n".join(costs))
 
 
 if __name__ == "__main__":

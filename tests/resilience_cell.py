@@ -71,6 +71,19 @@ if SEED is not None:  # the model's initial weights, else the engines' seeded st
     torch.manual_seed(SEED)
 model = GPT(config)
 model.layers["0"].register_forward_pre_hook(lambda *_: die_if("forward", trainer.step + 1))
+forwards_in_step = {}
+def slow_if_asked(*_):  # SLOW = (rank, step, seconds): that rank's second forward of the step waits
+    if SLOW is not None and rank == SLOW[0] and trainer.step + 1 == SLOW[1] and recovery.degraded_record() is None:
+        forwards_in_step[trainer.step] = forwards_in_step.get(trainer.step, 0) + 1
+        if forwards_in_step[trainer.step] == 2:
+            recovery._ARRIVED.wait(SLOW[2])  # for the notebook's degrade request (a peer was lost), at most that long
+model.layers["0"].register_forward_pre_hook(slow_if_asked)
+def hold_if_asked(*_):  # HOLD: a degraded step from this one on waits for the replacement to be ready
+    if HOLD is not None and trainer.step + 1 >= HOLD and recovery.degraded_record() is not None:
+        deadline = time.monotonic() + 60
+        while not recovery.rejoin_requested() and time.monotonic() < deadline:
+            time.sleep(0.01)
+model.layers["0"].register_forward_pre_hook(hold_if_asked)
 model.register_forward_pre_hook(first_forward_after_a_kill)
 model.register_forward_pre_hook(first_degraded_forward)
 pm = colab_par.parallelize(model, LAYOUT)
@@ -126,7 +139,8 @@ def run_cell(cluster, folder: Path, name: str, kills: list, *, layout: str, step
              snapshot_every=None, asynchronous: bool = False, batch: int = 4,
              max_restarts: int = 3, model=None, data: str = "tokens",
              tensorboard: Path | None = None, seed: int | None = None,
-             evaluate_every: int | None = None) -> tuple[list[float], set[int]]:
+             evaluate_every: int | None = None, slow: tuple | None = None,
+             hold_at: int | None = None) -> tuple[list[float], set[int]]:
     """(rank 0's loss at every step, the pid of every engine that ran the cell); the notebook's
     messages go to the test's capsys. `model`: a GPTConfig (default a 2-layer GPT of width 32);
     `data`: "tokens" (a SyntheticDataset), "rows" (the user's own labelled rows, a torch Dataset),
@@ -135,7 +149,12 @@ def run_cell(cluster, folder: Path, name: str, kills: list, *, layout: str, step
     `tensorboard`: a folder for the Trainer's TensorBoard logs; `seed`: seeds the model's initial
     weights (else they come from the engines' streams: restart the cluster for equal runs);
     `evaluate_every`: the Trainer evaluates held-out data (2 global batches of the same kind) every
-    so many steps (`evaluations`)."""
+    so many steps (`evaluations`); `slow`: (rank, step, seconds) that rank's second forward of its
+    first layer in that step (its second microbatch's) waits for the notebook's degrade request (at
+    most so many seconds), so a peer lost meanwhile finds the others half-way through the step;
+    `hold_at`: survivors training on without a lost rank wait in that step's forward (and any
+    later one's) until the replacement is ready, so that step is their last (else they train on
+    until it is ready, possibly to the end)."""
     from colab_par.models import GPTConfig
 
     kills_file, ckpt = folder / f"{name}.kills", folder / name
@@ -144,7 +163,7 @@ def run_cell(cluster, folder: Path, name: str, kills: list, *, layout: str, step
     cluster.execute(CELL, namespace=dict(config=config, CKPT=str(ckpt), KILLS=str(kills_file), LAYOUT=layout,
                                          STEPS=steps, EVERY=every, SNAPSHOT=snapshot_every, ASYNC=asynchronous,
                                          BATCH=batch, MAX_RESTARTS=max_restarts, DATA=data, SEED=seed,
-                                         EVAL_EVERY=evaluate_every,
+                                         EVAL_EVERY=evaluate_every, SLOW=slow, HOLD=hold_at,
                                          TENSORBOARD=None if tensorboard is None else str(tensorboard)))
     assert json.loads(kills_file.read_text()) == [], "a kill was never reached"
     pids = {int(line) for line in Path(f"{ckpt}.pids").read_text().split()}

@@ -586,6 +586,28 @@ def test_rebind_group_sends_what_holds_the_group_object_to_the_fresh_backend(clu
         assert gathered == [0.0, 1.0, 2.0, 3.0, 0.0] and after == before and fresh == 2
 
 
+def objects_over_a_registered_group(store_file: str) -> tuple[int, int, list]:
+    """A group formed over `store_file` alone, then torch's own calls on it: its rank and size, an
+    object all-gather (what DCP and the checkpoint's agreement run on)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    group = compat.registered_gloo_group(dist.FileStore(store_file, 2), [1, 0], "colab_par-test-registered",
+                                         timedelta(seconds=30))
+    gathered = [None, None]
+    dist.all_gather_object(gathered, f"rank {dist.get_rank()}", group=group)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    dist.destroy_process_group(group)
+    return rank, size, gathered
+
+
+def test_registered_gloo_group_takes_torchs_own_calls(cluster2, tmp_path):
+    """Ranks listed [1, 0]: the world's rank 1 is the group's rank 0."""
+    assert cluster2.run(objects_over_a_registered_group, str(tmp_path / "store")) == [
+        (1, 2, ["rank 1", "rank 0"]), (0, 2, ["rank 1", "rank 0"])]
+
+
 def _reformed_world_rank(rank: int, folder: str, out: str) -> None:
     """A dp2 tp2 DTensor op in a world of 4, then the same op after the world is re-formed with
     other group names (one more group first): it must run on the new world's mesh."""

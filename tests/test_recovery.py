@@ -75,13 +75,13 @@ def run(cluster, tmp_path, name: str, kill_in: str | None, capsys, *, keep_marke
     return json.loads(re.findall(r"^LOSSES (.+)$", printed.out, re.M)[-1]), printed.out, printed.err
 
 
-# dp2: the survivor's live state is the lost rank's, no step lost (rank 1 dies after step 6's backward,
-# before the ranks' random streams are gathered ahead of the optimizer step: rank 0 keeps step 5, its
-# last whole step, and step 6's save is due, so it does not train step 6 alone); dp2 zero3 without snapshots: the disk checkpoint (a kill in the
-# middle of the save at step 4 leaves step 2's; a kill in step 2, before the save, leaves none)
+# dp2: the survivor's live state is the lost rank's, no step lost (rank 1 dies as step 6 begins: rank 0
+# keeps step 5, its last whole step, trains on alone, saving at steps 6 and 8, until the replacement
+# takes its state); dp2 zero3 without snapshots: the disk checkpoint (a kill in the middle of the save at
+# step 4 leaves step 2's; a kill in step 2, before the save, leaves none)
 @pytest.mark.parametrize("kill_in, layout, resumed", [
-    ("step", "dp2", "resumed at step 5 from live replicas (ranks 1<-0), no step lost"),
-    ("save", "dp2 zero3", "resumed from the checkpoint of step 2"),
+    ("step", "dp2", r"resumed at step [5-8] from live replicas \(ranks 1<-0\), no step lost"),
+    ("save", "dp2 zero3", r"resumed from the checkpoint of step 2\b"),
     ("before any save", "dp2 zero3", "training again from step 0")])
 def test_a_fit_that_loses_an_engine_ends_as_an_uninterrupted_one(cluster, tmp_path, capsys, kill_in, layout,
                                                                   resumed) -> None:
@@ -91,7 +91,7 @@ def test_a_fit_that_loses_an_engine_ends_as_an_uninterrupted_one(cluster, tmp_pa
     assert cluster.generation == generation and cluster.status()[0]["pid"] == rank0  # rank 1 alone replaced
     assert re.search(r"rank\(s\) 1 died during the cell; replaced its engine \(the other ranks kept "
                      r"theirs\); running the cell again, .* \(restart 1 of 3\)", err), err
-    assert resumed in out, out
+    assert re.search(resumed, out), out
     assert len(recovered) == len(uninterrupted) == 8
     assert recovered == pytest.approx(uninterrupted, rel=1e-6)
 

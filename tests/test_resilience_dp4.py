@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from colab_par import Cluster
 from colab_par.models import GPTConfig
@@ -39,12 +40,13 @@ def references(cluster, tmp_path_factory):
     """The folder of the uninterrupted run of each kind of data and layout, run when first asked for."""
     folders = {}
 
-    def reference(data: str, layout: str = "dp4", steps: int = STEPS, evaluate_every: int | None = None) -> Path:
-        key = (data, layout, steps, evaluate_every)
+    def reference(data: str, layout: str = "dp4", steps: int = STEPS, evaluate_every: int | None = None,
+                  every: int = 8) -> Path:
+        key = (data, layout, steps, evaluate_every, every)
         if key not in folders:
             folder = tmp_path_factory.mktemp(f"reference-{data}-{layout.replace(' ', '-')}-{steps}")
-            run_cell(cluster, folder, "uninterrupted", [], layout=layout, steps=steps, every=8, batch=8, model=MODEL,
-                     data=data, seed=0, evaluate_every=evaluate_every)
+            run_cell(cluster, folder, "uninterrupted", [], layout=layout, steps=steps, every=every, batch=8,
+                     model=MODEL, data=data, seed=0, evaluate_every=evaluate_every)
             folders[key] = folder
         return folders[key]
     return reference
@@ -61,8 +63,8 @@ def test_the_others_train_on_while_a_killed_rank_is_replaced_and_no_step_is_lost
                                                                                   references, data, killed,
                                                                                   logged, evaluate_every) -> None:
     """Killed in step 5's forward: the other three go back to step 4 and train on (the first of them
-    takes the lost rank's share) until the replacement is ready or step 8's save is due; it takes
-    that survivor's state at that step. On the user's labelled rows each share holds its own count
+    takes the lost rank's share, and writes step 8's checkpoint with them if they get there) until
+    the replacement is ready; it takes that survivor's state at that step. On the user's labelled rows each share holds its own count
     of labels: the loss divides by the count over all four shares, as the whole world's does. Read
     through a DataLoader's worker, the stand-in reads the lost rank's rows through a worker of its
     own (its own rows' worker reading ahead meanwhile) in the loader's shuffled order. From a stream
@@ -76,7 +78,8 @@ def test_the_others_train_on_while_a_killed_rank_is_replaced_and_no_step_is_lost
     generation = cluster.generation
     logs = tmp_path / "tensorboard" if logged else None
     losses, _ = run_cell(cluster, tmp_path, "killed", [[killed, "forward", 5]], layout="dp4", steps=STEPS, every=8,
-                         batch=8, model=MODEL, data=data, tensorboard=logs, seed=0, evaluate_every=evaluate_every)
+                         batch=8, model=MODEL, data=data, tensorboard=logs, seed=0, evaluate_every=evaluate_every,
+                         hold_at=7)
     others = [rank for rank in range(4) if rank != killed]
     assert_no_step_lost(capsys.readouterr(), tmp_path, reference, losses,
                         rf"rank\(s\) {killed} died; ranks {','.join(map(str, others))} trained on at dp 3 of 4 "
@@ -87,23 +90,26 @@ def test_the_others_train_on_while_a_killed_rank_is_replaced_and_no_step_is_lost
         assert logged_losses(logs) == pytest.approx(dict(enumerate(uninterrupted(reference), start=1)), rel=1e-6)
 
 
-@pytest.mark.parametrize("layout, trained, waited, sources", [
-    ("dp2 tp2", "2,3", "0", "0<-2, 1<-3"), ("dp2 pp2", "0,2", "3", "1<-0, 3<-2"), ("dp2 cp2", "2,3", "0", "0<-2, 1<-3")])
+@pytest.mark.parametrize("layout, trained, waited, sources, slow", [
+    ("dp2 tp2", "2,3", "0", "0<-2, 1<-3", None), ("dp2 pp2", "0,2", "3", "1<-0, 3<-2", (0, 5, 2.0)),
+    ("dp2 cp2", "2,3", "0", "0<-2, 1<-3", None)])
 def test_the_whole_replica_trains_on_while_the_other_waits(cluster, tmp_path, capsys, references, layout, trained,
-                                                           waited, sources) -> None:
+                                                           waited, sources, slow) -> None:
     """Rank 1 killed in step 5's forward: its replica is broken, the other one trains on at dp 1 of 2
     over its own tp, pp or cp group, rebound on the survivors' store (the old one's connections were
     broken with the rest; pipeline stages and ring attention hold the group object itself), each of
     its ranks taking the lost replica's share with the stream of that replica's rank at its own place;
     the broken replica's live rank waits. When the cell runs again, the broken replica's ranks take
     the whole one's state by place: the run equals the uninterrupted one, step 5's evaluation (run
-    degraded, over the rebound groups) included. 12 steps: the save at step 8 ends the degraded steps
-    at the latest."""
+    degraded, over the rebound groups) included. Under pp, rank 0 (the whole replica's first stage)
+    waits before its second microbatch of step 5, so the loss breaks the whole replica's pipeline
+    half-way: its last stage has scored the first microbatch, which the step trained on must not
+    take for its own."""
     steps = 12
     reference = references("tokens", layout, steps, evaluate_every=5)
     generation = cluster.generation
     losses, _ = run_cell(cluster, tmp_path, "killed", [[1, "forward", 5]], layout=layout, steps=steps, every=8,
-                         batch=8, model=MODEL, seed=0, evaluate_every=5)
+                         batch=8, model=MODEL, seed=0, evaluate_every=5, slow=slow, hold_at=7)
     assert_no_step_lost(capsys.readouterr(), tmp_path, reference, losses,
                         rf"rank\(s\) 1 died; ranks {trained} trained on at dp 1 of 2 \(steps 5\.\.([5-7])\) while the "
                         rf"replacement started; rank\(s\) {waited}, of the lost ranks' replicas, waited; replaced the "
@@ -120,10 +126,54 @@ def test_a_rank_killed_while_the_world_evaluates_leaves_the_others_to_evaluate_a
     parameters equal the uninterrupted run's."""
     reference = references("tokens", evaluate_every=5)
     losses, _ = run_cell(cluster, tmp_path, "killed", [[0, "forward", 6]], layout="dp4", steps=STEPS, every=8,
-                         batch=8, model=MODEL, seed=0, evaluate_every=5)
+                         batch=8, model=MODEL, seed=0, evaluate_every=5, hold_at=7)
     assert_no_step_lost(capsys.readouterr(), tmp_path, reference, losses,
                         r"rank\(s\) 0 died; ranks 1,2,3 trained on at dp 3 of 4 \(steps 6\.\.([67])\) while the "
                         r"replacement started; replaced the dead engine of rank 0", "0<-1", "dp 3 of 4", first=6)
+
+
+def test_the_survivors_write_the_checkpoint_due_while_they_train_on(cluster, tmp_path, capsys, references) -> None:
+    """Checkpoints every 6 of 12 steps; rank 0 killed in step 6's forward. The others train step 6
+    on their own and write its checkpoint over their own group (rank 1, rank 0's stand-in, writes
+    the world's files and rank 0's random stream and rows). It is the checkpoint the uninterrupted
+    run wrote at step 6: the same tensors and loop state, every rank's stream, intact digests."""
+    from colab_par.training.checkpoint import _damage
+
+    reference = references("tokens", steps=12, every=6)
+    losses, _ = run_cell(cluster, tmp_path, "killed", [[0, "forward", 6]], layout="dp4", steps=12, every=6,
+                         batch=8, model=MODEL, seed=0, hold_at=7)
+    assert_no_step_lost(capsys.readouterr(), tmp_path, reference, losses,
+                        r"rank\(s\) 0 died; ranks 1,2,3 trained on at dp 3 of 4 \(steps 6\.\.([67])\) while the "
+                        r"replacement started; replaced the dead engine of rank 0", "0<-1", "dp 3 of 4", first=6)
+    ours, theirs = (next((folder / name).glob("step-00000006-*")) for folder, name in
+                    ((tmp_path, "killed"), (reference, "uninterrupted")))
+    assert _damage(ours) == [] and json_files(ours) == json_files(theirs)
+    torch.testing.assert_close(checkpoint_tensors(ours, tmp_path / "ours.pt"),
+                               checkpoint_tensors(theirs, tmp_path / "theirs.pt"), rtol=1e-5, atol=1e-6)
+    for rank in range(4):
+        assert json_file(ours, f"rng-rank{rank}.json") == json_file(theirs, f"rng-rank{rank}.json")
+        history = json_file(ours, f"history-rank{rank}.json")
+        assert [row["rank"] for row in history] == [rank] * 6 and [row.get("degraded") for row in history] == [None] * 5 + ["dp 3 of 4"]
+        assert [row["loss"] for row in history] == pytest.approx(
+            [row["loss"] for row in json_file(theirs, f"history-rank{rank}.json")], rel=1e-6)
+    assert json_file(ours, "meta.json")["trainer"] == json_file(theirs, "meta.json")["trainer"]
+
+
+def checkpoint_tensors(version: Path, out: Path) -> dict:
+    """Every tensor a DCP checkpoint holds, read in this process (no world)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(version, out)
+    return torch.load(out)
+
+
+def json_file(version: Path, name: str):
+    return json.loads((version / name).read_text())
+
+
+def json_files(version: Path) -> list[str]:
+    """The names of a checkpoint's JSON files (DCP names its data files by the writers' ranks)."""
+    return sorted(path.name for path in version.glob("*.json"))
 
 
 def rows_kept_after_an_evaluation(folder: str) -> tuple[int, int]:

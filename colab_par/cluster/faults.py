@@ -251,13 +251,15 @@ def _trained_on(records: list[Any], dead: list[int], survivors: list[int]) -> st
     trainers = done.get("ranks", survivors)
     waited = [rank for rank in survivors if rank not in trainers]
     waiting = f"; rank(s) {ranks_text(waited)}, of the lost ranks' replicas, waited" if waited else ""
+    stops = [record["stopped"] for record in records if record and record.get("stopped")]
+    stopped = f"; they stopped early on {stops[0]}" if stops else ""
     if done["steps"] is None:
         return (f"rank(s) {ranks_text(dead)} died; ranks {ranks_text(trainers)} began to train on at dp "
-                f"{done['dp']} of {done['of']} but finished no step before the replacement was ready (or a "
-                f"save was due, or another rank was lost){waiting}")
+                f"{done['dp']} of {done['of']} but finished no step before the replacement was ready (or "
+                f"another rank was lost){stopped}{waiting}")
     first, last = done["steps"]
     return (f"rank(s) {ranks_text(dead)} died; ranks {ranks_text(trainers)} trained on at dp {done['dp']} of "
-            f"{done['of']} (steps {first}..{last}) while the replacement started{waiting}")
+            f"{done['of']} (steps {first}..{last}) while the replacement started{stopped}{waiting}")
 
 
 def _kept_text(stale: list[str], what: str) -> str:

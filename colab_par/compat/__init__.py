@@ -49,7 +49,7 @@ from colab_par.compat.torch_ops import (assert_async, device_constructors, fused
                                         grouped_mm_is_one_op, op_schema, sdpa_aten_ops, storage_key,
                                         torch_dispatch_mode)
 from colab_par.compat.torch_process_groups import (flight_record, gpu_uuids, group_sequence, process_groups,
-                                                   rebind_group)
+                                                   rebind_group, registered_gloo_group)
 from colab_par.compat.trees import tree_flatten, tree_leaves, tree_map, tree_unflatten
 from colab_par.compat.triton_runtime import triton_interpreted
 
@@ -70,7 +70,8 @@ __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_pat
            "failing_at_recompile_limit", "recompile_limit_error", "swapped_parameters", "hf_output_recorder",
            "storage_holder", "dtensor_over", "fsdp_offload_policy", "non_persistent_buffers", "client_metadata",
            "failed_at", "flight_record", "gpu_uuids", "local_shard_offsets", "output_futures", "output_mark",
-           "output_since", "rebind_group", "forget_dtensor_plans", "unflatten_mesh", "unwrapped_name"]
+           "output_since", "rebind_group", "registered_gloo_group", "forget_dtensor_plans", "unflatten_mesh",
+           "unwrapped_name"]
 
 # The topics' private helpers, reachable from here too (tests/test_compat.py builds errors with
 # `compat._missing`).

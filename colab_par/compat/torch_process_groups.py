@@ -76,3 +76,20 @@ def rebind_group(group: Any, store: Any, timeout: Any) -> None:
         raise _missing("torch", "ProcessGroup._register_backend")
     fresh = dist.ProcessGroupGloo(store, group.rank(), group.size(), timeout)
     group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, fresh)
+
+
+def registered_gloo_group(store: Any, ranks: list[int], name: str, timeout: Any) -> Any:
+    """A gloo group of the world's `ranks` (this process among them) formed over `store` alone and
+    registered as torch's own groups are, so `dist.*` calls, object collectives and DCP take it:
+    `dist.new_group` would rendezvous on the default group, which a lost peer broke. `name` must
+    be new in this world; `dist.destroy_process_group(group)` ends it. Private:
+    `distributed_c10d._new_process_group_helper`, `_world.pg_group_ranks`."""
+    from torch.distributed import distributed_c10d
+
+    helper = getattr(distributed_c10d, "_new_process_group_helper", None)
+    if helper is None:
+        raise _missing("torch", "distributed_c10d._new_process_group_helper")
+    me = distributed_c10d._get_default_group().rank()
+    group, _ = helper(len(ranks), ranks.index(me), list(ranks), "gloo", store, name, timeout=timeout)
+    distributed_c10d._world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(ranks)}  # as new_group
+    return group

@@ -81,21 +81,23 @@ class StagedSave:
 
 
 def stage(pm: Any, path: str | os.PathLike, *, trainer: Any = None, keep: int = 2,
-          to_host: Callable[[dict], dict] | None = None) -> StagedSave:
-    """The first half of a save, collective on the default group: gather the state, refuse what
-    JSON cannot hold, and (`to_host`) copy the tensors where training will not change them. The
-    staging folder is made by `commit` (off the training thread when the save is asynchronous)."""
+          to_host: Callable[[dict], dict] | None = None, group: Any = None) -> StagedSave:
+    """The first half of a save, collective on `group` (default: the default group; the
+    survivors' own where a lost replica's stand-ins save, whose ranks hold every tensor): gather
+    the state, refuse what JSON cannot hold, and (`to_host`) copy the tensors where training will
+    not change them. The staging folder is made by `commit` (off the training thread when the
+    save is asynchronous). The group's first rank writes the world's files."""
     if keep < 1:
         raise ValueError(f"keep={keep} must be >= 1 (the version just written is always kept)")
     pages = disk_pages(local_optimizer(pm))
-    tensors, non_tensors = _savable_state(pm, trainer)
+    tensors, non_tensors = _savable_state(pm, trainer, group)
     root, rank = Path(path), _rank()
-    token = shared_random_id()
+    token = shared_random_id(group)
     step = int(trainer.step) if trainer is not None else 0
     files: dict[str, Any] = {f"rng-rank{rank}.json": _rng_state(pm.rng)}
     if trainer is not None:
         files[f"history-rank{rank}.json"] = [dict(row) for row in trainer.history]
-    if rank == 0:
+    if _rank(group) == 0:
         files[NON_TENSORS] = non_tensors
         files[META] = {"format": FORMAT, "layout": str(pm.layout), "world_size": _world(), "step": step,
                        "trainer": trainer.state_dict() if trainer is not None else None}
@@ -111,7 +113,7 @@ def commit(staged: StagedSave, group: Any = None) -> Path:
     record every file's digest in the commit marker, rename the folder into place, point LATEST
     at it, prune. A failure on any rank is raised on every rank (no rank waits at a barrier for
     one that gave up); the previous version stays the latest."""
-    staging, final, rank = staged.staging, staged.final, _rank()
+    staging, final, rank = staged.staging, staged.final, _rank(group)
     _make_staging(staged.root, staging, group)
     dcp.save(staged.tensors, checkpoint_id=str(staging), planner=PagedSavePlanner(staged.pages),
              process_group=group)
@@ -145,12 +147,12 @@ def _agreed(action: Callable[[], Any], doing: str, group: Any) -> None:
         raise CheckpointError(f"{doing} failed ({where})")
 
 
-def _savable_state(pm: Any, trainer: Any) -> tuple[dict[str, dict], dict[str, Any]]:
+def _savable_state(pm: Any, trainer: Any, group: Any = None) -> tuple[dict[str, dict], dict[str, Any]]:
     """This rank's tensors (for DCP) and every rank's non-tensor values as JSON (ZeRO-1 and pipeline
     ranks each hold some parameters' optimizer settings). A value JSON cannot hold exactly is
     refused on every rank, naming it, before any folder is made."""
     tensors, others = split_state(rank_state(pm, trainer))
-    gathered = _gathered(to_json(others))
+    gathered = _gathered(to_json(others), group)
     refused = _unique(name for _, names in gathered for name in names)
     if refused:
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
@@ -169,7 +171,7 @@ def _make_staging(root: Path, staging: Path, group: Any = None) -> None:
     (no permission, a file in the way, a full disk) is every rank's error, so no rank waits for it
     at a barrier; a folder local to one host would otherwise fail deep inside DCP on the others."""
     failure = None
-    if _rank() == 0:
+    if _rank(group) == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
             staging.mkdir()
@@ -183,7 +185,7 @@ def _make_staging(root: Path, staging: Path, group: Any = None) -> None:
     unseen = [rank for rank, (visible, _) in enumerate(seen) if not visible]
     if not unseen:
         return
-    if _rank() == 0:
+    if _rank(group) == 0:
         shutil.rmtree(staging, ignore_errors=True)
     hosts = ", ".join(_unique(seen[rank][1] for rank in unseen))
     raise CheckpointError(f"rank(s) {', '.join(map(str, unseen))} (on {hosts}) cannot see "

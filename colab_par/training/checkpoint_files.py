@@ -27,7 +27,7 @@ LATEST = "LATEST"
 def file_digests(folder: Path, names: list[str], group: Any = None) -> dict[str, dict]:
     """{name: {"bytes", "sha256"}} for `names` in `folder`; collective (on `group`, default the
     default group): each rank hashes every world-th file, so each file is read once in all."""
-    rank, world = this_rank(), world_size()
+    rank, world = this_rank(group), world_size(group)
     mine = {name: digest(folder / name) for name in names[rank::world]}
     return merged(mine, group)
 
@@ -49,7 +49,7 @@ def gathered(value: Any, group: Any = None) -> list:
     """`value` from every rank, in rank order (over `group`, default the default group)."""
     if not dist.is_initialized():
         return [value]
-    values: list = [None] * world_size()
+    values: list = [None] * world_size(group)
     dist.all_gather_object(values, value, group=group)
     return values
 
@@ -111,22 +111,25 @@ def prune(root: Path, keep: int) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def shared_random_id() -> int:
-    """A random 62-bit id, the same on every rank (drawn on rank 0, broadcast)."""
+def shared_random_id(group: Any = None) -> int:
+    """A random 62-bit id, the same on every rank of `group` (default the default group; drawn
+    on its first rank, broadcast)."""
     token = torch.tensor([int.from_bytes(os.urandom(8), "little") >> 2], dtype=torch.int64)
     if dist.is_initialized():
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
         token = token.to(device)
-        dist.broadcast(token, src=0)
+        dist.broadcast(token, group=group, group_src=0)
     return int(token.item())
 
 
-def this_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+def this_rank(group: Any = None) -> int:
+    """This process's rank in `group` (default the default group)."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+def world_size(group: Any = None) -> int:
+    """The ranks of `group` (default the default group)."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def barrier() -> None:

@@ -390,6 +390,12 @@ class PipelineRunner:
                 if self.has_last:
                     losses.append(self._score(output, piece_target))
 
+    def start_afresh(self) -> None:
+        """Build the stages and schedule anew at the next step: one that failed half-way (a lost
+        peer broke its p2p) leaves torch's schedule holding the losses of the microbatches it ran,
+        which the next step's backward would take for its own (their graphs already freed)."""
+        self._built_for = None
+
     def _ensure_built(self, key: tuple) -> None:
         if key != self._built_for:
             self._build()

@@ -2,16 +2,17 @@
 with the same global batch while its replacement starts, so the run neither waits nor loses a step.
 
 Where every dp replica holds a whole copy (no ZeRO, offload, tiers or experts; tp 1d; pp and cp
-in any measure) and the data is a `TokenDataset` or any of the user's (`data.sources`). A lost replica's share is its rows of the global batch, read by its
-stand-in: from an indexable dataset through DataLoader workers of its own where the user's loader
-has workers; from a stream, which rank 0 reads for every rank in a whole world, by every trainer
-for itself, from the place in the stream every rank holds (rank 0 sends it with the shares). A
-replica is the ranks of one dp index, each at its place (pp, cp, tp); one with a lost rank is
-broken, and its live ranks wait with the notebook while the whole replicas train (under dp alone
-every survivor is a whole replica). Logs go on: rank 0
-passes the degraded rows to TensorBoard and the loggers, or, where rank 0 does not train, the first
-rank that does, until the cell runs again (the rows carry no per-rank memory figures, so nothing is
-gathered).
+in any measure; a replica of more than one rank only in a gloo world: its groups get a fresh gloo
+backend, which an nccl world's GPU tensors would not reach) and the data is a `TokenDataset` or
+any of the user's (`data.sources`). A lost replica's share is its rows of the global batch, read
+by its stand-in: from an indexable dataset through DataLoader workers of its own where the user's
+loader has workers; from a stream, which rank 0 reads for every rank in a whole world, by every
+trainer for itself, from the place in the stream every rank holds (rank 0 sends it with the
+shares). A replica is the ranks of one dp index, each at its place (pp, cp, tp); one with a lost
+rank is broken, and its live ranks wait with the notebook while the whole replicas train (under dp
+alone every survivor is a whole replica). Logs go on: rank 0 passes the degraded rows to
+TensorBoard and the loggers, or, where rank 0 does not train, the first rank that does, until the
+cell runs again (the rows carry no per-rank memory figures, so nothing is gathered).
 The notebook (`Faults.replace_dead_training_on`) leaves a degrade message on each survivor and breaks
 their pending collectives (every gloo connection, the replicas' own groups' too); the Trainer's
 failed step comes here (`train_on`), which:
@@ -23,7 +24,7 @@ failed step comes here (`train_on`), which:
    step). Else `error` is re-raised on all of them: the notebook replaces the engine as before. The
    ranks of broken replicas re-raise it here too, and wait;
 2. the whole replicas' ranks form their groups over the same store: all of them (to agree when to
-   stop and sum losses), and the ranks that hold the same parameters (one pp and tp place, every
+   stop, sum losses and write checkpoints: registered as torch's own groups are, for DCP), and the ranks that hold the same parameters (one pp and tp place, every
    replica and cp place: to sum gradients and label counts); each replica's own tp, pp and cp groups
    get a fresh backend in place (`compat.rebind_group`), so DTensor's collectives, the pipeline
    stages and ring attention, which hold the group objects, run on them; then each goes back to the
@@ -40,12 +41,13 @@ failed step comes here (`train_on`), which:
    before its optimizer step, so a rank lost too leaves the others a whole step. Held-out data is
    evaluated when due as the world would, each trainer scoring its shares of every batch and the
    sums added over all trainers (also at the last whole step, where the peer was lost while the
-   world evaluated it);
+   world evaluated it). A checkpoint due is written by the trainers as the whole world's (`_save`);
 4. leaves `fit` with `Rejoin` at the first step boundary after the notebook said the replacement is
-   ready (all trainers agree on it), or before a step whose end saves a checkpoint (the whole world
-   writes one). The notebook re-forms the world and runs the cell again; `recover` hands each rank
-   of a broken replica its place's state from a whole replica, and its own stream, degraded
-   steps included.
+   ready (all trainers agree on it), or at the fit's last step; a failure on the way (a save, a
+   second lost rank) is left in the record the notebook reads, which names it, and the cell takes
+   the replacement's way all the same. The notebook re-forms the world and runs the cell again;
+   `recover` hands each rank of a broken replica its place's state from a whole replica, and its
+   own stream, degraded steps included.
 """
 from __future__ import annotations
 
@@ -64,6 +66,8 @@ from colab_par.data.sources import DataPlace, IterableSource, MapSource
 from colab_par.parallel.grad_norm import total_gradient_norm
 from colab_par.parallel.inference.evaluation import evaluate_shares
 from colab_par.training import recovery
+from colab_par.training.checkpoint import CheckpointError, commit, stage
+from colab_par.training.checkpoint_background import wait_for_saves
 from colab_par.training.checkpoint_files import rng_state, set_rng_state
 from colab_par.training.loggers import RunLogs
 from colab_par.training.resilience.rank_copy import local_piece, loop_state
@@ -86,8 +90,10 @@ def degradable(trainer: Any) -> bool:
 
     pm, layout = trainer.pm, trainer.pm.layout
     world = dist.get_world_size() if dist.is_initialized() else 1
+    replica = layout.pp * layout.cp * layout.tp
     return (trainer.checkpoints is not None and trainer.checkpoints.on_failure == "restart"
-            and replica_key(pm) >= 0 and layout.dp > 1 and layout.dp * layout.pp * layout.cp * layout.tp == world
+            and replica_key(pm) >= 0 and layout.dp > 1 and layout.dp * replica == world
+            and (replica == 1 or "nccl" not in dist.get_backend())
             and layout.ep == 1 and _shares_readable(trainer.data) and not moe_layers(pm.model_parts))
 
 
@@ -134,7 +140,7 @@ class _Survivors:
         self.store.set(f"joined/{index}", "1")  # one that failed elsewhere never comes: wait for it briefly
         self.store.wait([f"joined/{i}" for i in range(len(self.ranks))], timedelta(seconds=_JOIN_TIMEOUT_S))
         self.everyone: Any = self._group("everyone", index, len(self.ranks))
-        self.team: Any = None  # the whole replicas' ranks, all of them
+        self.team: Any = None  # the whole replicas' ranks, all of them (registered: checkpoints use it too)
         self.peers: Any = None  # the whole replicas' ranks at this rank's pp and tp place, any cp place
 
     def _group(self, name: str, rank: int, size: int) -> Any:
@@ -147,7 +153,9 @@ class _Survivors:
         self.place = self.replicas[replica].index(self.rank)
         self.shares = [replica, *(lost for i, lost in enumerate(self.broken)
                                   if self.whole[i % len(self.whole)] == replica)]
-        self.team = self._group("team", self.trainers.index(self.rank), len(self.trainers))
+        self.team = compat.registered_gloo_group(dist.PrefixStore("team", self.store), self.trainers,
+                                                 f"colab_par-trainers-{self.message['port']}",
+                                                 timedelta(seconds=self.message["timeout_s"]))
         cp, tp = pm.layout.cp, pm.layout.tp
         kin = (self.place // (cp * tp), self.place % tp)  # (pp, tp) place: its ranks hold the same parameters
         peers = [self.replicas[index][place] for index in self.whole for place in range(len(self.replicas[index]))
@@ -222,19 +230,24 @@ def train_on(trainer: Any, error: BaseException, stop_at: int, sinks: Any) -> No
         if _evaluation_missed(trainer):  # the peer was lost while the world evaluated
             _evaluate(trainer, survivors)
             sinks.refresh()
-        while trainer.step < stop_at and not _most(survivors.team, int(recovery.rejoin_requested())):
-            if _saves(trainer, trainer.step + 1, stop_at):
-                break
-            row = _degraded_step(trainer, survivors, streams, dp)
-            recovery.record_degraded({**record, "steps": [first, trainer.step]})  # told even if a later step fails
-            evaluated = trainer._eval_due()
-            if evaluated:
-                _evaluate(trainer, survivors)
-            sinks.after_step(row, False)
-            if evaluated:
-                sinks.refresh()
-            if stand_in is not None:
-                stand_in.pass_on(trainer.history)
+        try:
+            while trainer.step < stop_at and not _most(survivors.team, int(recovery.rejoin_requested())):
+                row = _degraded_step(trainer, survivors, streams, dp)
+                record["steps"] = [first, trainer.step]
+                recovery.record_degraded(dict(record))  # told even if a later step fails
+                evaluated = trainer._eval_due()
+                if evaluated:
+                    _evaluate(trainer, survivors)
+                if trainer._save_due(stop_at):
+                    _save(trainer, survivors, streams)
+                sinks.after_step(row, False)
+                if evaluated:
+                    sinks.refresh()
+                if stand_in is not None:
+                    stand_in.pass_on(trainer.history)
+        except Exception as failure:  # the notebook says why they stopped (the replacement takes over)
+            recovery.record_degraded({**record, "stopped": f"{type(failure).__name__}: {failure}".splitlines()[0][:300]})
+            raise
         trained = f"trained steps {first}..{trainer.step}" if trainer.step >= first else "trained no step"
         raise Rejoin(f"rank {trainer.rank} {trained} at {dp} while rank(s) {', '.join(map(str, survivors.lost))} "
                      "were replaced; the cell runs again with them")
@@ -288,18 +301,34 @@ def _agreed_streams(trainer: Any, kept: Any, survivors: _Survivors, willing: boo
 
 def _go_back(trainer: Any, kept: Any) -> None:
     """Back to the last whole step: the data position, the stream and the rows it had then; no
-    gradient (the failed step's backward may have begun; the optimizer has not stepped since)."""
+    gradient (the failed step's backward may have begun; the optimizer has not stepped since), and
+    a pipeline schedule built afresh (the failed step's may hold half its microbatches)."""
     loop = kept.live_loop
     trainer.load_state_dict(loop["trainer"])
     trainer.history = trainer.history[:loop["history"]]
     set_rng_state(trainer.pm.rng, loop["rng"])
     trainer.pm.optimizer.zero_grad(set_to_none=True)
+    if trainer.pm._runner is not None:
+        trainer.pm._runner.start_afresh()
 
 
-def _saves(trainer: Any, step: int, stop_at: int) -> bool:
-    """Whether `step`'s end saves a checkpoint: the whole world does that."""
-    every = trainer.checkpoints.every
-    return bool((every and step % every == 0) or step == stop_at)
+def _save(trainer: Any, survivors: _Survivors, streams: list[dict]) -> None:
+    """The Trainer's checkpoint, as the whole world would write it: the whole replicas' ranks hold
+    every tensor (DCP over their group writes each once), the first of them the world's files, and
+    each also the files of the ranks it stands in for (their random streams, their rows). Written
+    synchronously, also where the Trainer saves asynchronously: a background write needs its own
+    group, which the re-formed world gives. A save the lost engine took part in cannot commit any
+    more: its failure is printed, as on the way back, and this one replaces it."""
+    try:
+        wait_for_saves()
+    except CheckpointError as error:
+        print(f"colab_par: {error}")
+    staged = stage(trainer.pm, trainer.ckpt_dir, trainer=trainer, group=survivors.team)
+    for share in survivors.shares[1:]:
+        rank = survivors.rank_of(share)
+        staged.files[f"rng-rank{rank}.json"] = streams[rank]
+        staged.files[f"history-rank{rank}.json"] = [{**row, "rank": rank} for row in trainer.history]
+    commit(staged, survivors.team)
 
 
 def _evaluation_missed(trainer: Any) -> bool:
