@@ -71,13 +71,14 @@ if SEED is not None:  # the model's initial weights, else the engines' seeded st
     torch.manual_seed(SEED)
 model = GPT(config)
 model.layers["0"].register_forward_pre_hook(lambda *_: die_if("forward", trainer.step + 1))
-forwards_in_step = {}
-def slow_if_asked(*_):  # SLOW = (rank, step, seconds): that rank's second forward of the step waits
-    if SLOW is not None and rank == SLOW[0] and trainer.step + 1 == SLOW[1] and recovery.degraded_record() is None:
-        forwards_in_step[trainer.step] = forwards_in_step.get(trainer.step, 0) + 1
-        if forwards_in_step[trainer.step] == 2:
-            recovery._ARRIVED.wait(SLOW[2])  # for the notebook's degrade request (a peer was lost), at most that long
-model.layers["0"].register_forward_pre_hook(slow_if_asked)
+calls_in_step = {}
+def slow_if_asked(where):  # SLOW = (rank, step, "forward" or "backward", n): the n-th such call waits
+    if SLOW is not None and (rank, trainer.step + 1, where) == tuple(SLOW[:3]) and recovery.degraded_record() is None:
+        calls_in_step[where] = calls_in_step.get(where, 0) + 1
+        if calls_in_step[where] == SLOW[3]:
+            recovery._ARRIVED.wait(5.0)  # for the notebook's degrade request (a peer was lost)
+model.layers["0"].register_forward_pre_hook(lambda *_: slow_if_asked("forward"))
+model.layers["0"].register_full_backward_pre_hook(lambda *_: slow_if_asked("backward"))
 def hold_if_asked(*_):  # HOLD: a degraded step from this one on waits for the replacement to be ready
     if HOLD is not None and trainer.step + 1 >= HOLD and recovery.degraded_record() is not None:
         deadline = time.monotonic() + 60
@@ -149,9 +150,10 @@ def run_cell(cluster, folder: Path, name: str, kills: list, *, layout: str, step
     `tensorboard`: a folder for the Trainer's TensorBoard logs; `seed`: seeds the model's initial
     weights (else they come from the engines' streams: restart the cluster for equal runs);
     `evaluate_every`: the Trainer evaluates held-out data (2 global batches of the same kind) every
-    so many steps (`evaluations`); `slow`: (rank, step, seconds) that rank's second forward of its
-    first layer in that step (its second microbatch's) waits for the notebook's degrade request (at
-    most so many seconds), so a peer lost meanwhile finds the others half-way through the step;
+    so many steps (`evaluations`); `slow`: (rank, step, "forward" or "backward", n) that rank's n-th
+    such call of its first layer in that step (its n-th microbatch's) waits for the notebook's
+    degrade request (at most 5 s), so a peer lost meanwhile finds the others half-way through the
+    step (a pipeline's microbatches, DDP's backward);
     `hold_at`: survivors training on without a lost rank wait in that step's forward (and any
     later one's) until the replacement is ready, so that step is their last (else they train on
     until it is ready, possibly to the end)."""

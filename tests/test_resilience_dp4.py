@@ -91,8 +91,8 @@ def test_the_others_train_on_while_a_killed_rank_is_replaced_and_no_step_is_lost
 
 
 @pytest.mark.parametrize("layout, trained, waited, sources, slow", [
-    ("dp2 tp2", "2,3", "0", "0<-2, 1<-3", None), ("dp2 pp2", "0,2", "3", "1<-0, 3<-2", (0, 5, 2.0)),
-    ("dp2 cp2", "2,3", "0", "0<-2, 1<-3", None)])
+    ("dp2 tp2", "2,3", "0", "0<-2, 1<-3", None), ("dp2 pp2", "0,2", "3", "1<-0, 3<-2", (0, 5, "forward", 2)),
+    ("dp2 cp2", "2,3", "0", "0<-2, 1<-3", (2, 5, "backward", 1))])
 def test_the_whole_replica_trains_on_while_the_other_waits(cluster, tmp_path, capsys, references, layout, trained,
                                                            waited, sources, slow) -> None:
     """Rank 1 killed in step 5's forward: its replica is broken, the other one trains on at dp 1 of 2
@@ -104,7 +104,8 @@ def test_the_whole_replica_trains_on_while_the_other_waits(cluster, tmp_path, ca
     degraded, over the rebound groups) included. Under pp, rank 0 (the whole replica's first stage)
     waits before its second microbatch of step 5, so the loss breaks the whole replica's pipeline
     half-way: its last stage has scored the first microbatch, which the step trained on must not
-    take for its own."""
+    take for its own. Under cp, rank 2 waits in step 5's backward, after its last layer's: the loss
+    breaks DDP's backward half-way, which the step trained on must not go on with."""
     steps = 12
     reference = references("tokens", layout, steps, evaluate_every=5)
     generation = cluster.generation

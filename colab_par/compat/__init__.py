@@ -44,7 +44,7 @@ from colab_par.compat.torch_distributed import (DCP_METADATA_GLOBALS, STAGE_COMP
                                                fsdp_offload_policy, local_shard_offsets, storage_holder,
                                                unflatten_mesh)
 from colab_par.compat.torch_modules import (checkpoint_wrapper, module_reset, non_persistent_buffers,
-                                            swapped_parameters, unwrapped_name)
+                                            reset_ddp_reducer, swapped_parameters, unwrapped_name)
 from colab_par.compat.torch_ops import (assert_async, device_constructors, fused_optimizer_devices, grouped_mm,
                                         grouped_mm_is_one_op, op_schema, sdpa_aten_ops, storage_key,
                                         torch_dispatch_mode)
@@ -71,7 +71,7 @@ __all__ = ["CompatError", "SUPPORTED", "DCP_METADATA_GLOBALS", "dcp_metadata_pat
            "storage_holder", "dtensor_over", "fsdp_offload_policy", "non_persistent_buffers", "client_metadata",
            "failed_at", "flight_record", "gpu_uuids", "local_shard_offsets", "output_futures", "output_mark",
            "output_since", "rebind_group", "registered_gloo_group", "forget_dtensor_plans", "unflatten_mesh",
-           "unwrapped_name"]
+           "unwrapped_name", "reset_ddp_reducer"]
 
 # The topics' private helpers, reachable from here too (tests/test_compat.py builds errors with
 # `compat._missing`).

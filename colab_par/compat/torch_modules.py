@@ -58,3 +58,14 @@ def non_persistent_buffers(module: Any) -> set[str]:
     if names is None:
         raise _missing("torch", "nn.Module._non_persistent_buffers_set")
     return set(names)
+
+
+def reset_ddp_reducer(ddp: Any) -> None:
+    """Put DDP's reducer back to its state between steps (`Reducer._reset_state`, private, as DDP's
+    own `_update_process_group` does): a backward a lost peer broke half-way leaves it expecting
+    the rest of that backward, and the next one fails with "Expected to mark a variable ready only
+    once"."""
+    reset = getattr(getattr(ddp, "reducer", None), "_reset_state", None)
+    if reset is None:
+        raise _missing("torch", "DistributedDataParallel.reducer._reset_state")
+    reset()

@@ -112,8 +112,7 @@ class Trainer:
         self.evaluation, self.checkpoints, self.logs = evaluation, checkpoints, logs
         self.eval_data = eval_data
         self._profile = StepProfiler(ProfileSteps.of(logs.profile_steps)) if logs.profile_steps is not None else None
-        self.step = 0
-        self.data_position = 0
+        self.step, self.data_position = 0, 0
         self.history: list[dict] = []
         self._live = LiveRows(logs, dist.get_rank() if dist.is_initialized() else 0)
         self._data_place: tuple[Any, DataPlace] | None = None  # (pm, where it reads data)

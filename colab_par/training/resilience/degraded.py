@@ -302,14 +302,12 @@ def _agreed_streams(trainer: Any, kept: Any, survivors: _Survivors, willing: boo
 def _go_back(trainer: Any, kept: Any) -> None:
     """Back to the last whole step: the data position, the stream and the rows it had then; no
     gradient (the failed step's backward may have begun; the optimizer has not stepped since), and
-    a pipeline schedule built afresh (the failed step's may hold half its microbatches)."""
+    nothing of that step's half-done backward or pipeline schedule (`forget_interrupted_step`)."""
     loop = kept.live_loop
     trainer.load_state_dict(loop["trainer"])
     trainer.history = trainer.history[:loop["history"]]
     set_rng_state(trainer.pm.rng, loop["rng"])
-    trainer.pm.optimizer.zero_grad(set_to_none=True)
-    if trainer.pm._runner is not None:
-        trainer.pm._runner.start_afresh()
+    trainer.pm.forget_interrupted_step()
 
 
 def _save(trainer: Any, survivors: _Survivors, streams: list[dict]) -> None:
