@@ -111,3 +111,20 @@ def on_cluster(shell, cluster2):
 def shell_on(on_cluster, captured):
     """`on_cluster` with display messages recorded (`captured`)."""
     return on_cluster
+
+
+@pytest.fixture
+def slow_replacement(monkeypatch):
+    """A dead engine's replacement is ready 2 s later than this machine's warm pool makes it (a
+    real cluster's takes longer still), so survivors that can train on always get to: the tests of
+    degraded training do not race the replacement."""
+    import time
+
+    from colab_par.cluster.faults import Faults
+
+    start = Faults._start_in_place
+
+    def later(self, dead):
+        time.sleep(2.0)
+        return start(self, dead)
+    monkeypatch.setattr(Faults, "_start_in_place", later)

@@ -62,7 +62,8 @@ def test_a_lost_shard_comes_back_from_its_buddys_snapshot(cluster, tmp_path, cap
 
 
 def test_a_lost_rank_0_of_a_stream_takes_its_place_in_the_stream_from_a_live_replica(cluster, tmp_path, capsys,
-                                                                                    uninterrupted) -> None:
+                                                                                    uninterrupted,
+                                                                                    slow_replacement) -> None:
     """dp2 on a stream (an IterableDataset, which rank 0 reads for every rank): rank 0 killed in
     step 5's forward. Rank 1 trains on, reading the stream itself from the place rank 0 sent with
     its shares, until the replacement takes rank 1's live state, that place included: it reads on

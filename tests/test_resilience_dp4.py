@@ -61,7 +61,8 @@ def uninterrupted(folder: Path) -> list[float]:
     ("tokens", 0, True, None)])
 def test_the_others_train_on_while_a_killed_rank_is_replaced_and_no_step_is_lost(cluster, tmp_path, capsys,
                                                                                   references, data, killed,
-                                                                                  logged, evaluate_every) -> None:
+                                                                                  logged, evaluate_every,
+                                                                                  slow_replacement) -> None:
     """Killed in step 5's forward: the other three go back to step 4 and train on (the first of them
     takes the lost rank's share, and writes step 8's checkpoint with them if they get there) until
     the replacement is ready; it takes that survivor's state at that step. On the user's labelled rows each share holds its own count
@@ -94,7 +95,7 @@ def test_the_others_train_on_while_a_killed_rank_is_replaced_and_no_step_is_lost
     ("dp2 tp2", "2,3", "0", "0<-2, 1<-3", None), ("dp2 pp2", "0,2", "3", "1<-0, 3<-2", (0, 5, "forward", 2)),
     ("dp2 cp2", "2,3", "0", "0<-2, 1<-3", (2, 5, "backward", 1))])
 def test_the_whole_replica_trains_on_while_the_other_waits(cluster, tmp_path, capsys, references, layout, trained,
-                                                           waited, sources, slow) -> None:
+                                                           waited, sources, slow, slow_replacement) -> None:
     """Rank 1 killed in step 5's forward: its replica is broken, the other one trains on at dp 1 of 2
     over its own tp, pp or cp group, rebound on the survivors' store (the old one's connections were
     broken with the rest; pipeline stages and ring attention hold the group object itself), each of
@@ -119,7 +120,7 @@ def test_the_whole_replica_trains_on_while_the_other_waits(cluster, tmp_path, ca
 
 
 def test_a_rank_killed_while_the_world_evaluates_leaves_the_others_to_evaluate_and_train_on(
-        cluster, tmp_path, capsys, references) -> None:
+        cluster, tmp_path, capsys, references, slow_replacement) -> None:
     """Held-out data every 5 steps; rank 0 killed in the forward of step 5's evaluation. The others
     go back to step 5, evaluate it themselves (the first of them scoring the lost rank's share too)
     and train on from step 6; the replacement takes the first one's rows, that evaluation's row
@@ -133,7 +134,8 @@ def test_a_rank_killed_while_the_world_evaluates_leaves_the_others_to_evaluate_a
                         r"replacement started; replaced the dead engine of rank 0", "0<-1", "dp 3 of 4", first=6)
 
 
-def test_the_survivors_write_the_checkpoint_due_while_they_train_on(cluster, tmp_path, capsys, references) -> None:
+def test_the_survivors_write_the_checkpoint_due_while_they_train_on(cluster, tmp_path, capsys, references,
+                                                                    slow_replacement) -> None:
     """Checkpoints every 6 of 12 steps; rank 0 killed in step 6's forward. The others train step 6
     on their own and write its checkpoint over their own group (rank 1, rank 0's stand-in, writes
     the world's files and rank 0's random stream and rows). It is the checkpoint the uninterrupted
