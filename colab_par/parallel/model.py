@@ -12,7 +12,6 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from colab_par import compat
 from colab_par.layout import Layout
 from colab_par.models.hf import causal_lm_logits
 from colab_par.parallel.adapters import Adapters
@@ -290,17 +289,6 @@ class ParallelModel:
     def stage_ids(self) -> list[int]:
         """The pipeline stage id of each of `model_parts` ([0] without pipeline parallel)."""
         return list(self._runner.stage_ids) if self._runner is not None else [0]
-
-    def forget_interrupted_step(self) -> None:
-        """Make the next step start clean after one a lost peer broke half-way (no gradient is
-        kept): DDP's reducer then expected the rest of that backward, and torch's pipeline schedule
-        kept the losses of the microbatches it had run."""
-        for part in self.model_parts:
-            if isinstance(part, DistributedDataParallel):
-                compat.reset_ddp_reducer(part)
-        if self._runner is not None:
-            self._runner.start_afresh()
-        self.optimizer.zero_grad(set_to_none=True)
 
     def optimizer_step(self) -> None:
         self.optimizer.step()

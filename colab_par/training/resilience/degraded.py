@@ -59,6 +59,7 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from colab_par import compat
 from colab_par.data import TokenDataset
@@ -302,12 +303,24 @@ def _agreed_streams(trainer: Any, kept: Any, survivors: _Survivors, willing: boo
 def _go_back(trainer: Any, kept: Any) -> None:
     """Back to the last whole step: the data position, the stream and the rows it had then; no
     gradient (the failed step's backward may have begun; the optimizer has not stepped since), and
-    nothing of that step's half-done backward or pipeline schedule (`forget_interrupted_step`)."""
+    nothing of that step's half-done backward or pipeline schedule (`_forget_interrupted_step`)."""
     loop = kept.live_loop
     trainer.load_state_dict(loop["trainer"])
     trainer.history = trainer.history[:loop["history"]]
     set_rng_state(trainer.pm.rng, loop["rng"])
-    trainer.pm.forget_interrupted_step()
+    _forget_interrupted_step(trainer.pm)
+
+
+def _forget_interrupted_step(pm: Any) -> None:
+    """Make the next step start clean after one the lost peer broke half-way (no gradient is
+    kept): DDP's reducer then expected the rest of that backward, and torch's pipeline schedule
+    kept the losses of the microbatches it had run."""
+    for part in pm.model_parts:
+        if isinstance(part, DistributedDataParallel):
+            compat.reset_ddp_reducer(part)
+    if pm._runner is not None:
+        pm._runner.start_afresh()
+    pm.optimizer.zero_grad(set_to_none=True)
 
 
 def _save(trainer: Any, survivors: _Survivors, streams: list[dict]) -> None:
