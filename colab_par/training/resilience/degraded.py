@@ -24,8 +24,9 @@ failed step comes here (`train_on`), which:
    step). Else `error` is re-raised on all of them: the notebook replaces the engine as before. The
    ranks of broken replicas re-raise it here too, and wait;
 2. the whole replicas' ranks form their groups over the same store: all of them (to agree when to
-   stop, sum losses and write checkpoints: registered as torch's own groups are, for DCP), and the ranks that hold the same parameters (one pp and tp place, every
-   replica and cp place: to sum gradients and label counts); each replica's own tp, pp and cp groups
+   stop, sum losses and write checkpoints: registered as torch's own groups are, for DCP), and the
+   ranks that hold the same parameters (one pp and tp place, every replica and cp place: to sum
+   gradients and label counts); each replica's own tp, pp and cp groups
    get a fresh backend in place (`compat.rebind_group`), so DTensor's collectives, the pipeline
    stages and ring attention, which hold the group objects, run on them; then each goes back to the
    last whole step (data position, stream, no gradient: the optimizer has not stepped since);
@@ -140,13 +141,13 @@ class _Survivors:
         index = self.ranks.index(rank)
         self.store.set(f"joined/{index}", "1")  # one that failed elsewhere never comes: wait for it briefly
         self.store.wait([f"joined/{i}" for i in range(len(self.ranks))], timedelta(seconds=_JOIN_TIMEOUT_S))
+        self.timeout = timedelta(seconds=message["timeout_s"])  # of every survivors' group
         self.everyone: Any = self._group("everyone", index, len(self.ranks))
         self.team: Any = None  # the whole replicas' ranks, all of them (registered: checkpoints use it too)
         self.peers: Any = None  # the whole replicas' ranks at this rank's pp and tp place, any cp place
 
     def _group(self, name: str, rank: int, size: int) -> Any:
-        return dist.ProcessGroupGloo(dist.PrefixStore(name, self.store), rank, size,
-                                     timedelta(seconds=self.message["timeout_s"]))
+        return dist.ProcessGroupGloo(dist.PrefixStore(name, self.store), rank, size, self.timeout)
 
     def train(self, pm: Any) -> None:
         """This rank (of a whole replica) joins the trainers' groups (module docstring, 2)."""
@@ -155,8 +156,7 @@ class _Survivors:
         self.shares = [replica, *(lost for i, lost in enumerate(self.broken)
                                   if self.whole[i % len(self.whole)] == replica)]
         self.team = compat.registered_gloo_group(dist.PrefixStore("team", self.store), self.trainers,
-                                                 f"colab_par-trainers-{self.message['port']}",
-                                                 timedelta(seconds=self.message["timeout_s"]))
+                                                 f"colab_par-trainers-{self.message['port']}", self.timeout)
         cp, tp = pm.layout.cp, pm.layout.tp
         kin = (self.place // (cp * tp), self.place % tp)  # (pp, tp) place: its ranks hold the same parameters
         peers = [self.replicas[index][place] for index in self.whole for place in range(len(self.replicas[index]))
@@ -166,8 +166,7 @@ class _Survivors:
             if pm.mesh[dim].size() > 1:
                 group = pm.mesh[dim].get_group()
                 ranks = dist.get_process_group_ranks(group)
-                compat.rebind_group(group, dist.PrefixStore(f"{dim}{ranks}", self.store),
-                                    timedelta(seconds=self.message["timeout_s"]))
+                compat.rebind_group(group, dist.PrefixStore(f"{dim}{ranks}", self.store), self.timeout)
 
     def rank_of(self, share: int) -> int:
         """The rank at this rank's place in dp replica `share`."""
@@ -247,7 +246,8 @@ def train_on(trainer: Any, error: BaseException, stop_at: int, sinks: Any) -> No
                 if stand_in is not None:
                     stand_in.pass_on(trainer.history)
         except Exception as failure:  # the notebook says why they stopped (the replacement takes over)
-            recovery.record_degraded({**record, "stopped": f"{type(failure).__name__}: {failure}".splitlines()[0][:300]})
+            said = f"{type(failure).__name__}: {failure}".splitlines()[0][:300]
+            recovery.record_degraded({**record, "stopped": said})
             raise
         trained = f"trained steps {first}..{trainer.step}" if trainer.step >= first else "trained no step"
         raise Rejoin(f"rank {trainer.rank} {trained} at {dp} while rank(s) {', '.join(map(str, survivors.lost))} "
